@@ -1,0 +1,3 @@
+"""musebench: bitwise parity and timing for Muse Spark's decode kernels."""
+
+__version__ = "0.1.0"

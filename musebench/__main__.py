@@ -1,0 +1,3 @@
+from musebench.cli import main
+
+main()

@@ -1,0 +1,222 @@
+"""The `musebench` command: thin click commands over musebench.harness.
+
+Data (tables, --json) goes to stdout, progress and diagnostics to stderr. Exit codes: 0 every
+case passed, 1 a mismatch, timeout or rank error, 2 bad usage (nothing was launched).
+`musebench --help` imports neither torch nor cutlass: heavy imports live inside the commands.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+
+import click
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+DEFAULT_SCENARIO = "scenarios/parity.toml"
+
+
+def _parse_ints(text: str, what: str) -> tuple[int, ...]:
+    """'1-8' / '1,2,4' / '3' -> ints; click.BadParameter otherwise."""
+    values: list[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if "-" in part[1:]:
+                low, high = part.split("-", 1)
+                values.extend(range(int(low), int(high) + 1))
+            else:
+                values.append(int(part))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a list of integers (e.g. 1-8 or 1,2,4)", param_hint=what) from None
+    return tuple(values)
+
+
+def _parse_choices(text: str, choices: Sequence[str], what: str) -> tuple[str, ...]:
+    items = tuple(item.strip() for item in text.split(",") if item.strip())
+    bad = [item for item in items if item not in choices]
+    if bad or not items:
+        raise click.BadParameter(f"{text!r}: choose from {', '.join(choices)}", param_hint=what)
+    return items
+
+
+def _stdout():
+    from rich.console import Console
+
+    # a pipe or CI log gets the full table, not an 80-column squeeze
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _usage_error(message: str) -> None:
+    click.echo(f"musebench: error: {message}", err=True)
+    sys.exit(EXIT_USAGE)
+
+
+def _command_line() -> str:
+    return shlex.join(["musebench", *sys.argv[1:]])
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="musebench")
+def main() -> None:
+    """Bitwise parity and timing for Muse Spark's decode kernels across TP ranks.
+
+    \b
+    musebench env                   what this machine can run
+    musebench tail --tp 8           the MoE tails on 8 ranks, checked against the stock
+    musebench parity [FILE.toml]    the scenario's runs (default scenarios/parity.toml)
+    musebench report RUN.json       re-render a run; --compare OLD.json flags regressions
+    """
+
+
+@main.command()
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the probe as JSON.")
+def env(json_path: str | None) -> None:
+    """Versions, GPUs, P2P and multicast, and which transports and backends this machine gets."""
+    import json
+
+    from musebench.harness.environment import probe, render_probe
+
+    info = probe()
+    render_probe(info, _stdout())
+    if json_path:
+        with open(json_path, "w") as out:
+            json.dump(info, out, indent=2, default=str)
+
+
+def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from musebench.harness import report
+    from musebench.harness.jobs import build_report, run_job
+
+    rows = []
+    total = sum(len(job.cases) for job in jobs)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=_stderr(), transient=True)
+    with progress:
+        task = progress.add_task("cases", total=total)
+        for job in jobs:
+            progress.update(task, description=job.name)
+            rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
+    notes = sorted({job.backend_note for job in jobs})
+    run = build_report(rows, command=_command_line(), backend_note="; ".join(notes))
+    if not _is_reporting_rank():
+        return
+    report.render_table(run, _stdout(), title=title)
+    if json_path:
+        report.write_json(run, json_path)
+    if junit_path:
+        report.write_junit(run, junit_path)
+    if not run.passed:
+        sys.exit(EXIT_FAILED)
+
+
+def _is_reporting_rank() -> bool:
+    """Inside an external torchrun/srun job only rank 0 reports."""
+    return os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ
+
+
+@main.command()
+@click.option("--tp", type=int, default=8, show_default=True, help="Ranks (2..32).")
+@click.option("--mode", type=click.Choice(["ep", "tp", "both"]), default="both", show_default=True)
+@click.option("--tokens", default="1-8", show_default=True, help="Token counts, e.g. 1-8 or 1,2,8.")
+@click.option("--capacity", type=int, default=8, show_default=True, help="Mailbox capacity in tokens.")
+@click.option("--weights", default="bf16,fp32", show_default=True, help="Route-weight dtypes.")
+@click.option("--norm", default="before,after", show_default=True, help="Weight before / after the norm.")
+@click.option("--inputs", default="random", show_default=True, help="Input families: random, adversarial.")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
+@click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
+@click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default="auto", show_default=True)
+@click.option("--stock", type=click.Choice(["reference", "flashinfer"]), default="reference", show_default=True)
+@click.option("--iters", type=int, default=3, show_default=True, help="Timed calls per case.")
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
+@click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
+@click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
+def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
+         timeout, nsm, json_path, junit_path, inject) -> None:
+    """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
+    from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
+    from musebench.harness.driver import Faults
+    from musebench.harness.jobs import make_tail_job
+
+    token_list = _parse_ints(tokens, "--tokens")
+    modes = ("ep", "tp") if mode == "both" else (mode,)
+    try:
+        if seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+        job = make_tail_job(
+            name=f"tail tp={tp}", tp=tp, modes=modes, tokens=token_list, capacity=capacity,
+            weights=_parse_choices(weights, tuple(WEIGHT_DTYPES), "--weights"),
+            norms=_parse_choices(norm, NORM_ORDERS, "--norm"),
+            inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
+            seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
+            timeout_s=timeout, stock=stock, nsm=nsm, faults=Faults.parse(inject),
+        )
+    except ValueError as error:
+        _usage_error(str(error))
+    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench tail --tp {tp}")
+
+
+@main.command()
+@click.argument("scenarios", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
+@click.option("--dry-run", is_flag=True, help="Print the runs, their cases and launch commands; launch nothing.")
+def parity(scenarios, json_path, junit_path, dry_run) -> None:
+    """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock."""
+    from musebench.harness.jobs import jobs_from_scenario
+    from musebench.harness.scenario import load_scenario
+
+    paths = scenarios or (DEFAULT_SCENARIO,)
+    try:
+        jobs = [job for path in paths for job in jobs_from_scenario(load_scenario(path))]
+    except ValueError as error:
+        _usage_error(str(error))
+    if dry_run:
+        out = _stdout()
+        for job in jobs:
+            out.print(f"[bold]{job.name}[/bold]: {len(job.cases)} cases, backend {job.options.backend}, "
+                      f"launcher {job.options.launcher}")
+            out.print(f"  launch: {job.launch_command()}")
+            for case in job.cases:
+                out.print(f"  {case.label()}")
+        return
+    _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
+
+
+@main.command("report")
+@click.argument("run_json", type=click.Path(dir_okay=False))
+@click.option("--compare", "old_json", type=click.Path(dir_okay=False), help="Flag regressions against an older run.")
+@click.option("--threshold", type=float, default=0.05, show_default=True, help="Relative slowdown that counts.")
+def report_command(run_json: str, old_json: str | None, threshold: float) -> None:
+    """Re-render a run's JSON; with --compare, list regressions and exit 1 if any."""
+    from musebench.harness import report
+
+    try:
+        new = report.read_json(run_json)
+        old = report.read_json(old_json) if old_json else None
+    except (OSError, ValueError) as error:
+        _usage_error(str(error))
+    title = f"{run_json} — {new.backend_note}" if new.backend_note else run_json
+    report.render_table(new, _stdout(), title=title)
+    if old is not None:
+        regressions = report.compare(old, new, threshold=threshold)
+        report.render_comparison(regressions, _stdout())
+        if regressions:
+            sys.exit(EXIT_FAILED)
+    elif not new.passed:
+        sys.exit(EXIT_FAILED)

@@ -1,0 +1,192 @@
+"""The Lamport mailbox protocol, written once, and its host-memory mailboxes (CPU model).
+
+Protocol (shared by the CuTe DSL tails and their CPU model):
+
+- A mailbox is `[LAMPORT_GENERATIONS, slots, capacity, width]` BF16 words owned by one rank and
+  written by its peers. Every word is armed with the sentinel -0.0 (`SENTINEL_BF16_BITS`).
+- A publisher scrubs -0.0 from its payload (-0.0 -> +0.0, numerically equal) and stores it to
+  slot `[generation, its slot]` of every destination mailbox. The data write *is* the release:
+  no flag, no fence; a word that no longer reads as the sentinel has landed.
+- A reader polls its own mailbox until no word of the slots it needs is the sentinel, bounded by
+  a deadline: on timeout it records (waiting rank, missing peer, slot, generation) and gives up,
+  never hangs. It then consumes the words and re-arms exactly what it read.
+- Generations rotate modulo 3: a call reads and writes generation g; a peer can write g+1 only
+  after this rank published g, and g+2 == g-1 only after this rank finished reading g-1 and
+  re-armed it, because a peer cannot finish call i+1 without this rank's publish of call i+1,
+  which follows this rank's re-arm of call i-1 in stream order. So re-arming never races a
+  live write and three buffers suffice.
+- Stage words `[NEXT_STAGE, ACTIVE_STAGE]` live beside the mailbox in the rank's own memory
+  (device memory on the GPU, so CUDA-graph replay advances them): the publisher takes
+  NEXT_STAGE and stores it as ACTIVE_STAGE; the reader reads ACTIVE_STAGE and stores
+  (ACTIVE_STAGE + 1) % 3 as NEXT_STAGE.
+
+Transports of this module (host memory, for the CPU model): `local` (virtual ranks in one
+process share plain tensors) and `shm` (processes on one host map POSIX shared-memory files).
+The device transports (peer pointers, CUDA IPC, multicast) live beside the kernels' mailboxes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+LAMPORT_GENERATIONS = 3
+NEXT_STAGE = 0
+ACTIVE_STAGE = 1
+SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
+POLL_BACKOFF_S = 20e-6
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """A bounded wait that ran out: who waited, for whom, where."""
+
+    rank: int  # the waiting rank
+    peer: int  # the first slot owner whose words never landed
+    slot: int  # mailbox slot index (EP: source rank; TP: route or token slot)
+    generation: int
+    token: int
+    waited_s: float
+    what: str = "mailbox"
+
+    def message(self) -> str:
+        return (
+            f"rank {self.rank} timed out after {self.waited_s:.2f}s waiting for rank {self.peer} "
+            f"({self.what} slot {self.slot}, token {self.token}, generation {self.generation})"
+        )
+
+
+class MailboxTimeout(RuntimeError):
+    def __init__(self, record: FaultRecord):
+        super().__init__(record.message())
+        self.record = record
+
+
+@dataclass
+class Mailbox:
+    """One rank's view of a mailbox group: its own words, every rank's words, its stage words.
+
+    `words[rank]` is rank `rank`'s mailbox as int16 `[generations, slots, capacity, width]`;
+    `words[self.rank]` is this rank's. Writes into a peer's tensor land in that peer's memory.
+    """
+
+    rank: int
+    tp: int
+    slots: int
+    capacity: int
+    width: int
+    words: list[torch.Tensor]
+    stage: torch.Tensor  # int32 [2]
+    transport: str
+    _cleanup: tuple[str, ...] = ()
+
+    @property
+    def own(self) -> torch.Tensor:
+        return self.words[self.rank]
+
+    def close(self) -> None:
+        for path in self._cleanup:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def mailbox_shape(slots: int, capacity: int, width: int) -> tuple[int, int, int, int]:
+    return (LAMPORT_GENERATIONS, slots, capacity, width)
+
+
+def _armed(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, SENTINEL_BF16_BITS, dtype=torch.int16)
+
+
+def local_group(tp: int, slots: int, capacity: int, width: int) -> list[Mailbox]:
+    """Mailboxes for `tp` virtual ranks in one process (transport `local`), armed."""
+    shape = mailbox_shape(slots, capacity, width)
+    words = [_armed(shape) for _ in range(tp)]
+    return [
+        Mailbox(rank=r, tp=tp, slots=slots, capacity=capacity, width=width, words=words,
+                stage=torch.zeros(2, dtype=torch.int32), transport="local")
+        for r in range(tp)
+    ]
+
+
+def shm_path(job: str, name: str, rank: int) -> str:
+    return f"/dev/shm/musebench-{job}-{name}-r{rank}"
+
+
+def shm_create(job: str, name: str, rank: int, slots: int, capacity: int, width: int) -> None:
+    """Create and arm this rank's shared-memory mailbox file (before the group barrier)."""
+    shape = mailbox_shape(slots, capacity, width)
+    path = shm_path(job, name, rank)
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    mapped = torch.from_file(path, shared=True, size=numel, dtype=torch.int16)
+    mapped.fill_(SENTINEL_BF16_BITS)
+
+
+def shm_open(job: str, name: str, rank: int, tp: int, slots: int, capacity: int, width: int) -> Mailbox:
+    """Map every rank's mailbox file (after the group barrier): transport `shm`."""
+    shape = mailbox_shape(slots, capacity, width)
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    words = []
+    for peer in range(tp):
+        path = shm_path(job, name, peer)
+        if not os.path.exists(path):
+            raise RuntimeError(f"rank {rank}: mailbox of rank {peer} is missing ({path}); did rank {peer} start?")
+        words.append(torch.from_file(path, shared=True, size=numel, dtype=torch.int16).view(shape))
+    return Mailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words,
+                   stage=torch.zeros(2, dtype=torch.int32), transport="shm",
+                   _cleanup=(shm_path(job, name, rank),))
+
+
+def publish(destination: torch.Tensor, payload_bits: torch.Tensor) -> None:
+    """Store payload words (int16, already scrubbed of -0.0) into a peer's mailbox region."""
+    if bool((payload_bits == SENTINEL_BF16_BITS).any()):
+        raise AssertionError("payload holds the sentinel: scrub -0.0 before publishing")
+    destination.copy_(payload_bits)
+
+
+def poll(
+    region: torch.Tensor,
+    *,
+    deadline: float,
+    rank: int,
+    generation: int,
+    owner_of: Callable[[int, int], int] | None = None,
+    what: str = "mailbox",
+    started: float | None = None,
+) -> torch.Tensor:
+    """Wait until no word of `region` [slots, tokens, width] is the sentinel; return a copy.
+
+    Bounded: past `deadline` (time.monotonic) raises MailboxTimeout naming the first slot that
+    still holds a sentinel word and the rank that should have written it (`owner_of(slot, token)`,
+    default: the slot index is the writer's rank).
+    """
+    started = time.monotonic() if started is None else started
+    while True:
+        snapshot = region.clone()
+        pending = snapshot == SENTINEL_BF16_BITS
+        if not bool(pending.any()):
+            return snapshot
+        if time.monotonic() > deadline:
+            where = pending.nonzero()[0].tolist()
+            slot, token = where[0], where[1] if len(where) > 2 else 0
+            owner = owner_of(slot, token) if owner_of is not None else slot
+            raise MailboxTimeout(
+                FaultRecord(rank=rank, peer=owner, slot=slot, generation=generation, token=token,
+                            waited_s=time.monotonic() - started, what=what)
+            )
+        time.sleep(POLL_BACKOFF_S)
+
+
+def rearm(region: torch.Tensor) -> None:
+    """Write the sentinel back over words this rank has consumed."""
+    region.fill_(SENTINEL_BF16_BITS)

@@ -1,0 +1,174 @@
+"""CPU model of the MoE tails: the kernels' Lamport protocol, rank by rank, in torch.
+
+Each `CpuEpTail` / `CpuTpTail` is one rank's bound tail over a `Mailbox` group (virtual ranks
+share host tensors, processes share /dev/shm files). Ranks run concurrently and call `run`
+back to back with no barrier, as the GPU kernels do; only the mailboxes order them.
+
+EP tail, one call: take NEXT_STAGE, compute this rank's partial (scrubbed of -0.0), store it to
+slot [stage, rank] of every rank's mailbox, set ACTIVE_STAGE; then poll slot [stage, 0..tp-1]
+of the own mailbox until every word landed (bounded), sum the slots in rank order from 0.0 in
+FP32, round to BF16, advance NEXT_STAGE and re-arm what was read.
+
+TP tail, one call (token-owner layout: token t is owned by rank t % tp): take the generation,
+push the token's eight K-partial route rows to the owner's route mailbox (slot = source rank),
+then, as owner, poll every source's rows, compute the token's row, and store it to row t of
+every rank's token mailbox; finally poll the own token mailbox for every token and copy it out.
+
+The per-row arithmetic is the reference's (musebench.stock): this model checks the protocol,
+the harness and the fault paths; the instruction-level contract is checked on the GPU kernels.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from musebench import numerics as nx
+from musebench.comm import lamport
+from musebench.layout import UnfinalizedMoEOutput
+from musebench.stock import ep as stock_ep
+
+
+@dataclass(frozen=True)
+class TailOptions:
+    """Compile-time knobs of a bound tail (the norm and how long a wait may last)."""
+
+    eps: float
+    gain_center: float
+    weight_before_norm: bool
+    timeout_s: float = 10.0
+    approximations: nx.Approximations = nx.PRECISE
+    publish: bool = True  # False models a rank that never publishes (fault injection)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16)
+
+
+class CpuEpTail:
+    """One rank of the EP tail. `mailbox.slots == tp`; capacity >= tokens of any call."""
+
+    def __init__(self, mailbox: lamport.Mailbox, norm_weight: torch.Tensor, options: TailOptions):
+        if mailbox.slots != mailbox.tp:
+            raise ValueError(f"the EP mailbox needs one slot per rank ({mailbox.tp}), has {mailbox.slots}")
+        self.mailbox = mailbox
+        self.norm_weight = norm_weight
+        self.options = options
+
+    def run(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
+        box, o = self.mailbox, self.options
+        m = unfinalized.tokens
+        if m == 0:
+            return
+        if m > box.capacity:
+            raise ValueError(f"{m} tokens exceed the mailbox capacity {box.capacity}")
+        stage = int(box.stage[lamport.NEXT_STAGE])
+        partial = stock_ep.ep_partial(
+            unfinalized, self.norm_weight, eps=o.eps, gain_center=o.gain_center,
+            weight_before_norm=o.weight_before_norm, approximations=o.approximations,
+        )
+        if o.publish:
+            payload = _bits(partial)
+            # start at the next rank so that ranks do not all hit rank 0 first
+            for step in range(box.tp):
+                peer = (box.rank + 1 + step) % box.tp
+                lamport.publish(box.words[peer][stage, box.rank, :m], payload)
+        box.stage[lamport.ACTIVE_STAGE] = stage
+
+        active = int(box.stage[lamport.ACTIVE_STAGE])
+        region = box.own[active, :, :m]
+        started = time.monotonic()
+        slots = lamport.poll(region, deadline=started + o.timeout_s, started=started, rank=box.rank,
+                             generation=active, what="EP partial")
+        total = torch.zeros(m, box.width, dtype=torch.float32)
+        for source in range(box.tp):
+            total = nx.add(total, nx.bf16_to_f32(slots[source].view(torch.bfloat16)))
+        out.copy_(nx.to_bf16(total))
+        box.stage[lamport.NEXT_STAGE] = (active + 1) % lamport.LAMPORT_GENERATIONS
+        lamport.rearm(region)
+
+
+class CpuTpTail:
+    """One rank of the TP tail over a route mailbox (slots = tp sources, rows = capacity * top_k)
+    and a token mailbox (one slot, rows = capacity)."""
+
+    def __init__(
+        self,
+        route_mailbox: lamport.Mailbox,
+        token_mailbox: lamport.Mailbox,
+        norm_weight: torch.Tensor,
+        options: TailOptions,
+        *,
+        nsm: int,
+        top_k: int,
+    ):
+        if route_mailbox.slots != route_mailbox.tp or token_mailbox.slots != 1:
+            raise ValueError("TP tail mailboxes: route slots must equal tp, token slots must be 1")
+        self.route_mailbox = route_mailbox
+        self.token_mailbox = token_mailbox
+        self.norm_weight = norm_weight
+        self.options = options
+        self.nsm = nsm
+        self.top_k = top_k
+
+    def run(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
+        from musebench.stock import tp as stock_tp
+
+        routes, tokens, o = self.route_mailbox, self.token_mailbox, self.options
+        tp, rank, k = routes.tp, routes.rank, self.top_k
+        m = unfinalized.tokens
+        if m == 0:
+            return
+        if m * k > routes.capacity or m > tokens.capacity:
+            raise ValueError(f"{m} tokens exceed the mailbox capacity")
+        generation = int(routes.stage[lamport.NEXT_STAGE])
+        path = stock_tp.tp_stock_path(m, tp, self.nsm)
+        index = unfinalized.expanded_idx_to_permuted_idx.long()
+
+        # send: my K-partials of token t go to its owner, rows (t // tp) * k + route
+        if o.publish:
+            for t in range(m):
+                owner = t % tp
+                rows = unfinalized.gemm2_permuted[index[t]]
+                payload = _bits(nx.scrub_negative_zero(rows))
+                base = (t // tp) * k
+                lamport.publish(routes.words[owner][generation, rank, base : base + k], payload)
+
+        # sum: the tokens this rank owns
+        owned = list(range(rank, m, tp))
+        deadline = time.monotonic() + o.timeout_s
+        if owned:
+            region = routes.own[generation, :, : len(owned) * k]
+            received = lamport.poll(
+                region, deadline=deadline, rank=rank, generation=generation, what="TP route",
+                owner_of=lambda slot, row: slot,
+            )
+            weights = unfinalized.route_weights[owned]
+            local_index = torch.arange(len(owned) * k, dtype=torch.int32).reshape(len(owned), k)
+            per_source = [
+                UnfinalizedMoEOutput(received[s].view(torch.bfloat16).contiguous(), weights, local_index) for s in range(tp)
+            ]
+            rows, _ = stock_tp.tp_tail_reference(
+                per_source, self.norm_weight, eps=o.eps, gain_center=o.gain_center,
+                weight_before_norm=o.weight_before_norm, nsm=self.nsm,
+                approximations=o.approximations, path=path,
+            )
+            payload = _bits(nx.scrub_negative_zero(rows))
+            if o.publish:
+                for step in range(tp):
+                    peer = (rank + 1 + step) % tp
+                    for i, t in enumerate(owned):
+                        lamport.publish(tokens.words[peer][generation, 0, t], payload[i])
+            lamport.rearm(region)
+
+        # copy: every token's row from its owner
+        region = tokens.own[generation, :, :m]
+        final = lamport.poll(
+            region, deadline=deadline, rank=rank, generation=generation, what="TP token",
+            owner_of=lambda slot, token: token % tp,
+        )
+        out.copy_(final[0].view(torch.bfloat16))
+        routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS
+        lamport.rearm(region)

@@ -1,0 +1,306 @@
+"""One driver for every tail case: make inputs, run the ranks, check them, time them.
+
+A case runs in three steps, whatever the launcher:
+1. every rank binds its tail over its mailboxes, poisons its output and calls `run` warmup +
+   iters times back to back (no barrier between calls), keeping the digest of every call's
+   output and the last output (`RankOutcome`);
+2. the outcomes meet on one rank (the virtual launcher's only thread of control, or rank 0 of
+   a torchrun job) which computes the stock output once and checks every rank: bits vs the
+   stock (count, first mismatch, max ULP), digests identical across ranks, identical across
+   repeats (`evaluate_case`);
+3. if any rank failed, every rank re-arms its mailboxes before the next case (a failed call
+   leaves words and generations behind), so one failure never poisons the next case.
+
+A rank never raises out of a case: errors, timeouts (with their fault record) and injected
+faults come back as the outcome's one-line `error`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from musebench import numerics as nx
+from musebench.comm import lamport
+from musebench.harness import checks
+from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
+from musebench.harness.results import CaseResult, RankResult
+
+DEFAULT_NSM = 148  # B200 / GB200 SM count: the TP stock's dispatch on the racks musebench targets
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection, for proving that every check can fail (each field a rank or None)."""
+
+    flip_rank: int | None = None  # flips one bit of its output
+    silent_rank: int | None = None  # never publishes: its peers must time out, not hang
+    raise_rank: int | None = None  # raises inside its call
+    hang_rank: int | None = None  # its host thread/process stops responding
+    exit_rank: int | None = None  # its process dies (process launcher only)
+
+    @classmethod
+    def parse(cls, specs: Sequence[str]) -> Faults:
+        """From `KIND:RANK` strings (`flip:1`, `silent:0`, `raise:2`, `hang:1`, `exit:3`)."""
+        values: dict[str, int] = {}
+        for spec in specs:
+            kind, _, rank = spec.partition(":")
+            if kind not in ("flip", "silent", "raise", "hang", "exit") or not rank.isdigit():
+                raise ValueError(f"bad fault {spec!r}: expected KIND:RANK with KIND in flip, silent, raise, hang, exit")
+            values[f"{kind}_rank"] = int(rank)
+        return cls(**values)
+
+    def any(self) -> bool:
+        return any(v is not None for v in vars(self).values())
+
+    def max_rank(self) -> int:
+        return max((v for v in vars(self).values() if v is not None), default=-1)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    backend: str = "cpu"
+    launcher: str = "virtual"
+    iters: int = 3
+    warmup: int = 1
+    timeout_s: float = 10.0
+    stock: str = "reference"
+    nsm: int = DEFAULT_NSM
+    faults: Faults = field(default_factory=Faults)
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    output: torch.Tensor | None = None
+    digests: list[str] = field(default_factory=list)
+    times_us: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class RankMailboxes:
+    """The mailboxes one rank's tails run over (EP: `ep`; TP: `tp_route` + `tp_token`)."""
+
+    ep: lamport.Mailbox | None = None
+    tp_route: lamport.Mailbox | None = None
+    tp_token: lamport.Mailbox | None = None
+
+    def reset(self) -> None:
+        """Re-arm this rank's own words and restart its generations (collective: after a barrier)."""
+        for box in (self.ep, self.tp_route, self.tp_token):
+            if box is not None:
+                lamport.rearm(box.own)
+                box.stage.zero_()
+
+    def close(self) -> None:
+        for box in (self.ep, self.tp_route, self.tp_token):
+            if box is not None:
+                box.close()
+
+
+def mailbox_geometry(mode: str, tp: int, capacity: int, width: int, top_k: int) -> dict[str, tuple[int, int]]:
+    """name -> (slots, capacity rows) of the mailboxes a mode needs."""
+    if mode == "ep":
+        return {"ep": (tp, capacity)}
+    return {"tp_route": (tp, capacity * top_k), "tp_token": (1, capacity)}
+
+
+def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int) -> list[RankMailboxes]:
+    """Mailboxes of `tp` virtual ranks sharing host memory."""
+    sets = [RankMailboxes() for _ in range(tp)]
+    for mode in modes:
+        for name, (slots, rows) in mailbox_geometry(mode, tp, capacity, width, top_k).items():
+            for rank, box in enumerate(lamport.local_group(tp, slots, rows, width)):
+                setattr(sets[rank], name, box)
+    return sets
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _bind(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
+    """The backend's bound tail for one rank: an object with run(unfinalized, out)."""
+    if options.backend != "cpu":
+        raise ValueError(f"backend {options.backend!r} is not available in this build (only 'cpu')")
+    from musebench.cpu.tail import CpuEpTail, CpuTpTail, TailOptions
+
+    tail_options = TailOptions(
+        eps=case.eps, gain_center=case.gain_center, weight_before_norm=case.weight_before_norm,
+        timeout_s=options.timeout_s, publish=options.faults.silent_rank != rank,
+    )
+    if case.mode == "ep":
+        return CpuEpTail(boxes.ep, inputs.norm_weight, tail_options)
+    return CpuTpTail(boxes.tp_route, boxes.tp_token, inputs.norm_weight, tail_options, nsm=options.nsm, top_k=case.top_k)
+
+
+def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunOptions,
+                  inputs: TailInputs | None = None) -> RankOutcome:
+    """Run one rank's calls of a case; never raises (errors come back in the outcome)."""
+    outcome = RankOutcome(rank=rank)
+    try:
+        inputs = inputs if inputs is not None else make_tail_inputs(case)
+        unfinalized = inputs.per_rank[rank]
+        tail = _bind(case, rank, boxes, inputs, options)
+        out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16)
+        faults = options.faults
+        for call in range(options.warmup + options.iters):
+            checks.poison(out)
+            if faults.raise_rank == rank:
+                raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
+            if faults.hang_rank == rank:
+                threading.Event().wait(10 * 365 * 86400.0)  # models a host that stops responding
+            if faults.exit_rank == rank:
+                import os
+
+                os._exit(17)
+            started = time.perf_counter()
+            tail.run(unfinalized, out)
+            elapsed = time.perf_counter() - started
+            if faults.flip_rank == rank and out.numel():
+                checks.flip_one_bit(out, index=out.numel() // 2)
+            if call >= options.warmup:
+                outcome.times_us.append(elapsed * 1e6)
+                outcome.digests.append(checks.digest(out))
+        outcome.output = out
+    except lamport.MailboxTimeout as timeout:
+        outcome.error = str(timeout)
+    except Exception as error:  # a rank reports, it never takes the run down
+        outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
+    return outcome
+
+
+def expected_output(case: TailCase, inputs: TailInputs, options: RunOptions) -> tuple[torch.Tensor, str]:
+    """The stock's output for the case and the stock path it took."""
+    approximations = nx.PRECISE
+    if case.mode == "ep":
+        from musebench.stock.ep import ep_tail_reference
+
+        out = ep_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
+                                weight_before_norm=case.weight_before_norm, approximations=approximations)
+        return out, "ep-ll one-shot"
+    from musebench.stock.tp import tp_tail_reference
+
+    out, path = tp_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
+                                  weight_before_norm=case.weight_before_norm, nsm=options.nsm,
+                                  approximations=approximations)
+    return out, path.describe()
+
+
+def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
+                  inputs: TailInputs | None = None) -> CaseResult:
+    """Check every rank's outcome against the stock; the case's row."""
+    result = CaseResult(
+        kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
+        norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
+        transport=transport, stock=options.stock, iters=options.iters,
+        bytes_moved=_bytes_moved(case),
+    )
+    try:
+        inputs = inputs if inputs is not None else make_tail_inputs(case)
+        started = time.perf_counter()
+        want, result.stock_path = expected_output(case, inputs, options)
+        result.stock_us = (time.perf_counter() - started) * 1e6
+    except Exception as error:
+        result.error = f"stock: {type(error).__name__}: {error}"
+        return result
+    by_rank = {o.rank: o for o in outcomes}
+    errors = []
+    for rank in range(case.tp):
+        outcome = by_rank.get(rank)
+        row = RankResult(rank=rank)
+        result.ranks.append(row)
+        if outcome is None:
+            row.error = f"rank {rank} returned no result"
+        elif outcome.error is not None:
+            row.error = outcome.error
+        elif outcome.output is None:
+            row.error = f"rank {rank} produced no output"
+        if row.error is not None:
+            errors.append(row.error)
+            continue
+        row.digest = checks.digest(outcome.output)
+        row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(outcome.output, want, rank=rank)
+        row.tail_us = statistics.median(outcome.times_us) if outcome.times_us else None
+        result.mismatches += row.mismatches
+        result.max_ulp = max(result.max_ulp, row.max_ulp)
+        if row.first_mismatch is not None and result.first_mismatch is None:
+            result.first_mismatch = row.first_mismatch
+        if len(set(outcome.digests)) > 1:
+            result.deterministic = False
+    digests = {row.digest for row in result.ranks if row.error is None}
+    result.rank_identical = len(digests) <= 1 and not errors
+    if errors:
+        result.error = _summarize_errors(errors)
+    times = [row.tail_us for row in result.ranks if row.tail_us is not None]
+    result.tail_us = max(times) if times else None
+    return result
+
+
+def _summarize_errors(errors: Sequence[str]) -> str:
+    """Root causes first: an injected fault or crash explains the timeouts it causes."""
+    ordered = sorted(errors, key=lambda e: ("timed out" in e, e))
+    extra = len(ordered) - 1
+    return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
+
+
+def _bytes_moved(case: TailCase) -> int:
+    """Payload bytes one rank stores to peers per call (BF16)."""
+    row = case.width * 2
+    if case.mode == "ep":
+        return case.tp * case.tokens * row
+    return case.tokens * case.top_k * row + ((case.tokens + case.tp - 1) // case.tp) * case.tp * row
+
+
+def run_virtual(cases: Sequence[TailCase], options: RunOptions,
+                on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """All ranks in this process, one thread per rank, over shared host mailboxes."""
+    if not cases:
+        return []
+    tp = cases[0].tp
+    if any(case.tp != tp for case in cases):
+        raise ValueError("one virtual run serves one tp")
+    if options.faults.exit_rank is not None:
+        raise ValueError("the exit fault needs the torchrun launcher (virtual ranks share one process)")
+    capacity = max(max(case.tokens for case in cases), 1)
+    modes = tuple(sorted({case.mode for case in cases}))
+    boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
+    results = []
+    for case in cases:
+        inputs = make_tail_inputs(case)
+        outcomes: list[RankOutcome | None] = [None] * tp
+        threads = []
+        for rank in range(tp):
+            def work(rank: int = rank) -> None:
+                outcomes[rank] = run_rank_case(case, rank, boxes[rank], options, inputs)
+
+            thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
+            thread.start()
+            threads.append(thread)
+        # a rank's calls are bounded by its polls' timeouts; a thread past that is hung
+        grace = (options.warmup + options.iters) * (options.timeout_s + 5.0) + 30.0
+        deadline = time.monotonic() + grace
+        hung = []
+        for rank, thread in enumerate(threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                hung.append(rank)
+        for rank in hung:
+            outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} hung: no result within {grace:.0f}s")
+        result = evaluate_case(case, [o for o in outcomes if o is not None], options, "cpu-local", inputs)
+        results.append(result)
+        if on_case is not None:
+            on_case(result)
+        if hung:
+            # A hung rank still holds its mailboxes: later cases cannot run on this group.
+            break
+        if not result.passed:
+            for rank_boxes in boxes:
+                rank_boxes.reset()
+    return results

@@ -1,0 +1,134 @@
+"""Jobs: a list of tail cases with their run options, resolved, launched and turned into a report.
+
+The CLI builds `TailJob`s (from options or scenario files) and calls `run_jobs`; everything that
+can be refused is refused in `make_tail_job` / `resolve_backend`, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from musebench.harness.cases import TailCase, tail_cases
+from musebench.harness.driver import DEFAULT_NSM, Faults, RunOptions
+from musebench.harness.results import CaseResult, RunReport
+from musebench.harness.scenario import ScenarioRun, validate_tokens, validate_tp
+
+CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
+CPU_NOTE_NO_CUTE = "CPU model (the cute backend is not built yet)"
+CPU_NOTE_ASKED = "CPU model"
+
+
+@dataclass(frozen=True)
+class TailJob:
+    name: str
+    cases: tuple[TailCase, ...]
+    options: RunOptions
+    backend_note: str
+
+    def launch_command(self) -> str:
+        """What runs the job, for --dry-run."""
+        tp = self.cases[0].tp if self.cases else 0
+        if self.options.launcher == "virtual":
+            return f"(in process) {tp} virtual ranks, {len(self.cases)} cases"
+        return shlex.join(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+             "--max-restarts=0", "-m", "musebench.harness.worker", "SPEC.json", "RESULTS.jsonl"]
+        )
+
+
+def _gpu_present() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def resolve_backend(requested: str) -> tuple[str, str]:
+    """(backend, note for the table title); ValueError for a backend this build cannot run."""
+    if requested == "cpu":
+        return "cpu", CPU_NOTE_ASKED
+    if requested == "cute":
+        raise ValueError("the cute backend is not available in this build yet; use --backend cpu (or auto)")
+    if requested != "auto":
+        raise ValueError(f"unknown backend {requested!r}")
+    return "cpu", CPU_NOTE_NO_CUTE if _gpu_present() else CPU_NOTE_NO_GPU
+
+
+def make_tail_job(
+    *,
+    name: str,
+    tp: int,
+    modes: Sequence[str],
+    tokens: Sequence[int],
+    capacity: int,
+    weights: Sequence[str],
+    norms: Sequence[str],
+    inputs: Sequence[str],
+    seeds: Sequence[int],
+    launcher: str,
+    backend: str,
+    iters: int,
+    warmup: int,
+    timeout_s: float,
+    stock: str = "reference",
+    nsm: int | None = None,
+    faults: Faults = Faults(),
+) -> TailJob:
+    """Validate everything and build the job; ValueError names the first bad value."""
+    validate_tp(tp)
+    validate_tokens(tuple(tokens), capacity)
+    if launcher not in ("virtual", "torchrun"):
+        raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
+    if stock != "reference":
+        raise ValueError(f"stock {stock!r} needs its package and a GPU; on this build use --stock reference")
+    if iters < 1 or warmup < 0:
+        raise ValueError("iters must be >= 1 and warmup >= 0")
+    if timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
+    if faults.exit_rank is not None and launcher != "torchrun":
+        raise ValueError("the exit fault needs --launcher torchrun")
+    resolved, note = resolve_backend(backend)
+    cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
+                       norms=tuple(norms), inputs=tuple(inputs), seeds=tuple(seeds))
+    options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
+                         stock=stock, nsm=nsm or DEFAULT_NSM, faults=faults)
+    return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
+
+
+def jobs_from_scenario(runs: Sequence[ScenarioRun]) -> list[TailJob]:
+    return [
+        make_tail_job(
+            name=f"{run.name} (tp={tp})", tp=tp, modes=run.modes, tokens=run.tokens, capacity=run.capacity,
+            weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds, launcher=run.launcher,
+            backend=run.backend, iters=run.iters, warmup=run.warmup, timeout_s=run.timeout, nsm=run.nsm,
+        )
+        for run in runs
+        for tp in run.tp
+    ]
+
+
+def run_job(job: TailJob, on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    from musebench.harness import launch
+    from musebench.harness.driver import run_virtual
+
+    if job.options.launcher == "virtual":
+        return run_virtual(job.cases, job.options, on_case)
+    if launch.in_torchrun_job():
+        return launch.run_in_job(job.cases, job.options, on_case)
+    return launch.run_torchrun(job.cases, job.options, on_case)
+
+
+def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str) -> RunReport:
+    from musebench.harness import report
+
+    return RunReport(
+        command=command, backend_note=backend_note, created=report.now_utc(), machine=report.machine_info(),
+        versions=report.version_info(), git_commit=report.git_commit(), cases=list(rows),
+    )

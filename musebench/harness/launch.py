@@ -1,0 +1,196 @@
+"""Launchers: `virtual` (every rank a thread of this process) and `torchrun` (a process per rank).
+
+`run_torchrun` starts `python -m torch.distributed.run --standalone` for one node itself, in a
+new session, and waits for it under a deadline: a rank that crashes, hangs or never reports
+ends the job (torchrun stops the others; past the deadline the whole session is killed), the
+rank and exit code are reported, and the job's shared-memory mailboxes are removed. The ranks
+(`musebench.harness.worker`) gather their outcomes to rank 0, which checks them and writes one
+JSON line per case to the job folder; the parent reads those lines.
+
+Inside an existing torchrun/srun job (RANK and WORLD_SIZE set, across nodes) `run_in_job` runs
+the same worker body in this process: rank 0 returns the rows, the other ranks return [].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from musebench.harness.cases import TailCase
+from musebench.harness.driver import Faults, RunOptions
+from musebench.harness.results import CaseResult
+
+STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
+
+
+def spec_to_json(cases: Sequence[TailCase], options: RunOptions) -> dict:
+    return {"cases": [dataclasses.asdict(c) for c in cases], "options": dataclasses.asdict(options)}
+
+
+def spec_from_json(data: dict) -> tuple[list[TailCase], RunOptions]:
+    cases = [TailCase(**c) for c in data["cases"]]
+    opts = dict(data["options"])
+    opts["faults"] = Faults(**opts["faults"])
+    return cases, RunOptions(**opts)
+
+
+def case_bound_s(options: RunOptions) -> float:
+    """How long one case may take on one rank: its calls, each bounded by the poll timeout."""
+    return (options.warmup + options.iters) * (options.timeout_s + 2.0) + 10.0
+
+
+def in_torchrun_job() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failure_summary(log: str, tp: int) -> str:
+    """The first failed rank and its exit code from torchrun's error report, else its last line."""
+    ranks = re.findall(r"rank\s*:\s*(\d+)", log)
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", log)
+    if ranks and codes:
+        return f"rank {ranks[0]} exited with code {codes[0]}"
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "torchrun failed without output"
+
+
+def run_torchrun(
+    cases: Sequence[TailCase],
+    options: RunOptions,
+    on_case: Callable[[CaseResult], None] | None = None,
+) -> list[CaseResult]:
+    """Run the cases with one process per rank on this host; returns rank 0's rows."""
+    if not cases:
+        return []
+    tp = cases[0].tp
+    job = os.environ.get("MUSEBENCH_JOB_ID") or uuid.uuid4().hex[:12]
+    with tempfile.TemporaryDirectory(prefix=f"musebench-{job}-") as folder:
+        spec = Path(folder) / "spec.json"
+        spec.write_text(json.dumps(spec_to_json(cases, options)))
+        results_path = Path(folder) / "results.jsonl"
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
+            "--max-restarts=0", "--monitor-interval=0.2",
+            "-m", "musebench.harness.worker", str(spec), str(results_path),
+        ]
+        env = dict(os.environ, MUSEBENCH_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        log_path = Path(folder) / "torchrun.log"
+        bound_s = STARTUP_S + len(cases) * case_bound_s(options)
+        deadline = time.monotonic() + bound_s
+        killed = False
+        rows: list[CaseResult] = []
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            seen = 0
+            try:
+                while True:
+                    seen = _drain(results_path, rows, seen, on_case)
+                    if process.poll() is not None:
+                        break
+                    if time.monotonic() > deadline:
+                        _kill_session(process)
+                        killed = True
+                        break
+                    time.sleep(0.1)
+            except BaseException:
+                _kill_session(process)
+                raise
+            finally:
+                _cleanup_shm(job)
+        _drain(results_path, rows, seen, on_case)
+        code = process.returncode
+        if len(rows) < len(cases):
+            text = log_path.read_text(errors="replace")
+            if killed:
+                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({_progress_note(text)})"
+            else:
+                reason = _failure_summary(text, tp)
+            for case in cases[len(rows):]:
+                row = _error_row(case, options, reason)
+                rows.append(row)
+                if on_case is not None:
+                    on_case(row)
+        return rows
+
+
+def _progress_note(log: str) -> str:
+    """Which ranks started a case they never finished, from the ranks' progress lines."""
+    last: dict[int, tuple[str, int]] = {}
+    for rank, event, case in re.findall(r"rank (\d+) (started|done) case (\d+)", log):
+        last[int(rank)] = (event, int(case))
+    stuck = sorted(f"rank {rank} in case {case}" for rank, (event, case) in last.items() if event == "started")
+    return "stuck: " + ", ".join(stuck) if stuck else "no rank reported being stuck"
+
+
+def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:
+    if not path.exists():
+        return seen
+    lines = path.read_text().splitlines()
+    complete = [line for line in lines if line.endswith("}")]
+    for line in complete[seen:]:
+        row = CaseResult.from_dict(json.loads(line))
+        rows.append(row)
+        if on_case is not None:
+            on_case(row)
+    return len(complete)
+
+
+def _kill_session(process: subprocess.Popen) -> None:
+    """SIGTERM then SIGKILL to the whole session: torchrun and every rank it started."""
+    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait_s)
+            # the leader may be gone while ranks linger: one more sweep below
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _cleanup_shm(job: str) -> None:
+    for path in Path("/dev/shm").glob(f"musebench-{job}-*"):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
+    return CaseResult(
+        kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
+        norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
+        transport="shm", stock=options.stock, error=reason, rank_identical=False,
+    )
+
+
+def run_in_job(cases: Sequence[TailCase], options: RunOptions,
+               on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """Inside an existing torchrun/srun job: this process is one rank."""
+    from musebench.harness import worker
+
+    return worker.run_rank(cases, options, results_path=None, on_case=on_case)

@@ -1,0 +1,152 @@
+"""What a run produces: per-rank results, per-case rows, and the run report (schema-versioned).
+
+Every row carries its correctness (`mismatches`, `max_ulp`, `first_mismatch`) beside its timings,
+as nccl-tests rows carry `#wrong`. The JSON form is `RunReport.to_dict()`; `RunReport.from_dict`
+reads any file written with the same `SCHEMA_VERSION` major.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = "1.0"
+
+
+@dataclass
+class Mismatch:
+    """The first element where a rank's output differs from the expected bits."""
+
+    rank: int
+    index: tuple[int, ...]
+    got_bits: int
+    want_bits: int
+    got: float
+    want: float
+
+
+@dataclass
+class RankResult:
+    rank: int
+    digest: str = ""  # sha256 of the output's raw bytes
+    mismatches: int = 0  # elements whose bits differ from the stock
+    max_ulp: int = 0
+    first_mismatch: Mismatch | None = None
+    tail_us: float | None = None  # median per call
+    stock_us: float | None = None
+    error: str | None = None  # crash, timeout or fault record, as one line
+
+
+@dataclass
+class CaseResult:
+    kernel: str  # "ep_tail" | "tp_tail" | "routing"
+    mode: str  # "ep" | "tp" | "routing"
+    tp: int
+    tokens: int
+    weight_dtype: str  # "bf16" | "fp32"
+    norm: str  # "before" | "after" (weight applied before / after the norm)
+    inputs: str  # input family: "random" | "adversarial"
+    seed: int
+    backend: str  # "cpu" | "cute"
+    launcher: str  # "virtual" | "torchrun"
+    transport: str  # "local" | "shm" | "ipc" | "unicast" | "multicast"
+    stock: str  # "reference" | "flashinfer" | "vllm"
+    stock_path: str = ""  # which stock code path the case was checked against
+    mismatches: int = 0  # summed over ranks
+    max_ulp: int = 0
+    first_mismatch: Mismatch | None = None
+    rank_identical: bool = True
+    deterministic: bool = True
+    error: str | None = None
+    tail_us: float | None = None  # median per call, max over ranks
+    stock_us: float | None = None
+    bytes_moved: int = 0  # per rank per call, payload bytes written to peers
+    iters: int = 0
+    ranks: list[RankResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.mismatches == 0 and self.rank_identical and self.deterministic
+
+    @property
+    def ratio(self) -> float | None:
+        if self.tail_us is None or self.stock_us is None or self.stock_us == 0:
+            return None
+        return self.tail_us / self.stock_us
+
+    @property
+    def key(self) -> tuple:
+        """Identity of a case across runs (for `report --compare`)."""
+        return (self.kernel, self.tp, self.tokens, self.weight_dtype, self.norm, self.inputs, self.transport)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["passed"] = self.passed
+        data["ratio"] = self.ratio
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CaseResult:
+        data = {k: v for k, v in data.items() if k not in ("passed", "ratio")}
+        ranks = [_rank_from_dict(r) for r in data.pop("ranks", [])]
+        first = data.pop("first_mismatch", None)
+        return cls(**data, ranks=ranks, first_mismatch=_mismatch_from_dict(first))
+
+
+def _mismatch_from_dict(data: dict[str, Any] | None) -> Mismatch | None:
+    if data is None:
+        return None
+    data = dict(data)
+    data["index"] = tuple(data["index"])
+    return Mismatch(**data)
+
+
+def _rank_from_dict(data: dict[str, Any]) -> RankResult:
+    data = dict(data)
+    data["first_mismatch"] = _mismatch_from_dict(data.get("first_mismatch"))
+    return RankResult(**data)
+
+
+@dataclass
+class RunReport:
+    command: str
+    backend_note: str = ""  # e.g. "CPU model (no GPU present)"
+    created: str = ""  # ISO-8601 UTC
+    machine: dict[str, Any] = field(default_factory=dict)  # hostname, platform, cpu, gpus
+    versions: dict[str, Any] = field(default_factory=dict)  # musebench, python, torch, cuda, cutlass-dsl
+    git_commit: str = ""
+    cases: list[CaseResult] = field(default_factory=list)
+    schema_version: str = SCHEMA_VERSION
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.cases) and all(case.passed for case in self.cases)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "command": self.command,
+            "backend_note": self.backend_note,
+            "created": self.created,
+            "machine": self.machine,
+            "versions": self.versions,
+            "git_commit": self.git_commit,
+            "passed": self.passed,
+            "cases": [case.to_dict() for case in self.cases],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunReport:
+        version = str(data.get("schema_version", ""))
+        if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+            raise ValueError(f"unsupported report schema {version!r} (this musebench reads {SCHEMA_VERSION})")
+        return cls(
+            command=data["command"],
+            backend_note=data.get("backend_note", ""),
+            created=data.get("created", ""),
+            machine=data.get("machine", {}),
+            versions=data.get("versions", {}),
+            git_commit=data.get("git_commit", ""),
+            cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
+            schema_version=version,
+        )

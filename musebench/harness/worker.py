@@ -1,0 +1,99 @@
+"""One rank of a process-launched run: `python -m musebench.harness.worker SPEC RESULTS`.
+
+Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set). The CPU model's
+mailboxes are POSIX shared-memory files, so all ranks must share one host. Per case: a barrier,
+this rank's calls, the outcomes gathered to rank 0 (gloo, bounded by the case's time bound),
+rank 0's check, one JSON line per case, and a collective re-arm when any rank failed. Progress
+lines ("rank R started/done case N") go to stdout for the launcher's diagnostics.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from musebench.comm import lamport
+from musebench.harness.cases import TailCase, make_tail_inputs
+from musebench.harness.driver import RankMailboxes, RunOptions, evaluate_case, mailbox_geometry, run_rank_case
+from musebench.harness.results import CaseResult
+
+
+def _open_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, job: str) -> RankMailboxes:
+    capacity = max(max(case.tokens for case in cases), 1)
+    width, top_k = cases[0].width, cases[0].top_k
+    geometry: dict[str, tuple[int, int]] = {}
+    for mode in sorted({case.mode for case in cases}):
+        geometry.update(mailbox_geometry(mode, tp, capacity, width, top_k))
+    for name, (slots, rows) in geometry.items():
+        lamport.shm_create(job, name, rank, slots, rows, width)
+    dist.barrier()  # every file exists before anyone maps its peers
+    boxes = RankMailboxes()
+    for name, (slots, rows) in geometry.items():
+        setattr(boxes, name, lamport.shm_open(job, name, rank, tp, slots, rows, width))
+    dist.barrier()
+    return boxes
+
+
+def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
+             on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """This process's rank of the run; rank 0 returns the checked rows, the others []."""
+    from musebench.harness.launch import case_bound_s
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    tp = cases[0].tp if cases else world
+    if world != tp:
+        raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
+    if local_world != world:
+        raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
+    job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=case_bound_s(options) + 30.0))
+    boxes = _open_mailboxes(cases, rank, tp, job)
+    rows: list[CaseResult] = []
+    try:
+        for index, case in enumerate(cases):
+            dist.barrier()
+            print(f"rank {rank} started case {index}", flush=True)
+            inputs = make_tail_inputs(case)
+            outcome = run_rank_case(case, rank, boxes, options, inputs)
+            print(f"rank {rank} done case {index}", flush=True)
+            gathered = [None] * world if rank == 0 else None
+            dist.gather_object(outcome, gathered, dst=0)
+            failed = [False]
+            if rank == 0:
+                row = evaluate_case(case, gathered, options, "shm", inputs)
+                rows.append(row)
+                failed = [not row.passed]
+                if results_path is not None:
+                    with open(results_path, "a") as out:
+                        out.write(json.dumps(row.to_dict()) + "\n")
+                if on_case is not None:
+                    on_case(row)
+            dist.broadcast_object_list(failed, src=0)
+            if failed[0]:
+                dist.barrier()  # nobody is still reading before the words are re-armed
+                boxes.reset()
+                dist.barrier()
+    finally:
+        boxes.close()
+    dist.destroy_process_group()
+    return rows
+
+
+def main(argv: Sequence[str]) -> int:
+    from musebench.harness.launch import spec_from_json
+
+    spec, results = argv
+    cases, options = spec_from_json(json.loads(Path(spec).read_text()))
+    run_rank(cases, options, Path(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,291 @@
+"""The report layer: JSON round trip, malformed files, JUnit counts, comparison, and the table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from musebench.harness.report import (
+    Regression,
+    case_name,
+    compare,
+    diagnostic,
+    git_commit,
+    now_utc,
+    read_json,
+    render_comparison,
+    render_table,
+    version_info,
+    write_json,
+    write_junit,
+)
+from musebench.harness.results import SCHEMA_VERSION, CaseResult, Mismatch, RankResult, RunReport
+
+
+def make_case(**overrides) -> CaseResult:
+    fields = dict(
+        kernel="ep_tail",
+        mode="ep",
+        tp=4,
+        tokens=8,
+        weight_dtype="bf16",
+        norm="before",
+        inputs="random",
+        seed=0,
+        backend="cpu",
+        launcher="virtual",
+        transport="cpu-local",
+        stock="reference",
+        stock_path="musebench.stock.reference.finalize_allreduce_rmsnorm",
+        tail_us=10.0,
+        stock_us=12.5,
+        iters=100,
+        ranks=[RankResult(rank=r, digest=f"{r:064x}", tail_us=10.0, stock_us=12.5) for r in range(4)],
+    )
+    fields.update(overrides)
+    return CaseResult(**fields)
+
+
+def wrong_case(**overrides) -> CaseResult:
+    mismatch = Mismatch(rank=2, index=(3, 17), got_bits=0x3F81, want_bits=0x3F80, got=1.0078125, want=1.0)
+    fields = dict(tokens=1, mismatches=5, max_ulp=1, first_mismatch=mismatch)
+    fields.update(overrides)
+    case = make_case(**fields)
+    case.ranks[2] = replace(case.ranks[2], mismatches=5, max_ulp=1, first_mismatch=mismatch)
+    return case
+
+
+def make_report(cases: list[CaseResult]) -> RunReport:
+    return RunReport(
+        command="run --kernel ep_tail",
+        backend_note="CPU model (no GPU present)",
+        created="2026-11-20T12:00:00+00:00",
+        machine={"hostname": "testhost", "gpus": [], "cpu_count": 8},
+        versions={"musebench": "0.1.0", "torch": "2.13.0+cpu", "cuda": None},
+        git_commit="0123abcd-dirty",
+        cases=cases,
+    )
+
+
+def mixed_report() -> RunReport:
+    return make_report(
+        [
+            make_case(),
+            wrong_case(),
+            make_case(tokens=2, error="rank 1: timeout after 30 s", tail_us=None, stock_us=None),
+            make_case(tokens=4, deterministic=False),
+        ]
+    )
+
+
+# ------------------------------------------------------------------------------------ JSON
+
+
+def test_json_round_trip_equals(tmp_path):
+    report = mixed_report()
+    path = tmp_path / "nested" / "report.json"
+    write_json(report, path)
+    assert read_json(path) == report
+    assert json.loads(path.read_text(encoding="utf-8"))["schema_version"] == SCHEMA_VERSION
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        "[1, 2, 3]",
+        '{"command": "run"}',  # no schema_version
+        json.dumps({"schema_version": "99.0", "command": "run"}),  # unsupported major
+        json.dumps({"schema_version": SCHEMA_VERSION}),  # no command
+        json.dumps({"schema_version": SCHEMA_VERSION, "command": "run", "cases": [{"kernel": "ep_tail"}]}),
+        json.dumps({"schema_version": SCHEMA_VERSION, "command": "run", "cases": [1]}),
+    ],
+)
+def test_malformed_json_raises_value_error(tmp_path, content):
+    path = tmp_path / "bad.json"
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError, match="bad.json"):
+        read_json(path)
+
+
+def test_non_utf8_file_raises_value_error(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError):
+        read_json(path)
+
+
+# ----------------------------------------------------------------------------------- JUnit
+
+
+def test_junit_counts_and_failures(tmp_path):
+    report = mixed_report()
+    path = tmp_path / "junit.xml"
+    write_junit(report, path)
+
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert suite is not None and suite.get("name") == "musebench"
+    assert suite.get("tests") == "4"
+    assert suite.get("failures") == "3"
+    testcases = suite.findall("testcase")
+    assert len(testcases) == 4
+    assert [tc.get("name") for tc in testcases] == [case_name(case) for case in report.cases]
+    assert all(tc.get("classname") == "ep_tail" for tc in testcases)
+    assert float(testcases[0].get("time")) == pytest.approx(10.0 * 100 / 1e6)
+    assert float(testcases[2].get("time")) == 0.0  # untimed (errored) case
+
+    failures = [tc.find("failure") for tc in testcases]
+    assert failures[0] is None
+    assert failures[1].get("message") == diagnostic(report.cases[1])
+    assert failures[2].get("type") == "error"
+    assert sum(f is not None for f in failures) == 3
+
+    properties = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert properties["git_commit"] == "0123abcd-dirty"
+    assert properties["backend"] == "cpu"
+
+
+def test_junit_survives_control_characters(tmp_path):
+    report = make_report([make_case(error="segfault \x00\x1b[31m in rank 0")])
+    path = tmp_path / "junit.xml"
+    write_junit(report, path)
+    failure = ET.parse(path).getroot().find("testsuite/testcase/failure")
+    assert "segfault" in failure.get("message")
+
+
+# --------------------------------------------------------------------------------- compare
+
+
+def test_compare_flags_correctness_timing_and_missing():
+    old = make_report([make_case(tokens=1), make_case(tokens=2), make_case(tokens=4), make_case(tokens=8)])
+    new = make_report(
+        [
+            wrong_case(tokens=1),  # passed before, fails now
+            make_case(tokens=2, tail_us=11.0),  # 10% slower, above the 5% threshold
+            make_case(tokens=4, tail_us=10.4),  # 4% slower: within the threshold
+        ]  # tokens=8 is gone
+    )
+    regressions = compare(old, new, threshold=0.05)
+    by_kind = {r.kind: r for r in regressions}
+    assert sorted(by_kind) == ["correctness", "missing", "timing"]
+    assert len(regressions) == 3
+    assert by_kind["correctness"].key == make_case(tokens=1).key
+    assert by_kind["timing"].key == make_case(tokens=2).key
+    assert (by_kind["timing"].old, by_kind["timing"].new) == (10.0, 11.0)
+    assert by_kind["missing"].key == make_case(tokens=8).key
+
+
+def test_compare_ignores_improvements_and_old_failures():
+    old = make_report([make_case(tokens=1, tail_us=20.0), wrong_case(tokens=2)])
+    new = make_report([make_case(tokens=1, tail_us=10.0), wrong_case(tokens=2), make_case(tokens=64)])
+    assert compare(old, new) == []
+
+
+def test_compare_pairs_repeated_keys_in_order():
+    old = make_report([make_case(seed=0), make_case(seed=1)])
+    new = make_report([make_case(seed=0)])
+    assert [r.kind for r in compare(old, new)] == ["missing"]
+
+
+def test_compare_rejects_negative_threshold():
+    with pytest.raises(ValueError):
+        compare(make_report([]), make_report([]), threshold=-0.1)
+
+
+def test_render_comparison():
+    console = Console(record=True, width=200)
+    render_comparison([], console)
+    assert "no regressions" in console.export_text()
+
+    console = Console(record=True, width=200)
+    key = make_case().key
+    render_comparison([Regression(key, "timing", 10.0, 11.0, "slower"), Regression(key, "missing", "present", None, "gone")], console)
+    text = console.export_text()
+    assert "ep_tail[tp4-tok8-bf16-before-random-cpu-local]" in text
+    assert "2 regressions (1 timing, 1 missing)" in text
+
+
+# ----------------------------------------------------------------------------------- table
+
+
+def test_render_table_rows_marks_and_diagnostics():
+    report = mixed_report()
+    console = Console(record=True, width=200)
+    render_table(report, console)
+    text = console.export_text()
+
+    assert "CPU model (no GPU present)" in text
+    assert "✓" in text and "✗" in text
+    assert "1 passed, 3 failed" in text
+    # One row per case: every case's token count shows in the tokens column, none aggregated away.
+    assert text.count("ep_tail") >= 4
+    # The mismatch diagnostic: rank, index, bits in hex and values, and the flags.
+    assert "rank 2 index (3, 17): got 0x3f81 (1.0078125) want 0x3f80 (1.0)" in text
+    assert "rank_identical=True deterministic=True" in text
+    assert "error: rank 1: timeout after 30 s" in text
+    assert "deterministic=False" in text
+    for case in report.cases[1:]:
+        assert diagnostic(case) in text
+
+
+def test_render_table_title_and_markup_safety():
+    report = make_report([make_case(stock_path="vllm[fused].finalize")])
+    console = Console(record=True, width=200)
+    render_table(report, console, title="nightly")
+    text = console.export_text()
+    assert "nightly — CPU model (no GPU present)" in text
+    assert "vllm[fused].finalize" in text
+    assert "1 passed, 0 failed" in text
+
+
+def test_failed_rows_are_red_and_passed_rows_are_not():
+    console = Console(record=True, width=200, force_terminal=True, color_system="standard")
+    render_table(make_report([wrong_case(), make_case()]), console)
+    rows = [line for line in console.export_text(styles=True).splitlines() if line.startswith("│")]
+    red = "\x1b[31m"
+    assert len(rows) == 2
+    assert red + "ep_tail" in rows[0]  # the failed case (tokens=1)
+    assert red not in rows[1]
+
+
+# ------------------------------------------------------------------------------ provenance
+
+
+def test_git_commit_outside_a_repository(tmp_path):
+    assert git_commit(tmp_path) == ""
+
+
+def test_git_commit_clean_and_dirty(tmp_path):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    try:
+        git("init", "-q")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git unavailable")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "empty")
+    (tmp_path / "tracked.txt").write_text("a")
+    assert len(git_commit(tmp_path)) == 40  # untracked files do not make the tree dirty
+    git("add", "tracked.txt")
+    assert git_commit(tmp_path).endswith("-dirty")
+
+
+def test_now_utc_and_versions():
+    assert now_utc().endswith("+00:00")
+    versions = version_info()
+    assert versions["musebench"]
+    assert "cutlass-dsl" in versions and "click" in versions and "rich" in versions
+
+
+def test_report_module_does_not_import_torch():
+    code = "import sys, musebench.harness.report; print('torch' in sys.modules)"
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert result.stdout.strip() == "False"
