@@ -60,6 +60,11 @@ the weights are 0 * inf = NaN; this reference reproduces that.
 classifies it with `renormalize=True`). musebench defines it as `weight = score * route_scale`
 (one mul.rn.f32 with the binary32 route_scale; eps unused; padding tokens multiply by 0.0).
 
+Validated on the H200 against vLLM's kernel itself (Triton 3.6), with ex2.approx.f32 and
+div.full.f32 injected from inline PTX: ids and weight bits identical on 15 x 8192 random tokens,
+b = 1..8, and the special rows above (ties, +-inf logits, -inf biases with repeats, signed-zero
+keys, no-eps NaN, padding). The CPU stand-ins differ from the hardware by a few ULP.
+
 Only the Muse Spark configuration is modeled: sigmoid scores, no output multiplier (folded at
 load), a power-of-two expert count >= 8 (so the stock's padded expert lanes do not exist).
 

@@ -1,0 +1,77 @@
+"""The driver's checks fail when they must: flipped bit, missing rank, raising rank, hung rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from musebench.harness.cases import TailCase
+from musebench.harness.driver import Faults, RunOptions, run_virtual
+
+FAST = dict(iters=1, warmup=0, timeout_s=0.5)
+
+
+def _cases(mode="ep", tp=4, tokens=(2,)):
+    return [TailCase(mode=mode, tp=tp, tokens=m) for m in tokens]
+
+
+def test_clean_run_passes():
+    rows = run_virtual(_cases(tokens=(1, 8)), RunOptions(**FAST))
+    assert all(row.passed for row in rows), [row.error for row in rows]
+    assert all(row.rank_identical and row.deterministic for row in rows)
+
+
+def test_flipped_bit_is_reported_with_rank_and_element():
+    row = run_virtual(_cases(), RunOptions(**FAST, faults=Faults(flip_rank=2)))[0]
+    assert not row.passed
+    assert row.mismatches == 1 and row.max_ulp >= 1
+    assert row.first_mismatch.rank == 2
+    assert row.first_mismatch.index == (1, 0)  # element numel // 2 of a [2, 4096] output
+    assert not row.rank_identical
+
+
+def test_missing_rank_times_out_within_the_timeout():
+    started = time.monotonic()
+    row = run_virtual(_cases(), RunOptions(**FAST, faults=Faults(silent_rank=1)))[0]
+    assert time.monotonic() - started < 10
+    assert not row.passed
+    assert "timed out" in row.error and "waiting for rank 1" in row.error
+    assert all(r.error for r in row.ranks)  # every rank waited for rank 1 and said so
+
+
+def test_raising_rank_is_reported_first():
+    row = run_virtual(_cases(), RunOptions(**FAST, faults=Faults(raise_rank=3)))[0]
+    assert not row.passed
+    assert row.error.startswith("rank 3: InjectedFault")
+
+
+def test_hung_rank_ends_the_run_with_a_message(monkeypatch):
+    from musebench.harness import driver
+
+    monkeypatch.setattr(driver.threading.Thread, "join", _short_join(driver.threading.Thread.join))
+    row = run_virtual(_cases(tokens=(1, 2)), RunOptions(**FAST, faults=Faults(hang_rank=0)))
+    assert len(row) == 1  # the hung rank holds its mailboxes: no later case runs on them
+    assert "rank 0 hung" in row[0].error
+
+
+def _short_join(join):
+    def short(self, timeout=None):
+        return join(self, min(timeout if timeout is not None else 3.0, 3.0))
+
+    return short
+
+
+def test_failure_does_not_poison_the_next_case():
+    rows = run_virtual(_cases(tokens=(1, 2, 3)), RunOptions(**FAST, faults=Faults(silent_rank=0)))
+    assert not any(row.passed for row in rows)
+    clean = run_virtual(_cases(tokens=(1, 2)), RunOptions(**FAST))
+    assert all(row.passed for row in clean)
+
+
+def test_fault_parsing():
+    assert Faults.parse(["flip:1", "silent:0"]) == Faults(flip_rank=1, silent_rank=0)
+    with pytest.raises(ValueError):
+        Faults.parse(["melt:1"])
+    with pytest.raises(ValueError):
+        Faults.parse(["flip:x"])

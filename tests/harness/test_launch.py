@@ -1,0 +1,53 @@
+"""The torchrun launcher: ranks as processes, crashes and hangs end with a message, nothing left behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from musebench.harness import launch
+from musebench.harness.cases import TailCase
+from musebench.harness.driver import Faults, RunOptions
+
+pytestmark = pytest.mark.slow
+
+FAST = dict(launcher="torchrun", iters=1, warmup=0, timeout_s=1.0)
+
+
+def _cases(tp=2, tokens=(1, 3), mode="ep"):
+    return [TailCase(mode=mode, tp=tp, tokens=m) for m in tokens]
+
+
+def test_processes_pass_and_report_through_rank_zero(job_id):
+    seen = []
+    rows = launch.run_torchrun(_cases(), RunOptions(**FAST), on_case=seen.append)
+    assert [row.passed for row in rows] == [True, True], [row.error for row in rows]
+    assert len(seen) == 2 and all(row.transport == "shm" for row in rows)
+
+
+def test_rank_that_exits_is_named_with_its_exit_code(job_id):
+    rows = launch.run_torchrun(_cases(tp=3), RunOptions(**FAST, faults=Faults(exit_rank=1)))
+    assert all(not row.passed for row in rows)
+    assert rows[0].error == "rank 1 exited with code 17"
+
+
+def test_silent_rank_times_out_and_the_job_goes_on(job_id):
+    rows = launch.run_torchrun(_cases(), RunOptions(**FAST, faults=Faults(silent_rank=0)))
+    assert len(rows) == 2
+    assert all("waiting for rank 0" in row.error for row in rows)
+
+
+def test_flipped_bit_in_a_process(job_id):
+    rows = launch.run_torchrun(_cases(tokens=(2,)), RunOptions(**FAST, faults=Faults(flip_rank=1)))
+    assert rows[0].mismatches == 1 and rows[0].first_mismatch.rank == 1
+
+
+def test_hung_rank_is_killed_with_every_rank(job_id, monkeypatch):
+    monkeypatch.setattr(launch, "STARTUP_S", 25.0)
+    monkeypatch.setattr(launch, "case_bound_s", lambda options: 5.0)
+    started = time.monotonic()
+    rows = launch.run_torchrun(_cases(tokens=(1,)), RunOptions(**FAST, faults=Faults(hang_rank=1)))
+    assert time.monotonic() - started < 60
+    assert not rows[0].passed
+    assert "killed with every rank" in rows[0].error and "stuck: rank 1 in case 0" in rows[0].error
