@@ -1,0 +1,127 @@
+"""The CLI through click's CliRunner: usage errors exit 2 before launching, failures exit 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from musebench.cli import main
+
+SMALL = ["--tokens", "1,2", "--weights", "bf16", "--norm", "before", "--iters", "1", "--warmup", "0"]
+
+
+def _run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_help_imports_neither_torch_nor_cutlass():
+    code = "import sys, musebench.cli as c; c.main(['--help'], standalone_mode=False); " \
+           "print('torch' in sys.modules, 'cutlass' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False False")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tail", "--tp", "1"], "tp must be in 2..32, got 1"),
+        (["tail", "--tp", "33"], "tp must be in 2..32, got 33"),
+        (["tail", "--tp", "4", "--tokens", "0-2"], "tokens must be in 1..8"),
+        (["tail", "--tp", "4", "--tokens", "9", "--capacity", "8"], "tokens must be in 1..8"),
+        (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
+        (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
+        (["tail", "--tp", "4", "--backend", "cute"], "cute backend is not available"),
+        (["tail", "--tp", "4", "--stock", "flashinfer"], "needs its package and a GPU"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_line(args, message):
+    result = _run(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_unknown_option_exits_2():
+    assert _run("tail", "--bogus").exit_code == 2
+
+
+def test_tail_runs_and_prints_the_table(tmp_path):
+    out = tmp_path / "run.json"
+    junit = tmp_path / "run.xml"
+    result = _run("tail", "--tp", "3", *SMALL, "--json", str(out), "--junit", str(junit))
+    assert result.exit_code == 0, result.output
+    assert "✓" in result.output and "ep_tail" in result.output and "tp_tail" in result.output
+    assert "CPU model" in result.output
+    data = json.loads(out.read_text())
+    assert data["passed"] and len(data["cases"]) == 4
+    assert junit.read_text().count("<testcase") == 4
+
+
+def test_injected_flip_fails_the_run_with_the_element():
+    result = _run("tail", "--tp", "2", "--mode", "ep", *SMALL, "--inject", "flip:1")
+    assert result.exit_code == 1
+    assert "✗" in result.output and "rank 1" in result.output
+
+
+def test_injected_missing_rank_fails_within_the_timeout():
+    result = _run("tail", "--tp", "2", "--mode", "ep", "--tokens", "1", "--weights", "bf16", "--norm", "before",
+                  "--iters", "1", "--warmup", "0", "--timeout", "0.5", "--inject", "silent:0")
+    assert result.exit_code == 1
+    assert "timed out" in result.output and "waiting for rank 0" in result.output
+
+
+def test_parity_json_then_report_and_compare(tmp_path):
+    scenario = tmp_path / "s.toml"
+    scenario.write_text('[[run]]\nmodes = ["ep"]\ntp = [2]\ntokens = [1]\nweights = ["bf16"]\nnorm = ["after"]\n'
+                        'iters = 1\nwarmup = 0\n')
+    out = tmp_path / "out.json"
+    assert _run("parity", str(scenario), "--json", str(out)).exit_code == 0
+    rendered = _run("report", str(out))
+    assert rendered.exit_code == 0 and "ep_tail" in rendered.output
+    # a regression: the old run was fast and correct, the new one is slower
+    data = json.loads(out.read_text())
+    data["cases"][0]["tail_us"] = data["cases"][0]["tail_us"] * 10
+    slower = tmp_path / "slower.json"
+    slower.write_text(json.dumps(data))
+    compared = _run("report", str(slower), "--compare", str(out))
+    assert compared.exit_code == 1 and "timing" in compared.output
+
+
+def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):
+    result = _run("parity", "scenarios/parity.toml", "--dry-run")
+    assert result.exit_code == 0
+    assert "torch.distributed.run" in result.output and "ep_tail tp=2 m=1" in result.output
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[[run]]\ntp = [1]\n", "tp must be in 2..32"),
+        ("[[run]]\ntp = [4]\ncolour = 'red'\n", "unknown key 'colour'"),
+        ("[[run]\n", "not valid TOML"),
+        ("[defaults]\niters = 1\n", "no [[run]] tables"),
+        ("[[run]]\ntokens = ['a']\n", "tokens must hold int"),
+        ("[[run]]\nlauncher = 'slurm'\n", "launcher 'slurm' is not one of"),
+    ],
+)
+def test_malformed_scenario_exits_2(tmp_path, content, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    result = _run("parity", str(path))
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_report_of_a_malformed_file_exits_2(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    assert _run("report", str(path)).exit_code == 2
+
+
+def test_env_runs_without_a_gpu():
+    result = _run("env")
+    assert result.exit_code == 0
+    assert "cpu" in result.output.lower()
