@@ -75,7 +75,7 @@ reference returns the owner's (unscrubbed) bits; `tp_rank_output` gives a given 
 
 Host dispatch (`_select_path`, `_config`, `_pick_split`, `_single_xpar`, `_peer_batch`,
 `_single_ctas`, `_token_crossover`; nsm = the group's minimum SM count, all-reduced MIN at init):
-    pick_split(n) = smallest-doubling S from 1: while S < 16 and n*S*2 <= nsm: S *= 2
+    pick_split(n): S = 1; while S < 16 and n*S*2 <= nsm: S *= 2
     m < max(1, 64 // P)                       -> expert-owner,  S = pick_split(m)
     else ceil(m/P)*P > nsm                    -> token-owner-chunked, S = 1
     else                                      -> token-owner (single launch),
@@ -96,7 +96,8 @@ delivery). The expert-owner branch and XP = P both divide the 8 routes by P and 
 Such paths have name "extension", `stock=False`, and `describe()` says "no stock path; extension".
 
 Not modelled: NaN payloads (the reference yields some NaN where the stock yields NaN; compare
-NaN-ness, not NaN bits), the timing and transport themselves (they carry bits unchanged).
+NaN-ness, not NaN bits); timing; the transport, which moves bits unchanged apart from the
+output-copy scrub described under Delivery (`tp_rank_output`).
 """
 
 from __future__ import annotations
