@@ -5,7 +5,9 @@ Protocol (shared by the CuTe DSL tails and their CPU model):
 - A mailbox is `[LAMPORT_GENERATIONS, slots, capacity, width]` BF16 words owned by one rank and
   written by its peers. Every word is armed with the sentinel -0.0 (`SENTINEL_BF16_BITS`).
 - A publisher scrubs -0.0 from its payload (-0.0 -> +0.0, numerically equal) and stores it to
-  slot `[generation, its slot]` of every destination mailbox. The data write *is* the release:
+  slot `[generation, its slot]` of every destination mailbox. The sentinel unit is the 16-bit
+  half (EP tail: any half equal to 0x8000 is "not arrived") or the 32-bit word (TP tail: only a
+  word equal to 0x80008000 is; a lone -0.0 half is data), and the scrub matches the unit. The data write *is* the release:
   no flag, no fence; a word that no longer reads as the sentinel has landed.
 - A reader polls its own mailbox until no word of the slots it needs is the sentinel, bounded by
   a deadline: on timeout it records (waiting rank, missing peer, slot, generation) and gives up,
@@ -38,6 +40,7 @@ LAMPORT_GENERATIONS = 3
 NEXT_STAGE = 0
 ACTIVE_STAGE = 1
 SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
+SENTINEL_WORD32_BITS = 0x80008000 - (1 << 32)  # two BF16 -0.0 as int32: the TP tail's per-word sentinel
 POLL_BACKOFF_S = 20e-6
 
 
@@ -147,9 +150,24 @@ def shm_open(job: str, name: str, rank: int, tp: int, slots: int, capacity: int,
                    _cleanup=(shm_path(job, name, rank),))
 
 
-def publish(destination: torch.Tensor, payload_bits: torch.Tensor) -> None:
-    """Store payload words (int16, already scrubbed of -0.0) into a peer's mailbox region."""
-    if bool((payload_bits == SENTINEL_BF16_BITS).any()):
+def _pending(words: torch.Tensor, word_bits: int) -> torch.Tensor:
+    """Sentinel mask of int16 words [..., width] at the protocol's unit (16- or 32-bit)."""
+    if word_bits == 16:
+        return words == SENTINEL_BF16_BITS
+    if word_bits == 32:
+        return words.contiguous().view(torch.int32) == SENTINEL_WORD32_BITS
+    raise ValueError(f"word_bits must be 16 or 32, got {word_bits}")
+
+
+def scrub_word32(payload_bits: torch.Tensor) -> torch.Tensor:
+    """int16 payload with every 32-bit word equal to the sentinel pair replaced by 0."""
+    words = payload_bits.contiguous().view(torch.int32)
+    return torch.where(words == SENTINEL_WORD32_BITS, torch.zeros_like(words), words).view(torch.int16)
+
+
+def publish(destination: torch.Tensor, payload_bits: torch.Tensor, *, word_bits: int = 16) -> None:
+    """Store payload words (int16, already scrubbed at the protocol's unit) into a peer's mailbox region."""
+    if bool(_pending(payload_bits, word_bits).any()):
         raise AssertionError("payload holds the sentinel: scrub -0.0 before publishing")
     destination.copy_(payload_bits)
 
@@ -163,6 +181,7 @@ def poll(
     owner_of: Callable[[int, int], int] | None = None,
     what: str = "mailbox",
     started: float | None = None,
+    word_bits: int = 16,
 ) -> torch.Tensor:
     """Wait until no word of `region` [slots, tokens, width] is the sentinel; return a copy.
 
@@ -173,7 +192,7 @@ def poll(
     started = time.monotonic() if started is None else started
     while True:
         snapshot = region.clone()
-        pending = snapshot == SENTINEL_BF16_BITS
+        pending = _pending(snapshot, word_bits)
         if not bool(pending.any()):
             return snapshot
         if time.monotonic() > deadline:

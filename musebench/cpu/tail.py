@@ -11,8 +11,10 @@ FP32, round to BF16, advance NEXT_STAGE and re-arm what was read.
 
 TP tail, one call (token-owner layout: token t is owned by rank t % tp): take the generation,
 push the token's eight K-partial route rows to the owner's route mailbox (slot = source rank),
-then, as owner, poll every source's rows, compute the token's row, and store it to row t of
-every rank's token mailbox; finally poll the own token mailbox for every token and copy it out.
+then, as owner, poll every source's rows, compute the token's row, keep it, and store a copy
+scrubbed per 32-bit word to row t of every other rank's token mailbox; finally poll the own token
+mailbox for the other owners' rows and copy them out. The TP mailboxes' sentinel unit is the
+32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data.
 
 The per-row arithmetic is the reference's (musebench.stock): this model checks the protocol,
 the harness and the fault paths; the instruction-level contract is checked on the GPU kernels.
@@ -132,18 +134,18 @@ class CpuTpTail:
             for t in range(m):
                 owner = t % tp
                 rows = unfinalized.gemm2_permuted[index[t]]
-                payload = _bits(nx.scrub_negative_zero(rows))
+                payload = lamport.scrub_word32(_bits(rows))
                 base = (t // tp) * k
-                lamport.publish(routes.words[owner][generation, rank, base : base + k], payload)
+                lamport.publish(routes.words[owner][generation, rank, base : base + k], payload, word_bits=32)
 
-        # sum: the tokens this rank owns
+        # sum: the tokens this rank owns; the owner keeps its row, the copies are scrubbed per word
         owned = list(range(rank, m, tp))
         deadline = time.monotonic() + o.timeout_s
         if owned:
             region = routes.own[generation, :, : len(owned) * k]
             received = lamport.poll(
                 region, deadline=deadline, rank=rank, generation=generation, what="TP route",
-                owner_of=lambda slot, row: slot,
+                owner_of=lambda slot, row: slot, word_bits=32,
             )
             weights = unfinalized.route_weights[owned]
             local_index = torch.arange(len(owned) * k, dtype=torch.int32).reshape(len(owned), k)
@@ -155,20 +157,24 @@ class CpuTpTail:
                 weight_before_norm=o.weight_before_norm, nsm=self.nsm,
                 approximations=o.approximations, path=path,
             )
-            payload = _bits(nx.scrub_negative_zero(rows))
+            out[owned] = rows
+            copies = lamport.scrub_word32(_bits(rows))
             if o.publish:
-                for step in range(tp):
-                    peer = (rank + 1 + step) % tp
+                for step in range(1, tp):
+                    peer = (rank + step) % tp
                     for i, t in enumerate(owned):
-                        lamport.publish(tokens.words[peer][generation, 0, t], payload[i])
+                        lamport.publish(tokens.words[peer][generation, 0, t], copies[i], word_bits=32)
             lamport.rearm(region)
 
-        # copy: every token's row from its owner
-        region = tokens.own[generation, :, :m]
-        final = lamport.poll(
-            region, deadline=deadline, rank=rank, generation=generation, what="TP token",
-            owner_of=lambda slot, token: token % tp,
-        )
-        out.copy_(final[0].view(torch.bfloat16))
+        # copy: every other owner's row (each a live view: polling reads the mailbox anew)
+        for t in range(m):
+            if t % tp == rank:
+                continue
+            row = tokens.own[generation, :, t : t + 1]
+            final = lamport.poll(
+                row, deadline=deadline, rank=rank, generation=generation, what="TP token",
+                owner_of=lambda slot, i, t=t: t % tp, word_bits=32,
+            )
+            out[t] = final[0, 0].view(torch.bfloat16)
+            lamport.rearm(row)
         routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS
-        lamport.rearm(region)

@@ -176,21 +176,26 @@ def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunO
     return outcome
 
 
-def expected_output(case: TailCase, inputs: TailInputs, options: RunOptions) -> tuple[torch.Tensor, str]:
-    """The stock's output for the case and the stock path it took."""
+def expected_outputs(case: TailCase, inputs: TailInputs, options: RunOptions) -> tuple[list[torch.Tensor], str]:
+    """The stock's output on every rank and the stock path it took.
+
+    The EP tail's bits are the same on every rank. The TP stock's single launch is not: a
+    token's owner keeps its row while the other ranks receive a copy scrubbed per 32-bit word
+    (`stock.tp.tp_rank_output`), so each rank is checked against its own expected bits.
+    """
     approximations = nx.PRECISE
     if case.mode == "ep":
         from musebench.stock.ep import ep_tail_reference
 
         out = ep_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
                                 weight_before_norm=case.weight_before_norm, approximations=approximations)
-        return out, "ep-ll one-shot"
-    from musebench.stock.tp import tp_tail_reference
+        return [out] * case.tp, "ep-ll one-shot"
+    from musebench.stock.tp import tp_rank_output, tp_tail_reference
 
     out, path = tp_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
                                   weight_before_norm=case.weight_before_norm, nsm=options.nsm,
                                   approximations=approximations)
-    return out, path.describe()
+    return [tp_rank_output(out, path, rank) for rank in range(case.tp)], path.describe()
 
 
 def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
@@ -205,7 +210,7 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
     try:
         inputs = inputs if inputs is not None else make_tail_inputs(case)
         started = time.perf_counter()
-        want, result.stock_path = expected_output(case, inputs, options)
+        wants, result.stock_path = expected_outputs(case, inputs, options)
         result.stock_us = (time.perf_counter() - started) * 1e6
     except Exception as error:
         result.error = f"stock: {type(error).__name__}: {error}"
@@ -226,7 +231,7 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
             errors.append(row.error)
             continue
         row.digest = checks.digest(outcome.output)
-        row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(outcome.output, want, rank=rank)
+        row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(outcome.output, wants[rank], rank=rank)
         row.tail_us = statistics.median(outcome.times_us) if outcome.times_us else None
         result.mismatches += row.mismatches
         result.max_ulp = max(result.max_ulp, row.max_ulp)
@@ -234,8 +239,12 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
             result.first_mismatch = row.first_mismatch
         if len(set(outcome.digests)) > 1:
             result.deterministic = False
-    digests = {row.digest for row in result.ranks if row.error is None}
-    result.rank_identical = len(digests) <= 1 and not errors
+    # ranks the stock gives the same bits must agree with each other
+    groups: dict[str, set[str]] = {}
+    for row in result.ranks:
+        if row.error is None:
+            groups.setdefault(checks.digest(wants[row.rank]), set()).add(row.digest)
+    result.rank_identical = all(len(digests) == 1 for digests in groups.values()) and not errors
     if errors:
         result.error = _summarize_errors(errors)
     times = [row.tail_us for row in result.ranks if row.tail_us is not None]

@@ -25,3 +25,27 @@ def test_repeated_calls_wrap_the_generations():
     """More calls than generations, back to back, no barrier: every call's digest is the same."""
     rows = run_virtual([TailCase(mode="ep", tp=4, tokens=3)], RunOptions(iters=7, warmup=0))
     assert rows[0].passed and rows[0].deterministic
+
+
+def test_tp_owner_keeps_negative_zero_copies_are_scrubbed_per_word(monkeypatch):
+    """tp=3 (FMA-chain combine): products that underflow below zero leave -0.0 on the owner only."""
+    import torch
+
+    from musebench.harness import driver
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode="tp", tp=3, tokens=2, weight_dtype="fp32", norm="before")
+    rows = -torch.ones(16, 4096, dtype=torch.bfloat16)  # every normalized value is negative
+    weights = torch.full((2, 8), 1e-45, dtype=torch.float32)  # every product underflows to -0.0
+    index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    per_rank = tuple(UnfinalizedMoEOutput(rows.clone(), weights, index) for _ in range(3))
+    inputs = TailInputs(per_rank, torch.zeros(4096, dtype=torch.bfloat16))
+    monkeypatch.setattr(driver, "make_tail_inputs", lambda c: inputs)
+    row = run_virtual([case], RunOptions(iters=1, warmup=0))[0]
+    assert row.passed, (row.error, row.first_mismatch)
+    assert "extension" in row.stock_path
+    # token 0 is owned by rank 0, token 1 by rank 1: each keeps -0.0 in its own row only, and
+    # rank 2 owns none, so the three ranks hold three different (stock-correct) outputs
+    assert len({r.digest for r in row.ranks}) == 3
+    assert row.rank_identical
