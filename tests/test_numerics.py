@@ -9,28 +9,7 @@ import pytest
 import torch
 
 from musebench import numerics as nx
-
-
-def _f32_round(value: Fraction) -> float:
-    """Round an exact rational to binary32, nearest-even (via binary64 is not safe: do it exactly)."""
-    if value == 0:
-        return 0.0
-    sign = -1 if value < 0 else 1
-    magnitude = abs(value)
-    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
-    if Fraction(2) ** exponent > magnitude:
-        exponent -= 1
-    exponent = max(exponent, -126)  # subnormals share the smallest normal's quantum
-    quantum = Fraction(2) ** (exponent - 23)
-    scaled = magnitude / quantum
-    floor = scaled.numerator // scaled.denominator
-    rest = scaled - floor
-    if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and floor % 2 == 1):
-        floor += 1
-    result = float(floor * quantum)
-    if abs(result) > struct.unpack("f", struct.pack("I", 0x7F7FFFFF))[0]:
-        return sign * float("inf")
-    return sign * struct.unpack("f", struct.pack("f", result))[0]
+from tests._scalar import round_f32 as _f32_round
 
 
 def _exact_fma(a: float, b: float, c: float) -> float:

@@ -1,0 +1,334 @@
+"""One PTX instruction per function, for the CuTe DSL kernels of musebench.
+
+Every floating-point operation a kernel performs on the contract's path goes through one of these
+wrappers, so the rounding of each step is spelled in the PTX itself (`add.rn.f32`, `mul.rn.f32`,
+`fma.rn.f32`) and nothing is left for NVVM or ptxas to contract or reassociate: an explicit `.rn`
+forbids contraction, and an inline-asm result is opaque to LLVM's folding (`0.0 + x` survives).
+
+Names carry op, semantics, scope, state space and type, in PTX order; a combination this module
+does not define does not exist. Addresses are generic 64-bit `Int64` values (global memory, or a
+multicast address for `multimem`).
+
+Memory wrappers are marked as having side effects: LLVM must neither hoist a load above
+`griddepcontrol.wait` nor merge two polls of the same word, and it treats an inline asm without
+side effects as a pure function of its operands. Arithmetic wrappers are pure.
+
+The helpers at the end (`scrub_negative_zero_u32`, `has_negative_zero_u32`, `bf16x2_*_bits`) are
+integer arithmetic, not asm: the same function runs on DSL `Uint32` values inside a kernel and on
+Python ints in a unit test.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute  # noqa: F401  (the DSL must be initialised before dsl_user_op use)
+from cutlass import Float32, Int32, Int64, Numeric, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+BF16_NEGATIVE_ZERO_BITS = 0x8000  # one BF16 half: -0.0, the Lamport sentinel
+BF16_HALF_MASK = 0xFFFF
+BF16_HIGH_MASK = 0xFFFF0000
+U32_MASK = 0xFFFFFFFF
+SENTINEL_BF16X2 = 0x80008000  # both halves -0.0
+LOW_HALF_ONES = 0x00010001
+
+
+def _asm(result_type, operands, text: str, constraints: str, *, side_effects: bool, loc=None, ip=None):
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _ir(value, loc=None, ip=None):
+    return value.ir_value(loc=loc, ip=ip)
+
+
+def _four_u32(struct, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(4))  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# Global memory.
+
+
+@dsl_user_op
+def ld_global_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.global.v4.u32`: 16 bytes, weak (data another kernel finished writing)."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_ir(Int64(address), loc, ip)],
+        "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ld_volatile_global_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.volatile.global.v4.u32`: 16 bytes, re-read from memory every time (a Lamport poll)."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_ir(Int64(address), loc, ip)],
+        "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ld_volatile_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """`ld.volatile.global.u32`: one word (a stage word)."""
+    return Uint32(
+        _asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.volatile.global.u32 $0, [$1];", "=r,l", side_effects=True, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def st_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
+    """`st.global.u32`: one word, weak."""
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)],
+        "st.global.u32 [$0], $1;",
+        "l,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_global_v4_u32(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> None:
+    """`st.global.v4.u32`: 16 bytes, weak (own memory: outputs, re-arming)."""
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), *(_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3))],
+        "st.global.v4.u32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_relaxed_sys_global_v4_u32(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> None:
+    """`st.relaxed.sys.global.v4.u32`: 16 bytes to a peer's memory, morally strong at system scope.
+
+    A peer polls these words with volatile (relaxed, system-scope) loads; a strong store keeps the
+    pair free of data races in the PTX memory model.
+    """
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), *(_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3))],
+        "st.relaxed.sys.global.v4.u32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def multimem_st_relaxed_sys_global_v4_bf16x2(
+    address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None
+) -> None:
+    """`multimem.st.relaxed.sys.global.v4.bf16x2`: 16 bytes to every rank bound to a multicast address.
+
+    A plain store replicated by the switch: no arithmetic on the payload. Needs an NVLink
+    multicast object (sm_90+; exercised on GB200 only).
+    """
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), *(_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3))],
+        "multimem.st.relaxed.sys.global.v4.bf16x2 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def atom_cas_relaxed_gpu_global_b32(address: Int64, compare: Int32, value: Int32, *, loc=None, ip=None) -> Int32:
+    """`atom.relaxed.gpu.global.cas.b32`: store `value` if the word equals `compare`; returns the old word."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_ir(Int64(address), loc, ip), _ir(Int32(compare), loc, ip), _ir(Int32(value), loc, ip)],
+            "atom.relaxed.gpu.global.cas.b32 $0, [$1], $2, $3;",
+            "=r,l,r,r",
+            side_effects=True,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Special registers.
+
+
+@dsl_user_op
+def read_globaltimer_u64(*, loc=None, ip=None) -> Int64:
+    """`mov.u64 %globaltimer`: the global nanosecond timer (bounds every spin-wait).
+
+    Side effects keep LLVM from hoisting the read out of a polling loop.
+    """
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------------------------
+# Binary32 arithmetic, rounded to nearest even, subnormals kept (no .ftz).
+
+
+@dsl_user_op
+def add_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`add.rn.f32`: a + b, one rounding, never contracted."""
+    return Float32(
+        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "add.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def mul_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`mul.rn.f32`: a * b, one rounding, never contracted."""
+    return Float32(
+        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def fma_rn_f32(a: Float32, b: Float32, c: Float32, *, loc=None, ip=None) -> Float32:
+    """`fma.rn.f32`: a * b + c with one rounding."""
+    return Float32(
+        _asm(
+            T.f32(),
+            [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip), _ir(Float32(c), loc, ip)],
+            "fma.rn.f32 $0, $1, $2, $3;",
+            "=f,f,f,f",
+            side_effects=False,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Approximate instructions (not correctly rounded; their bits are the hardware's).
+
+
+@dsl_user_op
+def rsqrt_approx_ftz_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`rsqrt.approx.ftz.f32`: the EP stock's inverse RMS (MUFU.RSQ, subnormal input flushed)."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "rsqrt.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def rsqrt_approx_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`rsqrt.approx.f32`: the TP stock's inverse RMS (subnormals kept)."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "rsqrt.approx.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ex2_approx_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`ex2.approx.f32`: 2^x, approximate (MUFU.EX2 with range reduction)."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "ex2.approx.f32 $0, $1;", "=f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def div_full_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`div.full.f32`: a / b to about 2 ulp (not IEEE division)."""
+    return Float32(
+        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "div.full.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversions.
+
+
+@dsl_user_op
+def cvt_rn_bf16x2_f32(high: Float32, low: Float32, *, loc=None, ip=None) -> Uint32:
+    """`cvt.rn.bf16x2.f32 d, a, b`: d = bf16(a) << 16 | bf16(b), nearest even, subnormals kept.
+
+    Operand order is PTX's: the FIRST operand lands in the HIGH half. A fragment's element 2j
+    (lower address) therefore goes second: `cvt_rn_bf16x2_f32(v[2j + 1], v[2j])`.
+    """
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_ir(Float32(high), loc, ip), _ir(Float32(low), loc, ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+            side_effects=False,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def bitcast_u32_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
+    """Reinterpret 32 bits as binary32 (no instruction: a register rename)."""
+    return Float32(llvm.bitcast(T.f32(), _ir(Uint32(bits), loc, ip), loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure integer helpers (DSL Uint32 in a kernel, Python int in a test; results fit in 32 bits).
+
+
+def _like(word, value: int):
+    """`value` as the type of `word` when that is a DSL numeric, so a Uint32 expression stays
+    32-bit (a Python int above 2^31 would promote it to Int64); otherwise the plain int (Python
+    ints, or int64 torch tensors in tests, where every intermediate fits)."""
+    return type(word)(value) if isinstance(word, Numeric) else value
+
+
+def bf16x2_low_bits(word):
+    """binary32 bits of the BF16 in the low half (element 2j): exact widening."""
+    return (word & _like(word, BF16_HALF_MASK)) << _like(word, 16)
+
+
+def bf16x2_high_bits(word):
+    """binary32 bits of the BF16 in the high half (element 2j + 1): exact widening."""
+    return word & _like(word, BF16_HIGH_MASK)
+
+
+def has_negative_zero_u32(word):
+    """Nonzero if either 16-bit half of `word` is 0x8000 (BF16 -0.0, the sentinel), else 0.
+
+    SWAR zero-half test on x = word ^ 0x80008000 (three integer ops): a zero half sets its top bit
+    in (x - 0x00010001) & ~x; a borrow out of a zero low half can also flag the high half, which
+    only matters when the answer is already yes. Exact as a yes/no, not per half.
+    """
+    x = word ^ _like(word, SENTINEL_BF16X2)
+    return (x - _like(word, LOW_HALF_ONES)) & (x ^ _like(word, U32_MASK)) & _like(word, SENTINEL_BF16X2)
+
+
+def _half_is_sentinel(half, like):
+    """1 if a 16-bit value equals 0x8000, else 0 (branch-free)."""
+    difference = half ^ _like(like, BF16_NEGATIVE_ZERO_BITS)  # 0 exactly when the half is the sentinel
+    return _like(like, 1) - ((difference + _like(like, BF16_HALF_MASK)) >> _like(like, 16))
+
+
+def scrub_negative_zero_u32(word):
+    """Clear each 16-bit half equal to 0x8000 (-0.0 -> +0.0); every other half unchanged."""
+    low = _half_is_sentinel(word & _like(word, BF16_HALF_MASK), word)
+    high = _half_is_sentinel(word >> _like(word, 16), word)
+    clear = low * _like(word, BF16_HALF_MASK) + high * _like(word, BF16_HIGH_MASK)
+    return word & (clear ^ _like(word, U32_MASK))

@@ -1,0 +1,701 @@
+"""EP MoE tail in CuTe DSL: finalize + post-expert RMSNorm + Lamport all-reduce, two kernels.
+
+What it computes (bit for bit, docs/contract.md §1; torch reference `musebench.stock.ep`): per rank
+the BF16 partial of each token, the sum over the token's local routes of the route-weighted,
+RMS-normalised expert row, then the rank-order FP32 sum of every rank's partial, as BF16.
+
+Phases, one CUDA stream per rank, two launches per call:
+
+1. `_EpPublisherKernel`, grid (m,), 128 threads: thread t owns the 16-byte fragments at columns
+   8 * (t + 128 * trip) .. +7. Gamma (+ gain centre) is loaded before `griddepcontrol.wait`
+   (the weights are not produced by the preceding kernel). Per local route: the sum of squares
+   as a chain of 32 `fma.rn.f32` (element-major, trip fastest), a butterfly (xor 16..1,
+   `add.rn.f32`), the warp sums from +0.0 in warp order, `rsqrt.approx.ftz.f32` of
+   `fma.rn(total, 1/width, eps)`, then `acc = fma.rn(y, w, acc)`. The partial is converted with
+   `cvt.rn.bf16x2.f32`, -0.0 is scrubbed to +0.0 and the words are stored to slot
+   [stage, rank, token] of every rank's mailbox: `st.relaxed.sys` through the peer table
+   (transport "unicast", peers from rank + 1 upward, wrapping, own mailbox last) or one
+   `multimem.st` (transport "multicast"). Block 0, thread 0 stores ACTIVE_STAGE = stage.
+2. `_EpReduceKernel`, grid (m, width / 8 / 128), 128 threads: a thread owns one 16-byte fragment
+   of one token. After `griddepcontrol.wait` it reads ACTIVE_STAGE, polls the tp slots of its own
+   mailbox with `ld.volatile.global.v4.u32` until no BF16 half is the sentinel 0x8000, adds them
+   from +0.0 in rank order (`add.rn.f32`), stores `cvt.rn.bf16x2.f32` of the sum (no scrub),
+   and re-arms exactly the 16 * tp bytes it read.
+
+Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
+The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
+sees the whole fragment (each 16-bit half is written once, sentinel -> value, and checked on
+its own, so a torn 16-byte access is harmless). A slot of generation g is written again only at
+call i + 3, after every peer consumed call i + 2, which needs this rank's publish of i + 2, which
+follows this rank's reduce of call i (its re-arm) in stream order; three generations suffice.
+Stage words live in the rank's device memory, so CUDA-graph replay advances them. With PDL the
+publisher's `griddepcontrol.wait` waits for the previous reduce's whole grid (re-arm included)
+and the reduce's waits for the publisher's grid (ACTIVE_STAGE and the own-slot store included).
+
+Bounded waits: every polling loop reads `%globaltimer` in the same iteration as its loads. A
+fragment still incomplete `timeout_ns` after the reduce started polling is abandoned: the thread
+writes no output and re-arms nothing, and the first such thread of the rank records the fault in
+`fault` int32[4] (`atom.cas` of word 0 from -1 to the waiting rank, then the missing peer, the
+mailbox row `slot * capacity + token` and the generation). NEXT_STAGE is advanced before the
+polling so a fault cannot desynchronise the generation counter of the calls that follow.
+
+Numbers measured: none yet (compile-tested for sm_90a and sm_100a with CuTe DSL 4.8.1 on a CPU
+host; the GPU tests are tests/kernels/test_tail_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Float32, Int16, Int32, Int64
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+
+from musebench.kernels import ptx
+
+if TYPE_CHECKING:
+    from musebench.layout import UnfinalizedMoEOutput
+
+# The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_ptx.py).
+LAMPORT_GENERATIONS = 3
+NEXT_STAGE = 0
+ACTIVE_STAGE = 1
+SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
+SENTINEL_BF16X2 = 0x80008000  # two sentinel halves in one 32-bit word
+
+WARP = 32
+FRAGMENT = 8  # BF16 elements per 16-byte fragment
+FRAGMENT_WORDS = 4  # 32-bit words per fragment
+BF16_BYTES = 2
+STAGE_WORDS = 2
+STAGE_WORD_BYTES = 4
+
+# Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
+FAULT_WORDS = 4
+FAULT_CLEAR = -1
+FAULT_RANK = 0  # the waiting rank (written by the atom.cas that claims the record)
+FAULT_PEER = 1  # the first source rank whose fragment never landed
+FAULT_ROW = 2  # mailbox row within the generation: slot * capacity + token
+FAULT_GENERATION = 3
+
+DEFAULT_WIDTH = 4096
+DEFAULT_TOP_K = 8
+DEFAULT_THREADS = 128
+DEFAULT_TIMEOUT_NS = 2_000_000_000
+TRANSPORTS = ("unicast", "multicast")
+WEIGHT_DTYPES = ("bf16", "fp32")
+_CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
+_TORCH_WEIGHT_TYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def mailbox_shape(tp: int, capacity: int, width: int = DEFAULT_WIDTH) -> tuple[int, int, int, int]:
+    """[generations, source slots, capacity, width] of one rank's EP mailbox (int16 words)."""
+    return (LAMPORT_GENERATIONS, tp, capacity, width)
+
+
+def slot_element(stage: int, slot: int, token: int, column: int, *, tp: int, capacity: int, width: int) -> int:
+    """Element offset of mailbox word [stage, slot, token, column] (host twin of the kernels' math)."""
+    return ((stage * tp + slot) * capacity + token) * width + column
+
+
+def peer_order(rank: int, tp: int) -> tuple[int, ...]:
+    """The order the unicast publisher visits mailboxes: rank + 1 upward, wrapping, own last."""
+    return tuple((rank + 1 + step) % tp for step in range(tp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code.
+
+
+class _EpPublisherKernel:
+    """Per-rank partial of the EP tail, published to every rank's mailbox (grid (m,))."""
+
+    def __init__(
+        self,
+        *,
+        width: int = DEFAULT_WIDTH,
+        top_k: int = DEFAULT_TOP_K,
+        tp: int,
+        rank: int,
+        capacity: int,
+        threads: int = DEFAULT_THREADS,
+        weight_before_norm: bool,
+        weight_dtype: str,
+        eps: float,
+        gain_center: float,
+        transport: str,
+        enable_pdl: bool,
+    ) -> None:
+        _require(threads > 0 and threads % WARP == 0, f"threads must be a positive multiple of {WARP}, got {threads}")
+        _require(width > 0 and width % (threads * FRAGMENT) == 0, f"width {width} must be a multiple of {threads * FRAGMENT}")
+        _require(top_k >= 1, f"top_k must be positive, got {top_k}")
+        _require(tp >= 1, f"tp must be positive, got {tp}")
+        _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
+        _require(capacity >= 1, f"capacity must be positive, got {capacity}")
+        _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        _require(transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        _require(math.isfinite(eps) and eps > 0, f"eps must be positive and finite, got {eps}")
+        _require(math.isfinite(gain_center), f"gain_center must be finite, got {gain_center}")
+        self.width = width
+        self.top_k = top_k
+        self.tp = tp
+        self.rank = rank
+        self.capacity = capacity
+        self.threads = threads
+        self.warps = threads // WARP
+        self.trips = width // (threads * FRAGMENT)
+        self.weight_before_norm = bool(weight_before_norm)
+        self.weight_dtype = weight_dtype
+        self.eps = float(eps)
+        self.gain_center = float(gain_center)
+        self.transport = transport
+        self.enable_pdl = bool(enable_pdl)
+        self.smem_bytes = top_k * self.warps * 4
+
+    @cute.jit
+    def __call__(
+        self,
+        rows: cute.Tensor,
+        route_weights: cute.Tensor,
+        permuted_idx: cute.Tensor,
+        norm_weight: cute.Tensor,
+        stage: cute.Tensor,
+        peer_mailboxes: cute.Tensor,
+        multicast_base: Int64,
+        m: Int32,
+        num_rows: Int32,
+        stream: cuda.CUstream,
+    ) -> None:
+        self.kernel(rows, route_weights, permuted_idx, norm_weight, stage, peer_mailboxes, multicast_base, num_rows).launch(
+            grid=(m, 1, 1),
+            block=(self.threads, 1, 1),
+            smem=self.smem_bytes,
+            stream=stream,
+            use_pdl=self.enable_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        rows: cute.Tensor,
+        route_weights: cute.Tensor,
+        permuted_idx: cute.Tensor,
+        norm_weight: cute.Tensor,
+        stage: cute.Tensor,
+        peer_mailboxes: cute.Tensor,
+        multicast_base: Int64,
+        num_rows: Int32,
+    ) -> None:
+        token, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        values = self.trips * FRAGMENT
+        gain_center = Float32(self.gain_center)
+
+        # gamma + gain centre, per owned column; index trip + trips * element (CuTe order).
+        gamma = []
+        for _ in cutlass.range_constexpr(values):
+            gamma.append(Float32(0.0))
+        gamma_base = Int64(norm_weight.iterator.toint())
+        for trip in cutlass.range_constexpr(self.trips):
+            column = Int64(tidx + trip * self.threads) * FRAGMENT
+            words = ptx.ld_global_v4_u32(gamma_base + column * BF16_BYTES)
+            for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                low = ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(words[j]))
+                high = ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(words[j]))
+                gamma[trip + self.trips * (2 * j)] = ptx.add_rn_f32(low, gain_center)
+                gamma[trip + self.trips * (2 * j + 1)] = ptx.add_rn_f32(high, gain_center)
+
+        # The rows, weights and indices come from the preceding kernel (expert GEMM2).
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        smem = cutlass.utils.SmemAllocator()
+        # One set of warp slots per route: no second barrier needed between routes.
+        warp_sums = smem.allocate_tensor(Float32, cute.make_layout(self.top_k * self.warps), byte_alignment=16)
+        acc = cute.make_rmem_tensor(cute.make_layout(values), Float32)
+        acc.fill(Float32(0.0))
+        rows_base = Int64(rows.iterator.toint())
+        inv_width = Float32(1.0 / self.width)
+        eps = Float32(self.eps)
+
+        for k in cutlass.range_constexpr(self.top_k):
+            route = Int64(token) * self.top_k + k
+            row = Int32(permuted_idx[route])
+            # Uniform over the CTA: every thread reads the same index.
+            if row >= Int32(0) and row < num_rows:
+                scaled = []
+                for _ in cutlass.range_constexpr(values):
+                    scaled.append(Float32(0.0))
+                for trip in cutlass.range_constexpr(self.trips):
+                    column = Int64(tidx + trip * self.threads) * FRAGMENT
+                    words = ptx.ld_global_v4_u32(rows_base + (Int64(row) * self.width + column) * BF16_BYTES)
+                    for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                        for half in cutlass.range_constexpr(2):
+                            bits = ptx.bf16x2_low_bits(words[j]) if half == 0 else ptx.bf16x2_high_bits(words[j])
+                            x = ptx.bitcast_u32_to_f32(bits)
+                            index = trip + self.trips * (2 * j + half)
+                            if cutlass.const_expr(self.weight_before_norm):
+                                x = ptx.mul_rn_f32(x, gamma[index])
+                            scaled[index] = x
+                # Ordered chain from +0.0 in CuTe coordinate order (trip fastest): the contract's.
+                sum_of_squares = Float32(0.0)
+                for index in cutlass.range_constexpr(values):
+                    sum_of_squares = ptx.fma_rn_f32(scaled[index], scaled[index], sum_of_squares)
+                for offset in (16, 8, 4, 2, 1):
+                    partner = cute.arch.shuffle_sync_bfly(sum_of_squares, offset=offset)
+                    sum_of_squares = ptx.add_rn_f32(sum_of_squares, partner)
+                if lane == 0:
+                    warp_sums[k * self.warps + warp] = sum_of_squares
+                cute.arch.barrier()
+                total = Float32(0.0)
+                for w in cutlass.range_constexpr(self.warps):
+                    total = ptx.add_rn_f32(total, warp_sums[k * self.warps + w])
+                inv_rms = ptx.rsqrt_approx_ftz_f32(ptx.fma_rn_f32(total, inv_width, eps))
+                weight = Float32(route_weights[route])
+                for index in cutlass.range_constexpr(values):
+                    y = ptx.mul_rn_f32(scaled[index], inv_rms)
+                    if cutlass.const_expr(not self.weight_before_norm):
+                        y = ptx.mul_rn_f32(y, gamma[index])
+                    acc[index] = ptx.fma_rn_f32(y, weight, acc[index])
+
+        # Payload words, -0.0 scrubbed: the data write is the release.
+        payload = []
+        for trip in cutlass.range_constexpr(self.trips):
+            for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                low = acc[trip + self.trips * (2 * j)]
+                high = acc[trip + self.trips * (2 * j + 1)]
+                payload.append(ptx.scrub_negative_zero_u32(ptx.cvt_rn_bf16x2_f32(high, low)))
+
+        stage_base = Int64(stage.iterator.toint())
+        generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+        slot_bytes = ((Int64(generation) * self.tp + self.rank) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
+        if cutlass.const_expr(self.transport == "multicast"):
+            for trip in cutlass.range_constexpr(self.trips):
+                column = Int64(tidx + trip * self.threads) * FRAGMENT
+                w = payload[trip * FRAGMENT_WORDS : (trip + 1) * FRAGMENT_WORDS]
+                ptx.multimem_st_relaxed_sys_global_v4_bf16x2(multicast_base + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
+        else:
+            for step in cutlass.range_constexpr(self.tp):
+                peer = (self.rank + 1 + step) % self.tp
+                peer_base = Int64(peer_mailboxes[peer])
+                for trip in cutlass.range_constexpr(self.trips):
+                    column = Int64(tidx + trip * self.threads) * FRAGMENT
+                    w = payload[trip * FRAGMENT_WORDS : (trip + 1) * FRAGMENT_WORDS]
+                    ptx.st_relaxed_sys_global_v4_u32(peer_base + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
+
+        if token == 0 and tidx == 0:
+            ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+
+class _EpReduceKernel:
+    """Rank-order sum of the tp partials in this rank's mailbox (grid (m, width / 8 / threads))."""
+
+    def __init__(
+        self,
+        *,
+        width: int = DEFAULT_WIDTH,
+        tp: int,
+        rank: int,
+        capacity: int,
+        threads: int = DEFAULT_THREADS,
+        enable_pdl: bool,
+        timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    ) -> None:
+        _require(threads > 0 and threads % WARP == 0, f"threads must be a positive multiple of {WARP}, got {threads}")
+        _require(width > 0 and width % (threads * FRAGMENT) == 0, f"width {width} must be a multiple of {threads * FRAGMENT}")
+        _require(tp >= 1, f"tp must be positive, got {tp}")
+        _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
+        _require(capacity >= 1, f"capacity must be positive, got {capacity}")
+        _require(isinstance(timeout_ns, int) and 0 < timeout_ns < 2**62, f"timeout_ns must be a positive int, got {timeout_ns!r}")
+        self.width = width
+        self.tp = tp
+        self.rank = rank
+        self.capacity = capacity
+        self.threads = threads
+        self.parts = width // (threads * FRAGMENT)
+        self.enable_pdl = bool(enable_pdl)
+        self.timeout_ns = int(timeout_ns)
+
+    @cute.jit
+    def __call__(
+        self,
+        mailbox: cute.Tensor,
+        out: cute.Tensor,
+        stage: cute.Tensor,
+        fault: cute.Tensor,
+        m: Int32,
+        stream: cuda.CUstream,
+    ) -> None:
+        self.kernel(mailbox, out, stage, fault).launch(
+            grid=(m, self.parts, 1),
+            block=(self.threads, 1, 1),
+            stream=stream,
+            use_pdl=self.enable_pdl,
+        )
+
+    @cute.kernel
+    def kernel(self, mailbox: cute.Tensor, out: cute.Tensor, stage: cute.Tensor, fault: cute.Tensor) -> None:
+        token, part, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        column = Int64(part * self.threads + tidx) * FRAGMENT
+        slot_stride = Int64(self.capacity * self.width * BF16_BYTES)
+        stage_base = Int64(stage.iterator.toint())
+        fault_base = Int64(fault.iterator.toint())
+        out_address = Int64(out.iterator.toint()) + (Int64(token) * self.width + column) * BF16_BYTES
+
+        # Everything the publisher writes (slots, ACTIVE_STAGE) is read after this point.
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+
+        generation = Int32(ptx.ld_volatile_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES))
+        # The next publisher reads NEXT_STAGE only after this grid completes (PDL wait or stream
+        # order); storing it before polling keeps the generations in step even after a fault.
+        if token == 0 and part == 0 and tidx == 0:
+            ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (generation + 1) % LAMPORT_GENERATIONS)
+
+        first_slot = (
+            Int64(mailbox.iterator.toint())
+            + ((Int64(generation) * self.tp) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
+            + column * BF16_BYTES
+        )
+        landed = cute.make_rmem_tensor(cute.make_layout(self.tp * FRAGMENT_WORDS), cutlass.Uint32)
+        started = ptx.read_globaltimer_u64()
+        pending = cutlass.Uint32(1)
+        polling = Int32(1)
+        while polling != 0:
+            # The timer is read in the same iteration as the loads: the wait is bounded.
+            now = ptx.read_globaltimer_u64()
+            pending = cutlass.Uint32(0)
+            for source in cutlass.range_constexpr(self.tp):
+                words = ptx.ld_volatile_global_v4_u32(first_slot + source * slot_stride)
+                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                    landed[source * FRAGMENT_WORDS + j] = words[j]
+                    pending = pending | ptx.has_negative_zero_u32(words[j])
+            waiting = Int32(pending != 0)
+            in_time = Int32(now - started <= Int64(self.timeout_ns))
+            polling = waiting & in_time
+
+        if pending != 0:
+            # Timed out: name the lowest source still missing; the first thread to time out wins.
+            missing = Int32(self.tp)
+            for source in cutlass.range_constexpr(self.tp - 1, -1, -1):
+                dirty = cutlass.Uint32(0)
+                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                    dirty = dirty | ptx.has_negative_zero_u32(landed[source * FRAGMENT_WORDS + j])
+                if dirty != 0:
+                    missing = Int32(source)
+            previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
+            if previous == Int32(FAULT_CLEAR):
+                ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
+                ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + Int32(token))
+                ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
+        else:
+            total = []
+            for _ in cutlass.range_constexpr(FRAGMENT):
+                total.append(Float32(0.0))
+            for source in cutlass.range_constexpr(self.tp):
+                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                    word = landed[source * FRAGMENT_WORDS + j]
+                    total[2 * j] = ptx.add_rn_f32(total[2 * j], ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(word)))
+                    total[2 * j + 1] = ptx.add_rn_f32(total[2 * j + 1], ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(word)))
+            result = [ptx.cvt_rn_bf16x2_f32(total[2 * j + 1], total[2 * j]) for j in range(FRAGMENT_WORDS)]
+            ptx.st_global_v4_u32(out_address, result[0], result[1], result[2], result[3])
+
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+        if pending == 0:
+            # Re-arm exactly what this thread consumed; peers write it again three calls later.
+            sentinel = cutlass.Uint32(SENTINEL_BF16X2)
+            for source in cutlass.range_constexpr(self.tp):
+                ptx.st_global_v4_u32(first_slot + source * slot_stride, sentinel, sentinel, sentinel, sentinel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation (fake tensors, cached by the exact compile-time values).
+
+_PUBLISHERS: dict[tuple, Any] = {}
+_REDUCERS: dict[tuple, Any] = {}
+
+
+def _refuse_during_capture() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("compile the EP tail kernels before CUDA graph capture")
+
+
+def _compiler(arch: str | None, ptx_dir: str | None):
+    options = []
+    if arch is not None:
+        options.append(cute.GPUArch(arch))
+    if ptx_dir is not None:
+        from cutlass.base_dsl.compiler import DumpDir
+
+        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
+    return cute.compile[tuple(options)] if options else cute.compile
+
+
+def _flat(dtype, divisibility: int, align: int):
+    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=align)
+
+
+def compile_publisher(
+    *,
+    width: int = DEFAULT_WIDTH,
+    top_k: int = DEFAULT_TOP_K,
+    tp: int,
+    rank: int,
+    capacity: int,
+    threads: int = DEFAULT_THREADS,
+    weight_before_norm: bool,
+    weight_dtype: str,
+    eps: float,
+    gain_center: float,
+    transport: str,
+    enable_pdl: bool,
+    arch: str | None = None,
+    ptx_dir: str | None = None,
+) -> Any:
+    """The compiled EP publisher for these compile-time values (cached; never during capture).
+
+    `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the
+    PTX there (`compiled.artifacts.PTX`). Both are part of the cache key.
+    """
+    key = (width, top_k, tp, rank, capacity, threads, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
+           transport, bool(enable_pdl), arch, ptx_dir)
+    compiled = _PUBLISHERS.get(key)
+    if compiled is not None:
+        return compiled
+    _refuse_during_capture()
+    kernel = _EpPublisherKernel(
+        width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
+        weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
+        transport=transport, enable_pdl=enable_pdl,
+    )
+    weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
+    peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
+    compiled = _compiler(arch, ptx_dir)(
+        kernel,
+        _flat(BFloat16, width, 16),
+        _flat(weight_type, top_k, weight_type.width // 8),
+        _flat(Int32, top_k, 4),
+        make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
+        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+        peers,
+        Int64(0),
+        Int32(1),
+        Int32(1),
+        cuda.CUstream(0),
+    )
+    _PUBLISHERS[key] = compiled
+    return compiled
+
+
+def compile_reduce(
+    *,
+    width: int = DEFAULT_WIDTH,
+    tp: int,
+    rank: int,
+    capacity: int,
+    threads: int = DEFAULT_THREADS,
+    enable_pdl: bool,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    arch: str | None = None,
+    ptx_dir: str | None = None,
+) -> Any:
+    """The compiled EP reduction for these compile-time values (cached; never during capture)."""
+    key = (width, tp, rank, capacity, threads, bool(enable_pdl), int(timeout_ns), arch, ptx_dir)
+    compiled = _REDUCERS.get(key)
+    if compiled is not None:
+        return compiled
+    _refuse_during_capture()
+    kernel = _EpReduceKernel(
+        width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
+    )
+    words = LAMPORT_GENERATIONS * tp * capacity * width
+    compiled = _compiler(arch, ptx_dir)(
+        kernel,
+        make_fake_compact_tensor(Int16, (words,), assumed_align=16),
+        _flat(BFloat16, width, 16),
+        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+        Int32(1),
+        cuda.CUstream(0),
+    )
+    _REDUCERS[key] = compiled
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: one rank's bound tail.
+
+
+def _cute_view(tensor: torch.Tensor, align: int) -> cute.Tensor:
+    # from_dlpack exports with stream=-1 in CuTe DSL 4.8: no producer sync, safe under capture.
+    return from_dlpack(tensor.detach(), assumed_align=align)
+
+
+def _cute_flat(tensor: torch.Tensor, align: int, divisibility: int) -> cute.Tensor:
+    return _cute_view(tensor.view(-1), align).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
+
+
+@dataclass(frozen=True)
+class EpFault:
+    """A decoded fault record: a reduce gave up waiting."""
+
+    rank: int
+    peer: int
+    slot: int
+    token: int
+    generation: int
+
+    def message(self) -> str:
+        return (
+            f"EP tail: rank {self.rank} timed out waiting for rank {self.peer} "
+            f"(mailbox slot {self.slot}, token {self.token}, generation {self.generation})"
+        )
+
+
+def decode_fault(words: list[int], capacity: int) -> EpFault | None:
+    """The fault record int32[4] as read back, or None where no wait timed out."""
+    if len(words) != FAULT_WORDS:
+        raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
+    if words[FAULT_RANK] == FAULT_CLEAR:
+        return None
+    row = words[FAULT_ROW]
+    return EpFault(
+        rank=words[FAULT_RANK], peer=words[FAULT_PEER], slot=row // capacity, token=row % capacity,
+        generation=words[FAULT_GENERATION],
+    )
+
+
+class EpTail:
+    """One rank's EP tail bound to its mailbox group: `run` launches publisher then reduction.
+
+    The host owns the memory, allocated collectively before construction:
+
+    - `mailbox`: this rank's int16 [3, tp, capacity, width] on CUDA, armed with -32768 (0x8000);
+    - `peer_mailboxes`: int64 [tp] on CUDA, `data_ptr()` of every rank's mailbox as this device
+      addresses it (transport "unicast"), or `multicast_address`: the multicast mapping of the
+      group's mailboxes (transport "multicast");
+    - `stage`: int32 [2] on CUDA, zero on every rank; `fault`: int32 [4] on CUDA, all -1;
+    - `norm_weight`: BF16 [width] gamma (not written by the kernel that precedes `run`).
+
+    Construction compiles (not during capture). `run` is collective (every rank, same m, calls in
+    the same order, never overlapping on one rank), graph-capturable and allocates nothing.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp: int,
+        capacity: int,
+        mailbox: torch.Tensor,
+        stage: torch.Tensor,
+        fault: torch.Tensor,
+        norm_weight: torch.Tensor,
+        peer_mailboxes: torch.Tensor | None = None,
+        multicast_address: int | None = None,
+        weight_before_norm: bool,
+        weight_dtype: str,
+        eps: float,
+        gain_center: float,
+        width: int = DEFAULT_WIDTH,
+        top_k: int = DEFAULT_TOP_K,
+        threads: int = DEFAULT_THREADS,
+        enable_pdl: bool = True,
+        timeout_ns: int = DEFAULT_TIMEOUT_NS,
+    ) -> None:
+        transport = "multicast" if multicast_address is not None else "unicast"
+        _require((peer_mailboxes is None) != (multicast_address is None), "give exactly one of peer_mailboxes and multicast_address")
+        _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        self._check(mailbox, torch.int16, mailbox_shape(tp, capacity, width), "mailbox", 16)
+        self._check(stage, torch.int32, (STAGE_WORDS,), "stage", 8)
+        self._check(fault, torch.int32, (FAULT_WORDS,), "fault", 16)
+        self._check(norm_weight, torch.bfloat16, (width,), "norm_weight", 16)
+        if peer_mailboxes is not None:
+            self._check(peer_mailboxes, torch.int64, (tp,), "peer_mailboxes", 8)
+        self.rank, self.tp, self.capacity, self.width, self.top_k = rank, tp, capacity, width, top_k
+        self.weight_dtype = weight_dtype
+        self.transport = transport
+        self.fault = fault
+        self._publisher = compile_publisher(
+            width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
+            weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
+            transport=transport, enable_pdl=enable_pdl,
+        )
+        self._reduce = compile_reduce(
+            width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
+        )
+        # The fixed buffers are exported once; run converts only the per-call tensors.
+        self._mailbox = _cute_view(mailbox.view(-1), 16)
+        self._stage = _cute_view(stage, 8)
+        self._fault = _cute_view(fault, 16)
+        self._gamma = _cute_view(norm_weight, 16)
+        self._peers = _cute_view(peer_mailboxes, 8) if peer_mailboxes is not None else None
+        self._multicast = Int64(multicast_address if multicast_address is not None else 0)
+        self._buffers = (mailbox, stage, fault, norm_weight, peer_mailboxes)  # keep the storage alive
+
+    @staticmethod
+    def _check(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], name: str, align: int) -> None:
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous CUDA {dtype} tensor {shape}, got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+        if tensor.data_ptr() % align:
+            raise ValueError(f"{name} must be {align}-byte aligned")
+
+    def run(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
+        """Launch publisher then reduction on the current stream; `out` BF16 [m, width] gets the sum.
+
+        `unfinalized`: this rank's `gemm2_permuted` BF16 [rows, width], `route_weights`
+        [m, top_k] in `weight_dtype`, `expanded_idx_to_permuted_idx` int32 [m, top_k] (-1: not
+        local), all contiguous CUDA tensors. m = 0 launches nothing. Bitwise equal to
+        `musebench.stock.ep.ep_tail_reference` with the hardware's rsqrt.
+        """
+        m = out.shape[0]
+        if m == 0:
+            return
+        rows, weights, index = unfinalized.gemm2_permuted, unfinalized.route_weights, unfinalized.expanded_idx_to_permuted_idx
+        if m > self.capacity:
+            raise ValueError(f"{m} tokens exceed the mailbox capacity {self.capacity}")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, self.width) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous bfloat16 [{m}, {self.width}], got {out.dtype} {tuple(out.shape)}")
+        if weights.dtype != _TORCH_WEIGHT_TYPES[self.weight_dtype] or tuple(weights.shape) != (m, self.top_k):
+            raise ValueError(f"route_weights must be {self.weight_dtype} [{m}, {self.top_k}], got {weights.dtype} {tuple(weights.shape)}")
+        if index.dtype != torch.int32 or tuple(index.shape) != (m, self.top_k):
+            raise ValueError(f"expanded_idx_to_permuted_idx must be int32 [{m}, {self.top_k}]")
+        if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.shape[1] != self.width or not rows.is_contiguous():
+            raise ValueError(f"gemm2_permuted must be contiguous bfloat16 [rows, {self.width}]")
+        stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+        self._publisher(
+            _cute_flat(rows, 16, self.width),
+            _cute_flat(weights, weights.element_size(), self.top_k),
+            _cute_flat(index, 4, self.top_k),
+            self._gamma,
+            self._stage,
+            self._peers,
+            self._multicast,
+            Int32(m),
+            Int32(rows.shape[0]),
+            stream,
+        )
+        self._reduce(self._mailbox, _cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+
+    def check_fault(self) -> None:
+        """Synchronise on the fault record; RuntimeError naming rank, peer, slot and generation if set."""
+        record = decode_fault([int(v) for v in self.fault.tolist()], self.capacity)
+        if record is not None:
+            raise RuntimeError(record.message())
