@@ -51,3 +51,16 @@ def test_hung_rank_is_killed_with_every_rank(job_id, monkeypatch):
     assert time.monotonic() - started < 60
     assert not rows[0].passed
     assert "killed with every rank" in rows[0].error and "stuck: rank 1 in case 0" in rows[0].error
+
+
+def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):
+    """`torchrun ... -m musebench tail --launcher torchrun`: musebench runs as the job's ranks."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "musebench",
+               "tail", "--tp", "2", "--launcher", "torchrun", "--mode", "ep", "--tokens", "1", "--weights", "bf16",
+               "--norm", "after", "--iters", "1", "--warmup", "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("1 passed, 0 failed") == 1  # one table, from rank 0

@@ -1,0 +1,67 @@
+"""Device mailboxes for the CuTe DSL tails: memory the kernels' Lamport protocol runs over.
+
+A `DeviceMailbox` is one rank's view: its own words (int16 `[3, slots, capacity, width]` on the
+GPU, armed with the sentinel), a device table of every rank's mailbox base address (the unicast
+transport stores through it), its stage words (int32 `[NEXT_STAGE, ACTIVE_STAGE]`, device memory
+so a CUDA-graph replay advances them) and its fault record (int32 `[rank, peer, slot, generation]`,
+-1 when clear; the first bounded wait that runs out fills it and the host reports it).
+
+Transports here:
+- `local`: virtual ranks in one process on one GPU; the table holds plain device pointers.
+(CUDA IPC for processes sharing a GPU, and torch SymmetricMemory peer pointers for ranks on
+distinct GPUs, join this module with the process launcher on GPUs. Multicast objects are never
+created here: NVLink multicast is for GB200 racks, compile-tested only.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from musebench.comm import lamport
+
+FAULT_CLEAR = -1
+FAULT_FIELDS = ("rank", "peer", "slot", "generation")
+
+
+@dataclass
+class DeviceMailbox:
+    rank: int
+    tp: int
+    slots: int
+    capacity: int
+    width: int
+    words: torch.Tensor  # int16 [3, slots, capacity, width], this rank's
+    peer_table: torch.Tensor  # int64 [tp]: base address of every rank's words
+    stage: torch.Tensor  # int32 [2]
+    fault: torch.Tensor  # int32 [4]
+    transport: str = "local"
+
+    def reset(self) -> None:
+        """Re-arm every word, restart the generations, clear the fault record (no call in flight)."""
+        self.words.fill_(lamport.SENTINEL_BF16_BITS)
+        self.stage.zero_()
+        self.fault.fill_(FAULT_CLEAR)
+
+    def fault_record(self) -> lamport.FaultRecord | None:
+        """The device's fault record, if a wait ran out (synchronizes with the device)."""
+        values = self.fault.tolist()
+        if values[0] == FAULT_CLEAR:
+            return None
+        rank, peer, slot, generation = values
+        return lamport.FaultRecord(rank=rank, peer=peer, slot=slot, generation=generation, token=-1,
+                                   waited_s=float("nan"), what="device mailbox")
+
+
+def local_device_group(tp: int, slots: int, capacity: int, width: int, device: torch.device | str) -> list[DeviceMailbox]:
+    """Mailboxes of `tp` virtual ranks on one GPU (transport `local`), armed."""
+    shape = lamport.mailbox_shape(slots, capacity, width)
+    words = [torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device) for _ in range(tp)]
+    table = torch.tensor([w.data_ptr() for w in words], dtype=torch.int64, device=device)
+    return [
+        DeviceMailbox(rank=r, tp=tp, slots=slots, capacity=capacity, width=width, words=words[r], peer_table=table,
+                      stage=torch.zeros(2, dtype=torch.int32, device=device),
+                      fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device))
+        for r in range(tp)
+    ]

@@ -1,0 +1,121 @@
+"""The hardware's approximate instructions, elementwise on CUDA float32 tensors.
+
+`ex2.approx.f32`, `div.full.f32` and `rsqrt.approx.ftz.f32` are not correctly rounded, and no torch
+operator is guaranteed to compile to them, so the references take their bits from these tiny
+CuTe DSL kernels (`musebench.numerics.hardware_approximations`). One thread per element, 256
+threads per block, one instruction from `musebench.kernels.ptx` per element; compiled lazily
+once per (op, device architecture) and cached. Test helpers: they allocate their output.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+
+from musebench.kernels import ptx
+
+THREADS = 256
+UNARY_OPS = ("ex2_approx_f32", "rsqrt_approx_ftz_f32")
+BINARY_OPS = ("div_full_f32",)
+
+_COMPILED: dict[tuple, Any] = {}
+
+
+class _ElementwiseKernel:
+    """out[i] = op(a[i]) or op(a[i], b[i]) for i < n."""
+
+    def __init__(self, *, op: str) -> None:
+        if op not in UNARY_OPS + BINARY_OPS:
+            raise ValueError(f"op must be one of {UNARY_OPS + BINARY_OPS}, got {op!r}")
+        self.op = op
+        self.binary = op in BINARY_OPS
+
+    @cute.jit
+    def __call__(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, n: Int32, stream: cuda.CUstream) -> None:
+        self.kernel(a, b, out, n).launch(
+            grid=((n + THREADS - 1) // THREADS, 1, 1), block=(THREADS, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, a: cute.Tensor, b: cute.Tensor, out: cute.Tensor, n: Int32) -> None:
+        block, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        i = block * THREADS + tidx
+        if i < n:
+            if cutlass.const_expr(self.op == "ex2_approx_f32"):
+                out[i] = ptx.ex2_approx_f32(Float32(a[i]))
+            if cutlass.const_expr(self.op == "rsqrt_approx_ftz_f32"):
+                out[i] = ptx.rsqrt_approx_ftz_f32(Float32(a[i]))
+            if cutlass.const_expr(self.op == "div_full_f32"):
+                out[i] = ptx.div_full_f32(Float32(a[i]), Float32(b[i]))
+
+
+def compile_elementwise(op: str, *, arch: str | None = None, ptx_dir: str | None = None) -> Any:
+    """The compiled kernel for `op` (cached by op, arch and ptx_dir; never during capture)."""
+    key = (op, arch, ptx_dir)
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        return compiled
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("compile the approximation kernels before CUDA graph capture")
+    options = []
+    if arch is not None:
+        options.append(cute.GPUArch(arch))
+    if ptx_dir is not None:
+        from cutlass.base_dsl.compiler import DumpDir
+
+        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
+    compiler = cute.compile[tuple(options)] if options else cute.compile
+    flat = make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4)
+    compiled = compiler(_ElementwiseKernel(op=op), flat, flat, flat, Int32(1), cuda.CUstream(0))
+    _COMPILED[key] = compiled
+    return compiled
+
+
+def _arch_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
+def _flat(t: torch.Tensor) -> cute.Tensor:
+    return from_dlpack(t.detach(), assumed_align=4).mark_compact_shape_dynamic(mode=0)
+
+
+def _apply(op: str, a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    tensors = (a,) if b is None else (a, b)
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_cuda:
+            raise TypeError(f"{op} takes CUDA float32 tensors")
+    if b is not None:
+        a, b = torch.broadcast_tensors(a, b)
+    shape = a.shape
+    a = a.contiguous().reshape(-1)
+    b = b.contiguous().reshape(-1) if b is not None else a
+    out = torch.empty_like(a)
+    if a.numel():
+        with torch.cuda.device(a.device):
+            compiled = compile_elementwise(op, arch=_arch_of(a.device))
+            stream = cuda.CUstream(torch.cuda.current_stream(a.device).cuda_stream)
+            compiled(_flat(a), _flat(b), _flat(out), Int32(a.numel()), stream)
+    return out.reshape(shape)
+
+
+def ex2_approx_f32(x: torch.Tensor) -> torch.Tensor:
+    """`ex2.approx.f32` of every element (CUDA float32 in, same shape out)."""
+    return _apply("ex2_approx_f32", x)
+
+
+def rsqrt_approx_ftz_f32(x: torch.Tensor) -> torch.Tensor:
+    """`rsqrt.approx.ftz.f32` of every element (CUDA float32 in, same shape out)."""
+    return _apply("rsqrt_approx_ftz_f32", x)
+
+
+def div_full_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`div.full.f32` of a / b elementwise, broadcast (CUDA float32 in, broadcast shape out)."""
+    return _apply("div_full_f32", a, b)
