@@ -34,7 +34,6 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--tokens", "9", "--capacity", "8"], "tokens must be in 1..8"),
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
-        (["tail", "--tp", "4", "--backend", "cute"], "cute backend is not available"),
         (["tail", "--tp", "4", "--stock", "flashinfer"], "needs its package and a GPU"),
     ],
 )
@@ -42,6 +41,15 @@ def test_bad_input_exits_2_with_one_clear_line(args, message):
     result = _run(*args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_cute_backend_without_a_gpu_exits_2():
+    from musebench.harness.jobs import _gpu_name
+
+    if _gpu_name() is not None:
+        pytest.skip("this machine has a GPU")
+    result = _run("tail", "--tp", "4", "--backend", "cute")
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
 
 
 def test_unknown_option_exits_2():

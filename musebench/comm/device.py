@@ -3,8 +3,8 @@
 A `DeviceMailbox` is one rank's view: its own words (int16 `[3, slots, capacity, width]` on the
 GPU, armed with the sentinel), a device table of every rank's mailbox base address (the unicast
 transport stores through it), its stage words (int32 `[NEXT_STAGE, ACTIVE_STAGE]`, device memory
-so a CUDA-graph replay advances them) and its fault record (int32 `[rank, peer, slot, generation]`,
--1 when clear; the first bounded wait that runs out fills it and the host reports it).
+so a CUDA-graph replay advances them) and its fault record (int32 [4], -1 when clear; the first
+bounded wait that runs out fills it, the kernel module decodes it and the host reports it).
 
 Transports here:
 - `local`: virtual ranks in one process on one GPU; the table holds plain device pointers.
@@ -22,7 +22,6 @@ import torch
 from musebench.comm import lamport
 
 FAULT_CLEAR = -1
-FAULT_FIELDS = ("rank", "peer", "slot", "generation")
 
 
 @dataclass
@@ -43,15 +42,6 @@ class DeviceMailbox:
         self.words.fill_(lamport.SENTINEL_BF16_BITS)
         self.stage.zero_()
         self.fault.fill_(FAULT_CLEAR)
-
-    def fault_record(self) -> lamport.FaultRecord | None:
-        """The device's fault record, if a wait ran out (synchronizes with the device)."""
-        values = self.fault.tolist()
-        if values[0] == FAULT_CLEAR:
-            return None
-        rank, peer, slot, generation = values
-        return lamport.FaultRecord(rank=rank, peer=peer, slot=slot, generation=generation, token=-1,
-                                   waited_s=float("nan"), what="device mailbox")
 
 
 def local_device_group(tp: int, slots: int, capacity: int, width: int, device: torch.device | str) -> list[DeviceMailbox]:

@@ -90,6 +90,7 @@ class RankMailboxes:
     ep: lamport.Mailbox | None = None
     tp_route: lamport.Mailbox | None = None
     tp_token: lamport.Mailbox | None = None
+    device_ep: object | None = None  # musebench.comm.device.DeviceMailbox (cute backend)
 
     def reset(self) -> None:
         """Re-arm this rank's own words and restart its generations (collective: after a barrier)."""
@@ -97,6 +98,8 @@ class RankMailboxes:
             if box is not None:
                 lamport.rearm(box.own)
                 box.stage.zero_()
+        if self.device_ep is not None:
+            self.device_ep.reset()
 
     def close(self) -> None:
         for box in (self.ep, self.tp_route, self.tp_token):
@@ -125,10 +128,25 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _bind(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
-    """The backend's bound tail for one rank: an object with run(unfinalized, out)."""
+def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
+    """The backend's bound tail for one rank: an object with run(unfinalized, out).
+
+    Binding compiles (cute backend): do it for every rank before any rank runs, outside capture.
+    """
+    if options.backend == "cute":
+        if case.mode != "ep":
+            raise ValueError("the cute backend has the EP tail only so far; run the TP tail with --backend cpu")
+        from musebench.kernels.tail import EpTail
+
+        box = boxes.device_ep
+        return EpTail(
+            rank=rank, tp=case.tp, capacity=box.capacity, mailbox=box.words, stage=box.stage, fault=box.fault,
+            norm_weight=inputs.norm_weight.to(box.words.device), peer_mailboxes=box.peer_table,
+            weight_before_norm=case.weight_before_norm, weight_dtype=case.weight_dtype, eps=case.eps,
+            gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9),
+        )
     if options.backend != "cpu":
-        raise ValueError(f"backend {options.backend!r} is not available in this build (only 'cpu')")
+        raise ValueError(f"unknown backend {options.backend!r}")
     from musebench.cpu.tail import CpuEpTail, CpuTpTail, TailOptions
 
     tail_options = TailOptions(
@@ -141,13 +159,16 @@ def _bind(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, o
 
 
 def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunOptions,
-                  inputs: TailInputs | None = None) -> RankOutcome:
+                  inputs: TailInputs | None = None, tail=None) -> RankOutcome:
     """Run one rank's calls of a case; never raises (errors come back in the outcome)."""
     outcome = RankOutcome(rank=rank)
     try:
         inputs = inputs if inputs is not None else make_tail_inputs(case)
+        tail = tail if tail is not None else bind_tail(case, rank, boxes, inputs, options)
+        if options.backend == "cute":
+            _run_device_calls(case, rank, tail, inputs, options, outcome)
+            return outcome
         unfinalized = inputs.per_rank[rank]
-        tail = _bind(case, rank, boxes, inputs, options)
         out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16)
         faults = options.faults
         for call in range(options.warmup + options.iters):
@@ -176,6 +197,34 @@ def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunO
     return outcome
 
 
+def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, options: RunOptions,
+                      outcome: RankOutcome) -> None:
+    """One rank's calls on its own CUDA stream; a device fault record becomes the outcome's error."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    unfinalized = inputs.per_rank[rank].to(device)
+    out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device)
+    faults = options.faults
+    with torch.cuda.stream(stream):
+        for call in range(options.warmup + options.iters):
+            checks.poison(out)
+            if faults.raise_rank == rank:
+                raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
+            if faults.silent_rank == rank:  # never launches: its peers' bounded waits must report it
+                raise InjectedFault(f"injected fault: rank {rank} never published")
+            started = time.perf_counter()
+            tail.run(unfinalized, out)
+            stream.synchronize()
+            elapsed = time.perf_counter() - started
+            tail.check_fault()
+            if faults.flip_rank == rank and out.numel():
+                checks.flip_one_bit(out, index=out.numel() // 2)
+            if call >= options.warmup:
+                outcome.times_us.append(elapsed * 1e6)
+                outcome.digests.append(checks.digest(out))
+    outcome.output = out.cpu()
+
+
 def expected_outputs(case: TailCase, inputs: TailInputs, options: RunOptions) -> tuple[list[torch.Tensor], str]:
     """The stock's output on every rank and the stock path it took.
 
@@ -184,18 +233,22 @@ def expected_outputs(case: TailCase, inputs: TailInputs, options: RunOptions) ->
     (`stock.tp.tp_rank_output`), so each rank is checked against its own expected bits.
     """
     approximations = nx.PRECISE
+    if options.backend == "cute":  # the GPU's own approximate instructions, on the GPU
+        approximations = nx.hardware_approximations()
+        device = torch.device("cuda", torch.cuda.current_device())
+        inputs = TailInputs(tuple(u.to(device) for u in inputs.per_rank), inputs.norm_weight.to(device))
     if case.mode == "ep":
         from musebench.stock.ep import ep_tail_reference
 
         out = ep_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
                                 weight_before_norm=case.weight_before_norm, approximations=approximations)
-        return [out] * case.tp, "ep-ll one-shot"
+        return [out.cpu()] * case.tp, "ep-ll one-shot"
     from musebench.stock.tp import tp_rank_output, tp_tail_reference
 
     out, path = tp_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
                                   weight_before_norm=case.weight_before_norm, nsm=options.nsm,
                                   approximations=approximations)
-    return [tp_rank_output(out, path, rank) for rank in range(case.tp)], path.describe()
+    return [tp_rank_output(out, path, rank).cpu() for rank in range(case.tp)], path.describe()
 
 
 def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
@@ -279,15 +332,31 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
         raise ValueError("the exit fault needs the torchrun launcher (virtual ranks share one process)")
     capacity = max(max(case.tokens for case in cases), 1)
     modes = tuple(sorted({case.mode for case in cases}))
-    boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
+    if options.backend == "cute":
+        from musebench.comm.device import local_device_group
+
+        boxes = [RankMailboxes(device_ep=box) for box in
+                 local_device_group(tp, tp, capacity, cases[0].width, torch.device("cuda", torch.cuda.current_device()))]
+    else:
+        boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
+    transport = "local" if options.backend == "cute" else "cpu-local"
     results = []
     for case in cases:
         inputs = make_tail_inputs(case)
         outcomes: list[RankOutcome | None] = [None] * tp
+        tails: list[object | None] = [None] * tp
+        try:  # compile every rank's variant here, before any rank spins on a peer
+            tails = [bind_tail(case, rank, boxes[rank], inputs, options) for rank in range(tp)]
+        except Exception as error:
+            failed = [RankOutcome(rank=rank, error=f"bind: {type(error).__name__}: {error}") for rank in range(tp)]
+            results.append(evaluate_case(case, failed, options, transport, inputs))
+            if on_case is not None:
+                on_case(results[-1])
+            continue
         threads = []
         for rank in range(tp):
             def work(rank: int = rank) -> None:
-                outcomes[rank] = run_rank_case(case, rank, boxes[rank], options, inputs)
+                outcomes[rank] = run_rank_case(case, rank, boxes[rank], options, inputs, tails[rank])
 
             thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
             thread.start()
@@ -302,7 +371,7 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
                 hung.append(rank)
         for rank in hung:
             outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} hung: no result within {grace:.0f}s")
-        result = evaluate_case(case, [o for o in outcomes if o is not None], options, "cpu-local", inputs)
+        result = evaluate_case(case, [o for o in outcomes if o is not None], options, transport, inputs)
         results.append(result)
         if on_case is not None:
             on_case(result)

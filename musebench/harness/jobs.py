@@ -17,8 +17,11 @@ from musebench.harness.results import CaseResult, RunReport
 from musebench.harness.scenario import ScenarioRun, validate_tokens, validate_tp
 
 CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
-CPU_NOTE_NO_CUTE = "CPU model (the cute backend is not built yet)"
+CPU_NOTE_NO_DSL = "CPU model (CuTe DSL does not import here)"
+CPU_NOTE_NO_TP = "CPU model (the cute backend has no TP tail yet)"
 CPU_NOTE_ASKED = "CPU model"
+CUTE_NOTE = "cute (CuTe DSL kernels on {gpu})"
+CUTE_MODES = ("ep",)  # tails the cute backend runs so far
 
 
 @dataclass(frozen=True)
@@ -39,24 +42,50 @@ class TailJob:
         )
 
 
-def _gpu_present() -> bool:
+def _gpu_name() -> str | None:
+    """The current GPU's name if torch sees one with SM >= 90 (what the kernels are built for)."""
     try:
         import torch
 
-        return bool(torch.cuda.is_available())
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+            return None
+        return torch.cuda.get_device_name()
+    except Exception:
+        return None
+
+
+def _dsl_imports() -> bool:
+    try:
+        import cutlass  # noqa: F401
+
+        return True
     except Exception:
         return False
 
 
-def resolve_backend(requested: str) -> tuple[str, str]:
-    """(backend, note for the table title); ValueError for a backend this build cannot run."""
+def resolve_backend(requested: str, modes: Sequence[str] = ("ep", "tp")) -> tuple[str, str]:
+    """(backend, note for the table title); ValueError for a backend this machine cannot run."""
     if requested == "cpu":
         return "cpu", CPU_NOTE_ASKED
-    if requested == "cute":
-        raise ValueError("the cute backend is not available in this build yet; use --backend cpu (or auto)")
-    if requested != "auto":
+    if requested not in ("auto", "cute"):
         raise ValueError(f"unknown backend {requested!r}")
-    return "cpu", CPU_NOTE_NO_CUTE if _gpu_present() else CPU_NOTE_NO_GPU
+    gpu = _gpu_name()
+    unsupported = [mode for mode in modes if mode not in CUTE_MODES]
+    if requested == "cute":
+        if gpu is None:
+            raise ValueError("the cute backend needs a CUDA GPU with SM >= 90; use --backend cpu")
+        if not _dsl_imports():
+            raise ValueError("the cute backend needs CuTe DSL (nvidia-cutlass-dsl), which does not import here")
+        if unsupported:
+            raise ValueError(f"the cute backend has no {'/'.join(unsupported).upper()} tail yet; use --mode ep or --backend cpu")
+        return "cute", CUTE_NOTE.format(gpu=gpu)
+    if gpu is None:
+        return "cpu", CPU_NOTE_NO_GPU
+    if not _dsl_imports():
+        return "cpu", CPU_NOTE_NO_DSL
+    if unsupported:
+        return "cpu", CPU_NOTE_NO_TP
+    return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
 def make_tail_job(
@@ -94,7 +123,9 @@ def make_tail_job(
         raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
     if faults.exit_rank is not None and launcher != "torchrun":
         raise ValueError("the exit fault needs --launcher torchrun")
-    resolved, note = resolve_backend(backend)
+    resolved, note = resolve_backend(backend, modes)
+    if resolved == "cute" and launcher != "virtual":
+        raise ValueError("the cute backend runs virtual ranks so far; the process launcher on GPUs comes with the device transports")
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
                        norms=tuple(norms), inputs=tuple(inputs), seeds=tuple(seeds))
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,

@@ -221,7 +221,7 @@ class _EpPublisherKernel:
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         # One set of warp slots per route: no second barrier needed between routes.
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout(self.top_k * self.warps), byte_alignment=16)
         acc = cute.make_rmem_tensor(cute.make_layout(values), Float32)
