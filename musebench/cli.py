@@ -75,6 +75,7 @@ def main() -> None:
     musebench tail --tp 8           the MoE tails on 8 ranks, checked against the stock
     musebench parity [FILE.toml]    the scenario's runs (default scenarios/parity.toml)
     musebench report RUN.json       re-render a run; --compare OLD.json flags regressions
+    musebench bench tail            CUDA-graph timings of the cute EP tail (GPU)
     """
 
 
@@ -196,6 +197,60 @@ def parity(scenarios, json_path, junit_path, dry_run) -> None:
                 out.print(f"  {case.label()}")
         return
     _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
+
+
+@main.group()
+def bench() -> None:
+    """CUDA-graph timings (GPU only): medians of back-to-back calls, every row checked bitwise."""
+
+
+@bench.command("tail")
+@click.option("--tp", "tp_list", default="2,4,8", show_default=True, help="TP sizes, e.g. 2,4,8.")
+@click.option("--tokens", default="1-8", show_default=True)
+@click.option("--weights", default="bf16", show_default=True)
+@click.option("--norm", default="before", show_default=True)
+@click.option("--calls", type=int, default=20, show_default=True, help="Back-to-back calls per CUDA graph.")
+@click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> None:
+    """The cute EP tail on virtual ranks of this GPU: µs per collective call (all ranks)."""
+    from musebench.harness.cases import NORM_ORDERS, WEIGHT_DTYPES, TailCase
+    from musebench.harness.jobs import resolve_backend
+    from musebench.harness.scenario import validate_tokens, validate_tp
+
+    tps, token_list = _parse_ints(tp_list, "--tp"), _parse_ints(tokens, "--tokens")
+    weight_list = _parse_choices(weights, tuple(WEIGHT_DTYPES), "--weights")
+    norms = _parse_choices(norm, NORM_ORDERS, "--norm")
+    try:
+        for tp in tps:
+            validate_tp(tp)
+        validate_tokens(token_list, 8)
+        if calls < 1 or replays < 1:
+            raise ValueError("--calls and --replays must be >= 1")
+        _, note = resolve_backend("cute", ("ep",))
+    except ValueError as error:
+        _usage_error(str(error))
+    from musebench.harness import report
+    from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_ep_tail
+    from musebench.harness.jobs import build_report
+
+    options = BenchOptions(calls=calls, replays=replays)
+    cases = [TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=w, norm=n)
+             for tp in tps for w in weight_list for n in norms for m in token_list]
+    rows = []
+    with _stderr().status("benchmarking") as status:
+        floor = bench_empty_kernel(options)
+        for case in cases:
+            status.update(case.label())
+            rows.append(bench_ep_tail(case, options))
+    note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group; empty launch {floor:.2f} µs"
+    run = build_report(rows, command=_command_line(), backend_note=note)
+    run.machine["empty_launch_us"] = floor
+    report.render_table(run, _stdout(), title="musebench bench tail")
+    if json_path:
+        report.write_json(run, json_path)
+    if not run.passed:
+        sys.exit(EXIT_FAILED)
 
 
 @main.command("report")

@@ -306,7 +306,13 @@ def git_commit(path: str | os.PathLike[str] = ".") -> str:
 
     Untracked files do not count as changes (as with `git describe --dirty`). Returns "" when
     `path` is not in a git work tree, the repository has no commit yet, or git is unavailable.
+    MUSEBENCH_GIT_COMMIT, when set, wins: a copy of the tree without its .git (a device machine)
+    is stamped with the commit it was copied from.
     """
+    stamped = os.environ.get("MUSEBENCH_GIT_COMMIT", "").strip()
+    if stamped:
+        return stamped
+
     def git(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["git", "-C", os.fspath(path), *args],
