@@ -149,11 +149,12 @@ def _is_reporting_rank() -> bool:
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
+@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default="auto", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
 def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
-         timeout, nsm, json_path, junit_path, inject) -> None:
+         timeout, nsm, transport, json_path, junit_path, inject) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
     from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.driver import Faults
@@ -170,7 +171,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             norms=_parse_choices(norm, NORM_ORDERS, "--norm"),
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
-            timeout_s=timeout, stock=stock, nsm=nsm, faults=Faults.parse(inject),
+            timeout_s=timeout, stock=stock, nsm=nsm, transport=transport, faults=Faults.parse(inject),
         )
     except ValueError as error:
         _usage_error(str(error))
@@ -182,14 +183,20 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--dry-run", is_flag=True, help="Print the runs, their cases and launch commands; launch nothing.")
-def parity(scenarios, json_path, junit_path, dry_run) -> None:
+@click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default=None, help="Override the files' launcher.")
+@click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default=None, help="Override the files' backend.")
+@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default=None,
+              help="Override the files' transport.")
+def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport) -> None:
     """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock."""
     from musebench.harness.jobs import jobs_from_scenario
     from musebench.harness.scenario import load_scenario
 
     paths = scenarios or (DEFAULT_SCENARIO,)
+    overrides = {"launcher": launcher, "backend": backend, "transport": transport}
     try:
-        jobs = [job for path in paths for job in jobs_from_scenario(load_scenario(path))]
+        jobs = [job for path in paths
+                for job in jobs_from_scenario(load_scenario(path), overrides=overrides, check_machine=not dry_run)]
     except ValueError as error:
         _usage_error(str(error))
     if dry_run:

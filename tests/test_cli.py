@@ -133,3 +133,35 @@ def test_env_runs_without_a_gpu():
     result = _run("env")
     assert result.exit_code == 0
     assert "cpu" in result.output.lower()
+
+
+def test_gb200_nightly_scenario_dry_run_lists_the_rack_launch():
+    result = _run("parity", "scenarios/gb200-nightly.toml", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "tp_tail tp=32 m=8" in result.output and "torch.distributed.run" in result.output
+
+
+def test_gb200_nightly_scenario_runs_on_virtual_cpu_ranks(tmp_path, monkeypatch):
+    """The nightly file itself (not a copy) on virtual ranks of the CPU model, trimmed by a wrapper."""
+    from musebench.harness import jobs as jobs_module
+
+    real = jobs_module.make_tail_job
+
+    def trimmed(**kwargs):  # the rack's full matrix is hours on 2 cores: keep tp 4, one batch, one seed
+        kwargs.update(tokens=(2,), seeds=(0,), iters=1, warmup=0)
+        return real(**kwargs) if kwargs["tp"] == 4 else real(**{**kwargs, "tp": 4})
+
+    monkeypatch.setattr(jobs_module, "make_tail_job", trimmed)
+    out = tmp_path / "nightly.json"
+    result = _run("parity", "scenarios/gb200-nightly.toml", "--launcher", "virtual", "--backend", "cpu",
+                  "--transport", "auto", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["passed"]
+
+
+def test_multicast_is_refused_where_the_environment_forbids_it(monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    from musebench.harness.jobs import check_transport
+
+    with pytest.raises(ValueError, match="multicast is forbidden here"):
+        check_transport("multicast", "cute", "torchrun")

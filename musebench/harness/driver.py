@@ -71,6 +71,7 @@ class RunOptions:
     timeout_s: float = 10.0
     stock: str = "reference"
     nsm: int = DEFAULT_NSM
+    transport: str = "auto"  # requested: auto | unicast | multicast (multicast: GB200 racks only)
     faults: Faults = field(default_factory=Faults)
 
 

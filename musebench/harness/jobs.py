@@ -88,6 +88,25 @@ def resolve_backend(requested: str, modes: Sequence[str] = ("ep", "tp")) -> tupl
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
+TRANSPORTS = ("auto", "unicast", "multicast")
+
+
+def check_transport(transport: str, backend: str, launcher: str) -> None:
+    """Refuse a transport this run cannot have; never creates a multicast object to find out."""
+    if transport == "auto":
+        return
+    if backend == "cpu":
+        raise ValueError(f"the CPU model moves data through host memory; --transport {transport} needs --backend cute")
+    if transport == "multicast":
+        from musebench.harness.environment import multicast_policy
+
+        policy = multicast_policy()
+        if not policy["allowed"]:
+            raise ValueError(f"multicast is forbidden here ({', '.join(policy['forbidden_by'])}); use --transport unicast")
+        if launcher == "virtual":
+            raise ValueError("multicast needs one process per GPU on a multicast fabric (GB200 MNNVL / NVLS)")
+
+
 def make_tail_job(
     *,
     name: str,
@@ -106,10 +125,18 @@ def make_tail_job(
     timeout_s: float,
     stock: str = "reference",
     nsm: int | None = None,
+    transport: str = "auto",
     faults: Faults = Faults(),
+    check_machine: bool = True,
 ) -> TailJob:
-    """Validate everything and build the job; ValueError names the first bad value."""
+    """Validate everything and build the job; ValueError names the first bad value.
+
+    `check_machine=False` (dry runs) validates the values but not what this machine can run: the
+    backend stays as requested.
+    """
     validate_tp(tp)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
     validate_tokens(tuple(tokens), capacity)
     if launcher not in ("virtual", "torchrun"):
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
@@ -123,22 +150,31 @@ def make_tail_job(
         raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
     if faults.exit_rank is not None and launcher != "torchrun":
         raise ValueError("the exit fault needs --launcher torchrun")
-    resolved, note = resolve_backend(backend, modes)
-    if resolved == "cute" and launcher != "virtual":
-        raise ValueError("the cute backend runs virtual ranks so far; the process launcher on GPUs comes with the device transports")
+    if check_machine:
+        resolved, note = resolve_backend(backend, modes)
+        check_transport(transport, resolved, launcher)
+        if resolved == "cute" and launcher != "virtual":
+            raise ValueError("the cute backend runs virtual ranks so far; the process launcher on GPUs comes with the device transports")
+    else:
+        resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
                        norms=tuple(norms), inputs=tuple(inputs), seeds=tuple(seeds))
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm or DEFAULT_NSM, faults=faults)
+                         stock=stock, nsm=nsm or DEFAULT_NSM, transport=transport, faults=faults)
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
 
 
-def jobs_from_scenario(runs: Sequence[ScenarioRun]) -> list[TailJob]:
+def jobs_from_scenario(runs: Sequence[ScenarioRun], *, overrides: dict[str, str] | None = None,
+                       check_machine: bool = True) -> list[TailJob]:
+    """One job per (run, tp); `overrides` (launcher, backend, transport) replace the file's values."""
+    overrides = overrides or {}
     return [
         make_tail_job(
             name=f"{run.name} (tp={tp})", tp=tp, modes=run.modes, tokens=run.tokens, capacity=run.capacity,
-            weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds, launcher=run.launcher,
-            backend=run.backend, iters=run.iters, warmup=run.warmup, timeout_s=run.timeout, nsm=run.nsm,
+            weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds,
+            launcher=overrides.get("launcher") or run.launcher, backend=overrides.get("backend") or run.backend,
+            transport=overrides.get("transport") or run.transport, iters=run.iters, warmup=run.warmup,
+            timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine,
         )
         for run in runs
         for tp in run.tp

@@ -15,6 +15,7 @@ defaults. Keys (lists may be given as a single value):
     seeds     [int]
     launcher  "virtual" | "torchrun"
     backend   "auto" | "cpu" | "cute"
+    transport "auto" | "unicast" | "multicast"
     iters, warmup  int;  timeout  float seconds;  nsm  int
 
 An unknown key, a wrong type or a value out of range is a `ScenarioError` naming the file, the
@@ -48,12 +49,18 @@ _SCALAR_KEYS = {
     "capacity": int,
     "launcher": str,
     "backend": str,
+    "transport": str,
     "iters": int,
     "warmup": int,
     "timeout": (int, float),
     "nsm": int,
 }
-_CHOICES = {"kernel": ("tail",), "launcher": ("virtual", "torchrun"), "backend": ("auto", "cpu", "cute")}
+_CHOICES = {
+    "kernel": ("tail",),
+    "launcher": ("virtual", "torchrun"),
+    "backend": ("auto", "cpu", "cute"),
+    "transport": ("auto", "unicast", "multicast"),
+}
 _DEFAULTS: dict[str, Any] = {
     "kernel": "tail",
     "modes": ["ep", "tp"],
@@ -66,6 +73,7 @@ _DEFAULTS: dict[str, Any] = {
     "seeds": [0],
     "launcher": "virtual",
     "backend": "auto",
+    "transport": "auto",
     "iters": 3,
     "warmup": 1,
     "timeout": 10.0,
@@ -93,6 +101,7 @@ class ScenarioRun:
     seeds: tuple[int, ...]
     launcher: str
     backend: str
+    transport: str
     iters: int
     warmup: int
     timeout: float
@@ -152,7 +161,7 @@ def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], sourc
         source=source, name=values.get("name", f"run {index}"), kernel=values["kernel"], modes=values["modes"],
         tp=values["tp"], tokens=values["tokens"], capacity=values["capacity"], weights=values["weights"],
         norm=values["norm"], inputs=values["inputs"], seeds=values["seeds"], launcher=values["launcher"],
-        backend=values["backend"], iters=values["iters"], warmup=values["warmup"], timeout=float(values["timeout"]),
+        backend=values["backend"], transport=values["transport"], iters=values["iters"], warmup=values["warmup"], timeout=float(values["timeout"]),
         nsm=values.get("nsm"),
     )
 
