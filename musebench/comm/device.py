@@ -55,3 +55,30 @@ def local_device_group(tp: int, slots: int, capacity: int, width: int, device: t
                       fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device))
         for r in range(tp)
     ]
+
+
+def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, device: torch.device,
+                     group=None) -> DeviceMailbox:
+    """This process's mailbox among `tp` processes sharing one GPU (transport `ipc`), collective.
+
+    Each rank allocates and arms its own words, exports a CUDA IPC handle (torch's own tensor
+    reduction, which keeps the exporter's storage referenced), gathers every rank's handle over the
+    process group and opens the peers' in this process; the table holds the mapped addresses.
+    torch SymmetricMemory refuses ranks on one device ("detected allocations from overlapping
+    devices"), hence IPC here.
+    """
+    import torch.distributed as dist
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    shape = lamport.mailbox_shape(slots, capacity, width)
+    words = torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
+    torch.cuda.synchronize(device)  # armed before any peer can map and write it
+    handles: list[object] = [None] * tp
+    dist.all_gather_object(handles, reduce_tensor(words), group=group)
+    peers = [words if peer == rank else rebuild(*args) for peer, (rebuild, args) in enumerate(handles)]
+    table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
+    box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
+                        stage=torch.zeros(2, dtype=torch.int32, device=device),
+                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc")
+    box._peers = peers  # keep the mapped peers open for the mailbox's lifetime
+    return box

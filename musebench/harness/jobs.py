@@ -153,8 +153,6 @@ def make_tail_job(
     if check_machine:
         resolved, note = resolve_backend(backend, modes)
         check_transport(transport, resolved, launcher)
-        if resolved == "cute" and launcher != "virtual":
-            raise ValueError("the cute backend runs virtual ranks so far; the process launcher on GPUs comes with the device transports")
     else:
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),

@@ -184,7 +184,8 @@ def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
     return CaseResult(
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
-        transport="shm", stock=options.stock, error=reason, rank_identical=False,
+        transport="ipc" if options.backend == "cute" else "shm", stock=options.stock, error=reason,
+        rank_identical=False,
     )
 
 

@@ -20,7 +20,15 @@ import torch.distributed as dist
 
 from musebench.comm import lamport
 from musebench.harness.cases import TailCase, make_tail_inputs
-from musebench.harness.driver import RankMailboxes, RunOptions, evaluate_case, mailbox_geometry, run_rank_case
+from musebench.harness.driver import (
+    RankMailboxes,
+    RankOutcome,
+    RunOptions,
+    bind_tail,
+    evaluate_case,
+    mailbox_geometry,
+    run_rank_case,
+)
 from musebench.harness.results import CaseResult
 
 
@@ -40,6 +48,19 @@ def _open_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, job: str) -> 
     return boxes
 
 
+def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int) -> RankMailboxes:
+    """Ranks as processes on this host's GPUs (ranks may outnumber GPUs and share them): CUDA IPC."""
+    import torch
+
+    from musebench.comm.device import ipc_device_group
+
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    capacity = max(max(case.tokens for case in cases), 1)
+    return RankMailboxes(device_ep=ipc_device_group(rank, tp, tp, capacity, cases[0].width, device))
+
+
 def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
              on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
     """This process's rank of the run; rank 0 returns the checked rows, the others []."""
@@ -54,20 +75,29 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
         raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
     job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=case_bound_s(options) + 30.0))
-    boxes = _open_mailboxes(cases, rank, tp, job)
+    boxes = _open_device_mailboxes(cases, rank, tp) if options.backend == "cute" else _open_mailboxes(cases, rank, tp, job)
+    transport = boxes.device_ep.transport if boxes.device_ep is not None else "shm"
     rows: list[CaseResult] = []
     try:
         for index, case in enumerate(cases):
+            inputs = make_tail_inputs(case)
+            tail, bind_error = None, None
+            try:  # compile before the barrier: no rank may spin on a peer that is still compiling
+                tail = bind_tail(case, rank, boxes, inputs, options)
+            except Exception as error:
+                bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
             dist.barrier()
             print(f"rank {rank} started case {index}", flush=True)
-            inputs = make_tail_inputs(case)
-            outcome = run_rank_case(case, rank, boxes, options, inputs)
+            if bind_error is None:
+                outcome = run_rank_case(case, rank, boxes, options, inputs, tail)
+            else:
+                outcome = RankOutcome(rank=rank, error=bind_error)
             print(f"rank {rank} done case {index}", flush=True)
             gathered = [None] * world if rank == 0 else None
             dist.gather_object(outcome, gathered, dst=0)
             failed = [False]
             if rank == 0:
-                row = evaluate_case(case, gathered, options, "shm", inputs)
+                row = evaluate_case(case, gathered, options, transport, inputs)
                 rows.append(row)
                 failed = [not row.passed]
                 if results_path is not None:

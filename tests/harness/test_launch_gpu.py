@@ -1,0 +1,29 @@
+"""Processes sharing one GPU through CUDA IPC mailboxes: the cute EP tail under torchrun."""
+
+from __future__ import annotations
+
+import pytest
+
+from musebench.harness import launch
+from musebench.harness.cases import TailCase
+from musebench.harness.driver import Faults, RunOptions
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+
+CUTE = dict(backend="cute", launcher="torchrun", iters=2, warmup=1, timeout_s=5.0)
+
+
+@pytest.mark.parametrize("tp", [4, 8])  # the issue's 4 and 8 processes on one GPU
+def test_processes_sharing_a_gpu_match_the_stock(tp, job_id):
+    cases = [TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
+             for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
+    rows = launch.run_torchrun(cases, RunOptions(**CUTE))
+    for row in rows:
+        assert row.passed, (row.key, row.error, row.first_mismatch)
+        assert row.transport == "ipc"
+
+
+def test_a_silent_process_is_reported_not_hung(job_id):
+    rows = launch.run_torchrun([TailCase(mode="ep", tp=4, tokens=2)],
+                               RunOptions(**{**CUTE, "timeout_s": 1.0}, faults=Faults(silent_rank=3)))
+    assert not rows[0].passed and "rank 3" in rows[0].error
