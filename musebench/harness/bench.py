@@ -13,7 +13,6 @@ whole group (every rank's publisher and reduction), not one rank's time on its o
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -110,21 +109,10 @@ def bench_ep_tail(case: TailCase, options: BenchOptions) -> CaseResult:
         with torch.cuda.graph(graph, stream=main):
             for _ in range(options.calls):
                 one_call()
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(options.replays):
-            start.record(main)
-            graph.replay()
-            end.record(main)
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / options.calls)
+        row.tail_us = _median_replay_us(graph, main, options)
         for tail in tails:
             tail.check_fault()
         _check(case, outs, want, row)
-        row.tail_us = statistics.median(times)
     except Exception as error:
         row.error = f"{type(error).__name__}: {error}"
     return row
@@ -142,15 +130,20 @@ def bench_empty_kernel(options: BenchOptions) -> float:
     with torch.cuda.graph(graph, stream=main):
         for _ in range(options.calls):
             scratch.add_(0)
-    graph.replay()
+    return _median_replay_us(graph, main, options)
+
+
+def _median_replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, options: BenchOptions) -> float:
+    """Median over `replays` of one replay's time divided by the calls it holds (after 3 warm replays)."""
+    for _ in range(3):
+        graph.replay()
     torch.cuda.synchronize()
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(options.replays):
-        start.record(main)
+        start.record(stream)
         graph.replay()
-        end.record(main)
+        end.record(stream)
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / options.calls)
-    time.sleep(0)
     return statistics.median(times)
