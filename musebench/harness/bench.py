@@ -134,16 +134,21 @@ def bench_empty_kernel(options: BenchOptions) -> float:
 
 
 def _median_replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, options: BenchOptions) -> float:
-    """Median over `replays` of one replay's time divided by the calls it holds (after 3 warm replays)."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
+    """Median over `replays` of one replay's time divided by the calls it holds (after 3 warm replays).
+
+    `graph.replay()` launches on the *current* stream, so the replays and the events that bracket
+    them are issued on `stream` together.
+    """
     times = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(options.replays):
-        start.record(stream)
-        graph.replay()
-        end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / options.calls)
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            graph.replay()
+        stream.synchronize()
+        for _ in range(options.replays):
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / options.calls)
     return statistics.median(times)
