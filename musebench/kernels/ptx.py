@@ -332,3 +332,22 @@ def scrub_negative_zero_u32(word):
     high = _half_is_sentinel(word >> _like(word, 16), word)
     clear = low * _like(word, BF16_HALF_MASK) + high * _like(word, BF16_HIGH_MASK)
     return word & (clear ^ _like(word, U32_MASK))
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing additions (appended): the subtraction the stock's sigmoid starts with, and the
+# register rename back from binary32.
+
+
+@dsl_user_op
+def sub_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`sub.rn.f32`: a - b, one rounding, never contracted (`0 - x` is Triton's unary minus)."""
+    return Float32(
+        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "sub.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+    )
+
+
+@dsl_user_op
+def bitcast_f32_to_u32(value: Float32, *, loc=None, ip=None) -> Uint32:
+    """Reinterpret binary32 as 32 bits (no instruction: a register rename)."""
+    return Uint32(llvm.bitcast(T.i32(), _ir(Float32(value), loc, ip), loc=loc, ip=ip))

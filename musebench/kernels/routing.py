@@ -1,0 +1,703 @@
+"""Muse Spark router in CuTe DSL: top-8 of 256 sigmoid experts, and optionally the TRT-LLM-gen
+routing metadata of one rank, in one launch.
+
+What it computes (bit for bit, docs/contract-routing.md; torch reference
+`musebench.stock.routing.routing_reference` with the hardware's ex2 / div.full): for each of the
+b <= 8 tokens, the ids of its 8 experts in selection order and their route weights; with a
+metadata buffer, the grouped-GEMM bookkeeping of the local experts [offset, offset + count) for
+tile `tile_n`, packed as `musebench.routing_metadata.RoutingMetadata` lays it out (equal word for
+word, on the live words, to `pack_metadata(routing_metadata_reference(ids, ...))`).
+
+One CTA of 256 threads, one warp per token (warps b..7 only join the metadata phase):
+
+1. Lane l owns experts 8l .. 8l + 7 and reads their bias (two 16-byte loads) *before*
+   `griddepcontrol.wait`: the bias is a parameter, not something the preceding kernel writes.
+   After the wait it reads its 8 logits (two 16-byte loads).
+2. Scores, every step one inline-PTX instruction as the stock Triton kernel emits it (nothing
+   for NVVM or ptxas to contract or reorder): `n = sub.rn(0, x)`, `t = mul.rn(n, 0x3FB8AA3B)`,
+   `e = ex2.approx(t)`, `d = add.rn(1, e)`, `s = div.full(1, d)`; `key = add.rn(s, bias)`.
+3. Each lane sorts its 8 (key, score, slot) triples once, by `ordered_key_u32(key)` descending,
+   with an odd-even transposition network (28 adjacent compare-exchanges that swap only on a
+   strict inversion, hence stable: among equal keys the lower expert stays first). The ordered
+   key maps binary32 to uint32 monotonically with -0.0 and +0.0 on one value, so IEEE `==`
+   between keys is integer `==`.
+4. Eight rounds: `redux.sync.max.u32` of the lane heads, `vote.ballot` of the lanes holding that
+   maximum, the lowest such lane wins (its experts are the lowest indices; its own sort put the
+   lowest index first), `shfl` broadcasts its slot and score, it pops its head. This is the
+   stock's argmax with ties to the lowest index. When the maximum is the key of -inf only -inf
+   keys remain, and the stock's argmax over the masked row (chosen experts are -inf too) returns
+   expert 0 whether or not it was chosen: the round then takes expert 0 and its score, as the
+   reference does (repeated ids, -inf biases only).
+5. `sum = add.rn(...add.rn(add.rn(0, s_0), s_1)..., s_7)` in selection order, `add.rn(sum,
+   f32(1e-15))`, `inv = div.full(f32(scale), sum)`, `w_k = mul.rn(s_k, inv)`
+   (renormalize=False: `w_k = mul.rn(s_k, f32(scale))`). Lane 0 stores the row with two 16-byte
+   stores each for ids and weights.
+6. Metadata (compile-time variant), three CTA barriers: lane 0 of every warp parks its 8 ids in
+   shared memory (-1 for warps past b); in one pass over the b * 8 parked ids (16-byte shared
+   loads) thread e counts the local routes of expert e and thread r the routes of r's expert
+   before route r (token order, the block kernels' order); a CTA scan of
+   tiles = ceil(count / tile_n) gives each expert's first tile; thread e writes its CTA table
+   entries, the CTA fills permuted_to_token[0, padded) with -1, then thread r writes its
+   expanded_to_permuted word and its row's token. Only live words are written (header,
+   b * 8 expanded words, cta_count table words, padded_row_count rows): a word past them, e.g. a
+   guard element after the buffer, is never touched. Repeated ids (the -inf quirk; undefined in
+   the stock) still get distinct rows, so every write stays inside the layout's bounds.
+
+Memory ordering: PDL only. Everything this kernel writes is written after `griddepcontrol.wait`,
+so it never races a predecessor still reading the old ids / weights / metadata. The bias is read
+before the wait, so the kernel launched just before must not write it (a weight update in
+place needs a launch in between or a sync). It triggers its dependents right after the wait;
+a dependent's own `griddepcontrol.wait` still waits for this whole grid to complete and flush. Inside the CTA, `bar.sync` orders the -1 fill before the row
+scatter (both global) and the shared-memory phases.
+
+NaN logits or bias are outside the contract (as in the reference): the kernel stays in bounds but
+the ids are unspecified.
+
+Numbers measured: compile (CPU host, CuTe DSL 4.8.1, no GPU, 2026-11-29) 0.1-0.15 s per
+routing-only variant and 0.2-0.25 s with metadata, sm_90a and sm_100a alike
+(tests/kernels/test_routing_compile.py). ptxas 13.0 -v (sm_90a): 40 registers, no stack, no
+spills, every variant; SASS (nvdisasm) of the routing-only variant: no FFMA (8 MUFU.EX2, 9 MUFU.RCP
+from div.full, FADD / FMUL only), 8 REDUX.MAX. No GPU run yet: tests/kernels/test_routing_gpu.py
+(bitwise ids / weights / metadata, graph replay) has not run, and nothing is timed.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+
+from musebench import config
+from musebench.kernels import ptx
+from musebench.numerics import LOG2_E
+from musebench.routing_metadata import (
+    HEADER_CTA_COUNT,
+    HEADER_NUM_TOKENS,
+    HEADER_PADDED_ROW_COUNT,
+    HEADER_TILE_N,
+    HEADER_WORDS,
+    TILE_N_MAX,
+    RoutingMetadata,
+    metadata_size,
+)
+
+__all__ = [
+    "MuseRouting",
+    "RoutingMetadata",
+    "RoutingOptions",
+    "compile_routing",
+    "metadata_size",
+    "ordered_key_u32",
+    "prepare",
+    "route",
+    "unsupported_router",
+]
+
+NUM_EXPERTS = config.NUM_EXPERTS  # 256
+TOP_K = config.TOP_K  # 8
+MAX_TOKENS = config.MAX_DECODE_TOKENS  # 8
+DIVISION_EPS = config.ROUTER_SCORE_DIVISION_EPS  # 1e-15, added in binary32
+WARP = 32
+EXPERTS_PER_LANE = NUM_EXPERTS // WARP  # 8: two 16-byte vectors per lane
+THREADS = MAX_TOKENS * WARP  # 256: one warp per token
+ROUTES_MAX = MAX_TOKENS * TOP_K  # 64
+VECTOR_WORDS = 4
+VECTOR_BYTES = 16
+WORD_BYTES = 4
+ALIGN_BYTES = 16  # every tensor is read or written with 16-byte vectors
+SORT_PHASES = EXPERTS_PER_LANE  # odd-even transposition sort: n phases sort n values
+NOT_LOCAL = -1  # expanded_to_permuted of a route on another rank; permuted_to_token of padding
+NO_ROUTE = -1  # shared-memory id of a route past the batch
+
+# Order-preserving uint32 image of binary32 (`ordered_key_u32`).
+F32_SIGN_BIT = 0x80000000
+F32_MAGNITUDE_MASK = 0x7FFFFFFF
+U32_MASK = 0xFFFFFFFF
+F32_NEG_INF_BITS = 0xFF800000
+EMPTY_KEY = 0  # a lane with no expert left: below every key (the ordered -inf is 0x00800000)
+
+if THREADS != NUM_EXPERTS or ROUTES_MAX > THREADS or NUM_EXPERTS % (WARP * VECTOR_WORDS):
+    raise ImportError("the routing kernel assumes one thread per expert and per route, 256 experts")
+
+# The section offsets depend on tile_n only through the CTA bound min(E, R) + (R - min(E, R)) //
+# tile_n, constant when R = 8 * 8 <= E = 256; the kernel bakes them, this checks the premise.
+_LAYOUTS = {tile: RoutingMetadata(tile) for tile in range(1, TILE_N_MAX + 1)}
+OFFSETS = _LAYOUTS[1].offsets
+if any(layout.offsets != OFFSETS for layout in _LAYOUTS.values()):
+    raise ImportError("routing metadata offsets depend on tile_n; the kernel bakes them")
+EXPANDED_OFFSET = OFFSETS["expanded_to_permuted"]
+CTA_TO_EXPERT_OFFSET = OFFSETS["cta_to_expert"]
+CTA_ROW_LIMIT_OFFSET = OFFSETS["cta_row_limit"]
+PERMUTED_TO_TOKEN_OFFSET = OFFSETS["permuted_to_token"]
+if HEADER_WORDS != VECTOR_WORDS or (HEADER_PADDED_ROW_COUNT, HEADER_CTA_COUNT, HEADER_NUM_TOKENS, HEADER_TILE_N) != (0, 1, 2, 3):
+    raise ImportError("the kernel writes the metadata header as one 16-byte vector in layout order")
+if PERMUTED_TO_TOKEN_OFFSET % VECTOR_WORDS:
+    raise ImportError("permuted_to_token must start on a 16-byte boundary (vector fill)")
+
+
+def _like(word, value: int):
+    return type(word)(value) if isinstance(word, cutlass.Numeric) else value
+
+
+def ordered_key_u32(bits):
+    """Monotone uint32 image of a binary32's bits: a < b as floats iff key(a) < key(b).
+
+    -0.0 and +0.0 share the key 0x80000000 (IEEE equal), -inf is 0x00800000, +inf 0xFF800000;
+    NaNs land outside [key(-inf), key(+inf)]. Integer arithmetic only: the same function runs on
+    a DSL `Uint32` in the kernel and on a Python int (or int64 tensor of 32-bit values) in a test.
+    key = 2^31 + magnitude for a positive sign, 2^31 - magnitude for a negative one (mod 2^32).
+    """
+    sign = bits >> _like(bits, 31)
+    magnitude = bits & _like(bits, F32_MAGNITUDE_MASK)
+    negative_part = magnitude & (_like(bits, 0) - sign)  # magnitude if the sign is set, else 0
+    key = _like(bits, F32_SIGN_BIT) + magnitude - (negative_part << _like(bits, 1))
+    return key & _like(bits, U32_MASK)
+
+
+ORDERED_NEG_INF = ordered_key_u32(F32_NEG_INF_BITS)
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _select(condition, if_true, if_false):
+    kind = type(if_true) if isinstance(if_true, cutlass.Numeric) else type(if_false)
+    return kind(cutlass.select_(condition, if_true, if_false))
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device code.
+
+
+class _RoutingKernel:
+    """Top-8 routing of b <= 8 tokens (+ the routing metadata), one CTA of 256 threads."""
+
+    def __init__(self, *, metadata: bool, renormalize: bool, enable_pdl: bool, division_eps: float = DIVISION_EPS) -> None:
+        _require(isinstance(metadata, bool), f"metadata must be a bool, got {metadata!r}")
+        _require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
+        _require(isinstance(enable_pdl, bool), f"enable_pdl must be a bool, got {enable_pdl!r}")
+        _require(isinstance(division_eps, float) and math.isfinite(division_eps) and division_eps >= 0,
+                 f"division_eps must be a finite float >= 0, got {division_eps!r}")
+        self.metadata = metadata
+        self.renormalize = renormalize
+        self.enable_pdl = enable_pdl
+        self.division_eps = division_eps
+        # ids of every route, the tiles of each warp, each expert's first tile (int32 words).
+        self.smem_bytes = (ROUTES_MAX + MAX_TOKENS + NUM_EXPERTS) * WORD_BYTES if metadata else 0
+
+    @cute.jit
+    def __call__(
+        self,
+        logits: cute.Tensor,
+        bias: cute.Tensor,
+        ids: cute.Tensor,
+        weights: cute.Tensor,
+        metadata: cute.Tensor,
+        num_tokens: Int32,
+        local_expert_offset: Int32,
+        num_local_experts: Int32,
+        tile_n: Int32,
+        scale: Float32,
+        stream: cuda.CUstream,
+    ) -> None:
+        self.kernel(logits, bias, ids, weights, metadata, num_tokens, local_expert_offset, num_local_experts, tile_n, scale).launch(
+            grid=(1, 1, 1),
+            block=(THREADS, 1, 1),
+            smem=self.smem_bytes,
+            stream=stream,
+            use_pdl=self.enable_pdl,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        logits: cute.Tensor,
+        bias: cute.Tensor,
+        ids: cute.Tensor,
+        weights: cute.Tensor,
+        metadata: cute.Tensor,
+        num_tokens: Int32,
+        local_expert_offset: Int32,
+        num_local_experts: Int32,
+        tile_n: Int32,
+        scale: Float32,
+    ) -> None:
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        lane_bytes = Int64(lane) * (EXPERTS_PER_LANE * WORD_BYTES)
+
+        # The bias is a router parameter, never written by the preceding kernel.
+        bias_address = Int64(bias.iterator.toint()) + lane_bytes
+        bias_words = [*ptx.ld_global_v4_u32(bias_address), *ptx.ld_global_v4_u32(bias_address + VECTOR_BYTES)]
+
+        # Logits come from the router GEMM, and every output may still be read by the previous
+        # consumer: all of it happens after the wait.
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+            # Dependents may start their prologue; their own wait covers this whole grid.
+            cute.arch.griddepcontrol_launch_dependents()
+
+        if cutlass.const_expr(self.metadata):
+            smem = cutlass.memory.SmemAllocator()
+            route_ids = smem.allocate_tensor(Int32, cute.make_layout(ROUTES_MAX), byte_alignment=16)
+            warp_tiles = smem.allocate_tensor(Int32, cute.make_layout(MAX_TOKENS), byte_alignment=16)
+            first_tiles = smem.allocate_tensor(Int32, cute.make_layout(NUM_EXPERTS), byte_alignment=16)
+
+        if warp < num_tokens:
+            logits_address = Int64(logits.iterator.toint()) + Int64(warp) * (NUM_EXPERTS * WORD_BYTES) + lane_bytes
+            logit_words = [*ptx.ld_global_v4_u32(logits_address), *ptx.ld_global_v4_u32(logits_address + VECTOR_BYTES)]
+
+            # Scores and selection keys: the stock's instructions, one inline asm each.
+            scores = []
+            keys = []
+            for j in cutlass.range_constexpr(EXPERTS_PER_LANE):
+                x = ptx.bitcast_u32_to_f32(logit_words[j])
+                t = ptx.mul_rn_f32(ptx.sub_rn_f32(Float32(0.0), x), Float32(LOG2_E))
+                d = ptx.add_rn_f32(Float32(1.0), ptx.ex2_approx_f32(t))
+                score = ptx.div_full_f32(Float32(1.0), d)
+                key = ptx.add_rn_f32(score, ptx.bitcast_u32_to_f32(bias_words[j]))
+                scores.append(score)
+                keys.append(ordered_key_u32(ptx.bitcast_f32_to_u32(key)))
+            # Expert 0's score, for rounds where only -inf keys remain (the stock then picks 0).
+            expert0_score = cute.arch.shuffle_sync(scores[0], 0)
+
+            # Sort once: stable odd-even transposition (swap on a strict inversion only).
+            slots = [Int32(j) for j in range(EXPERTS_PER_LANE)]
+            for phase in cutlass.range_constexpr(SORT_PHASES):
+                for j in cutlass.range_constexpr(phase % 2, EXPERTS_PER_LANE - 1, 2):
+                    swap = keys[j + 1] > keys[j]
+                    keys[j], keys[j + 1] = _select(swap, keys[j + 1], keys[j]), _select(swap, keys[j], keys[j + 1])
+                    scores[j], scores[j + 1] = _select(swap, scores[j + 1], scores[j]), _select(swap, scores[j], scores[j + 1])
+                    slots[j], slots[j + 1] = _select(swap, slots[j + 1], slots[j]), _select(swap, slots[j], slots[j + 1])
+
+            chosen_ids = []
+            chosen_scores = []
+            for _ in cutlass.range_constexpr(TOP_K):
+                best = Uint32(cute.arch.warp_redux_sync(keys[0], "umax"))
+                holders = Uint32(cute.arch.vote_ballot_sync(keys[0] == best))
+                winner = Int32(cute.arch.clz(cute.arch.brev(holders)))  # the lowest lane holding it
+                slot = Int32(cute.arch.shuffle_sync(slots[0], winner))
+                score = Float32(cute.arch.shuffle_sync(scores[0], winner))
+                only_minus_inf = best == Uint32(ORDERED_NEG_INF)
+                chosen_ids.append(_select(only_minus_inf, Int32(0), winner * EXPERTS_PER_LANE + slot))
+                chosen_scores.append(_select(only_minus_inf, expert0_score, score))
+                # The winner pops its head.
+                pop = lane == winner
+                for j in cutlass.range_constexpr(EXPERTS_PER_LANE - 1):
+                    keys[j] = _select(pop, keys[j + 1], keys[j])
+                    scores[j] = _select(pop, scores[j + 1], scores[j])
+                    slots[j] = _select(pop, slots[j + 1], slots[j])
+                last = EXPERTS_PER_LANE - 1
+                keys[last] = _select(pop, Uint32(EMPTY_KEY), keys[last])
+                scores[last] = _select(pop, Float32(0.0), scores[last])
+                slots[last] = _select(pop, Int32(0), slots[last])
+
+            scale_f32 = Float32(scale)
+            factor = scale_f32
+            if cutlass.const_expr(self.renormalize):
+                total = Float32(0.0)
+                for k in cutlass.range_constexpr(TOP_K):
+                    total = ptx.add_rn_f32(total, chosen_scores[k])
+                total = ptx.add_rn_f32(total, Float32(self.division_eps))
+                factor = ptx.div_full_f32(scale_f32, total)
+            weight_words = [ptx.bitcast_f32_to_u32(ptx.mul_rn_f32(chosen_scores[k], factor)) for k in range(TOP_K)]
+            id_words = [Uint32(chosen_ids[k]) for k in range(TOP_K)]
+
+            if lane == 0:
+                row_bytes = Int64(warp) * (TOP_K * WORD_BYTES)
+                ids_address = Int64(ids.iterator.toint()) + row_bytes
+                weights_address = Int64(weights.iterator.toint()) + row_bytes
+                for half in cutlass.range_constexpr(TOP_K // VECTOR_WORDS):
+                    w = id_words[half * VECTOR_WORDS : (half + 1) * VECTOR_WORDS]
+                    ptx.st_global_v4_u32(ids_address + half * VECTOR_BYTES, w[0], w[1], w[2], w[3])
+                    w = weight_words[half * VECTOR_WORDS : (half + 1) * VECTOR_WORDS]
+                    ptx.st_global_v4_u32(weights_address + half * VECTOR_BYTES, w[0], w[1], w[2], w[3])
+                if cutlass.const_expr(self.metadata):
+                    for k in cutlass.range_constexpr(TOP_K):
+                        route_ids[warp * TOP_K + k] = chosen_ids[k]
+        else:
+            if cutlass.const_expr(self.metadata):
+                if lane == 0:
+                    for k in cutlass.range_constexpr(TOP_K):
+                        route_ids[warp * TOP_K + k] = Int32(NO_ROUTE)
+
+        if cutlass.const_expr(self.metadata):
+            # ---- metadata: thread e is expert e; thread r < 64 is route r = token * 8 + k.
+            cute.arch.barrier()
+            expert = Int32(tidx)
+            route = Int32(tidx)
+            route_expert = Int32(route_ids[_select(route < ROUTES_MAX, route, Int32(0))])
+            local_end = local_expert_offset + num_local_experts
+            count = Int32(0)
+            rank = Int32(0)  # routes of the same expert before this one: token order
+            for token in cutlass.range(num_tokens):  # only the batch's routes
+                for k in cutlass.range_constexpr(TOP_K):
+                    other = Int32(route_ids[token * TOP_K + k])
+                    count = count + _select(other == expert, Int32(1), Int32(0))
+                    rank = rank + _select((other == route_expert) & (route > token * TOP_K + k), Int32(1), Int32(0))
+            is_local = (expert >= local_expert_offset) & (expert < local_end)
+            count = _select(is_local, count, Int32(0))
+            tiles = (count + tile_n - 1) // tile_n
+
+            # Exclusive scan of tiles over the 256 experts: warp scan, then the warp totals.
+            inclusive = tiles
+            for step in (1, 2, 4, 8, 16):
+                below = Int32(cute.arch.shuffle_sync_up(inclusive, offset=step))
+                inclusive = inclusive + _select(lane >= step, below, Int32(0))
+            if lane == WARP - 1:
+                warp_tiles[warp] = inclusive
+            cute.arch.barrier()
+            before = Int32(0)
+            cta_count = Int32(0)
+            for w in cutlass.range_constexpr(MAX_TOKENS):
+                total_w = Int32(warp_tiles[w])
+                before = before + _select(warp > w, total_w, Int32(0))
+                cta_count = cta_count + total_w
+            first_tile = before + inclusive - tiles
+            first_tiles[expert] = first_tile
+            padded_rows = cta_count * tile_n
+
+            metadata_address = Int64(metadata.iterator.toint())
+            if tidx == 0:
+                ptx.st_global_v4_u32(metadata_address, Uint32(padded_rows), Uint32(cta_count), Uint32(num_tokens), Uint32(tile_n))
+            first_row = first_tile * tile_n
+            for j in cutlass.range(tiles):
+                tile = first_tile + j
+                limit = cutlass.min((tile + 1) * tile_n, first_row + count)
+                ptx.st_global_u32(metadata_address + Int64(CTA_TO_EXPERT_OFFSET + tile) * WORD_BYTES, Uint32(expert - local_expert_offset))
+                ptx.st_global_u32(metadata_address + Int64(CTA_ROW_LIMIT_OFFSET + tile) * WORD_BYTES, Uint32(limit))
+
+            # Every row of the padded space starts as padding; routed rows are overwritten after
+            # the barrier (bar.sync orders the two global writes).
+            rows_address = metadata_address + PERMUTED_TO_TOKEN_OFFSET * WORD_BYTES
+            padding = Uint32(U32_MASK)  # -1
+            for start in cutlass.range(Int32(tidx) * VECTOR_WORDS, padded_rows, THREADS * VECTOR_WORDS):
+                if start + VECTOR_WORDS <= padded_rows:
+                    ptx.st_global_v4_u32(rows_address + Int64(start) * WORD_BYTES, padding, padding, padding, padding)
+                else:
+                    for row in cutlass.range(start, padded_rows):
+                        ptx.st_global_u32(rows_address + Int64(row) * WORD_BYTES, padding)
+            cute.arch.barrier()
+
+            if route < num_tokens * TOP_K:
+                route_is_local = (route_expert >= local_expert_offset) & (route_expert < local_end)
+                row = Int32(first_tiles[route_expert]) * tile_n + rank
+                permuted = _select(route_is_local, row, Int32(NOT_LOCAL))
+                ptx.st_global_u32(metadata_address + Int64(EXPANDED_OFFSET + route) * WORD_BYTES, Uint32(permuted))
+                if route_is_local:
+                    ptx.st_global_u32(rows_address + Int64(row) * WORD_BYTES, Uint32(route // TOP_K))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compilation (fake tensors, cached by the exact compile-time values).
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """Compile options: PDL on or off, the target (default: CUTE_DSL_ARCH or the current GPU), a
+    folder to keep the PTX in (`compiled.artifacts.PTX`). Part of the cache key."""
+
+    enable_pdl: bool = True
+    arch: str | None = None
+    ptx_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enable_pdl, bool), f"enable_pdl must be a bool, got {self.enable_pdl!r}")
+        _require(self.arch is None or isinstance(self.arch, str), f"arch must be a string or None, got {self.arch!r}")
+        _require(self.ptx_dir is None or isinstance(self.ptx_dir, str), f"ptx_dir must be a string or None, got {self.ptx_dir!r}")
+
+
+DEFAULT_OPTIONS = RoutingOptions()
+
+_COMPILED: dict[tuple[bool, bool, RoutingOptions], Any] = {}
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _compiler(options: RoutingOptions):
+    flags = []
+    if options.arch is not None:
+        flags.append(cute.GPUArch(options.arch))
+    if options.ptx_dir is not None:
+        from cutlass.base_dsl.compiler import DumpDir
+
+        flags.extend([cute.KeepPTX(True), DumpDir(options.ptx_dir)])
+    return cute.compile[tuple(flags)] if flags else cute.compile
+
+
+def _flat(dtype, divisibility: int):
+    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=ALIGN_BYTES)
+
+
+def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions = DEFAULT_OPTIONS) -> Any:
+    """The compiled router for (metadata, renormalize, options): cached per process, exact key.
+
+    Compiles from fake tensors (no GPU needed with an explicit `options.arch`); RuntimeError
+    during CUDA-graph capture (call `prepare` first); ValueError on non-bool knobs.
+    """
+    _require(isinstance(metadata, bool), f"metadata must be a bool, got {metadata!r}")
+    _require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
+    _require(isinstance(options, RoutingOptions), f"options must be RoutingOptions, got {options!r}")
+    key = (metadata, renormalize, options)
+    compiled = _COMPILED.get(key)
+    if compiled is not None:
+        return compiled
+    if _capturing():
+        raise RuntimeError("compile the routing kernels before CUDA graph capture (musebench.kernels.routing.prepare)")
+    kernel = _RoutingKernel(metadata=metadata, renormalize=renormalize, enable_pdl=options.enable_pdl)
+    compiled = _compiler(options)(
+        kernel,
+        _flat(Float32, NUM_EXPERTS),
+        make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
+        _flat(Int32, TOP_K),
+        _flat(Float32, TOP_K),
+        _flat(Int32, 1) if metadata else None,  # any length >= size: a guard word may follow
+        Int32(1),
+        Int32(0),
+        Int32(1),
+        Int32(1),
+        Float32(1.0),
+        cuda.CUstream(0),
+    )
+    _COMPILED[key] = compiled
+    return compiled
+
+
+def prepare(options: RoutingOptions = DEFAULT_OPTIONS) -> None:
+    """Compile every variant (metadata on / off x renormalize on / off); call before capture."""
+    for metadata in (False, True):
+        for renormalize in (True, False):
+            compile_routing(metadata, renormalize, options)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side.
+
+
+def _cute_flat(tensor: torch.Tensor, divisibility: int) -> cute.Tensor:
+    # from_dlpack exports with stream=-1 in CuTe DSL 4.8: no producer sync, safe under capture.
+    return from_dlpack(tensor.detach().view(-1), assumed_align=ALIGN_BYTES).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
+
+
+def _check_tensor(name: str, tensor: object, dtype: torch.dtype, shape: tuple[int, ...] | None) -> None:
+    """Type, dtype, shape, contiguity and alignment (device-independent checks)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if shape is not None and tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if tensor.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"{name} must be {ALIGN_BYTES}-byte aligned")
+
+
+def _check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if not tensor.is_cuda:
+        raise ValueError(f"{name} must be on a CUDA device, got {tensor.device}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, the logits on {device}")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a real number, got {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    scale: float,
+    renormalize: bool = True,
+    metadata: torch.Tensor | None = None,
+    local_expert_offset: int = 0,
+    num_local_experts: int = 0,
+    tile_n: int = 0,
+) -> None:
+    """Route b tokens to their top-8 of 256 experts on the current stream, in one launch.
+
+    Contract:
+    - logits: float32 [b, 256], 1 <= b <= 8; bias: float32 [256]; ids: int32 [b, 8] (written, in
+      selection order); weights: float32 [b, 8] (written); all on one CUDA device, contiguous,
+      16-byte aligned; no NaN in logits or bias (not checked: it would need a sync);
+    - bias is read before the PDL wait: the kernel launched just before must not write it;
+    - scale: the route scale, finite (used as binary32); renormalize: weights divided by the sum of
+      the 8 scores + f32(1e-15) (the stock), or False: weight = score * f32(scale);
+    - metadata: None, or a 1-D int32 CUDA buffer of at least `metadata_size(tile_n)` words, with
+      1 <= tile_n <= 256, 1 <= num_local_experts and 0 <= local_expert_offset with
+      offset + num_local_experts <= 256; only the live words of `RoutingMetadata(tile_n)` are
+      written. Without metadata, offset, count and tile_n must stay 0.
+    Bitwise equal to `routing_reference(..., approximations=hardware_approximations())` (ids,
+    weights) and to `pack_metadata(routing_metadata_reference(ids, ...))` on the live words.
+    ValueError on any violation, before launching. Allocates nothing; graph-capturable once the
+    variant is compiled (`prepare`); the first call of a variant compiles it.
+    """
+    _check_tensor("logits", logits, torch.float32, None)
+    if logits.dim() != 2 or logits.shape[1] != NUM_EXPERTS:
+        raise ValueError(f"logits must be [b, {NUM_EXPERTS}], got {tuple(logits.shape)}")
+    b = logits.shape[0]
+    if not 1 <= b <= MAX_TOKENS:
+        raise ValueError(f"the batch must be 1..{MAX_TOKENS} tokens, got {b}")
+    _check_tensor("bias", bias, torch.float32, (NUM_EXPERTS,))
+    _check_tensor("ids", ids, torch.int32, (b, TOP_K))
+    _check_tensor("weights", weights, torch.float32, (b, TOP_K))
+    scale = _check_scale(scale)
+    if not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+    if metadata is None:
+        if any(isinstance(v, bool) or not isinstance(v, int) or v != 0 for v in (local_expert_offset, num_local_experts, tile_n)):
+            raise ValueError("local_expert_offset, num_local_experts and tile_n only go with a metadata buffer (leave them 0)")
+    else:
+        _check_int("tile_n", tile_n, 1, TILE_N_MAX)
+        _check_int("num_local_experts", num_local_experts, 1, NUM_EXPERTS)
+        _check_int("local_expert_offset", local_expert_offset, 0, NUM_EXPERTS - 1)
+        if local_expert_offset + num_local_experts > NUM_EXPERTS:
+            raise ValueError(
+                f"local experts [{local_expert_offset}, {local_expert_offset + num_local_experts}) exceed {NUM_EXPERTS} experts"
+            )
+        _check_tensor("metadata", metadata, torch.int32, None)
+        size = _LAYOUTS[tile_n].size
+        if metadata.dim() != 1 or metadata.numel() < size:
+            raise ValueError(f"metadata must be a 1-D buffer of at least metadata_size({tile_n}) = {size} words, got {tuple(metadata.shape)}")
+    device = logits.device
+    for name, tensor in (("logits", logits), ("bias", bias), ("ids", ids), ("weights", weights), ("metadata", metadata)):
+        if tensor is not None:
+            _check_device(name, tensor, device)
+
+    compiled = compile_routing(metadata is not None, renormalize)
+    stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    compiled(
+        _cute_flat(logits, NUM_EXPERTS),
+        _cute_flat(bias, NUM_EXPERTS),
+        _cute_flat(ids, TOP_K),
+        _cute_flat(weights, TOP_K),
+        _cute_flat(metadata, 1) if metadata is not None else None,
+        Int32(b),
+        Int32(local_expert_offset),
+        Int32(num_local_experts),
+        Int32(tile_n),
+        Float32(scale),
+        stream,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Bound to a vLLM-style router.
+
+
+def _router_attr(router: object, *names: str, default: object = None) -> object:
+    for name in names:
+        if hasattr(router, name):
+            return getattr(router, name)
+    return default
+
+
+def unsupported_router(router: object) -> str | None:
+    """Why `MuseRouting` cannot reproduce this router bit for bit, or None if it can.
+
+    Reads vLLM `MuseSpark1xRouter`'s attributes: top_k, global_num_experts (or num_experts),
+    expert_bias (or e_score_correction_bias), route_scale, router_output_multiplier,
+    router_score_normalization, router_score_division_eps (missing optional attributes take the
+    router's defaults: no multiplier, sigmoid, no eps). Supported: sigmoid scores, top-8 of 256,
+    the multiplier folded (None, or exactly 1.0, which changes no bit), eps equal to 1e-15 in
+    binary32, a finite route scale, and a contiguous float32 [256] bias, 16-byte aligned.
+    """
+    normalization = _router_attr(router, "router_score_normalization", default="sigmoid")
+    if normalization != "sigmoid":
+        return f"router scores {normalization!r}: only sigmoid is reproduced"
+    top_k = _router_attr(router, "top_k")
+    if isinstance(top_k, bool) or top_k != TOP_K:
+        return f"top_k {top_k!r}: only top-{TOP_K} is reproduced"
+    num_experts = _router_attr(router, "global_num_experts", "num_experts")
+    if isinstance(num_experts, bool) or num_experts != NUM_EXPERTS:
+        return f"{num_experts!r} experts: only {NUM_EXPERTS} are reproduced"
+    multiplier = _router_attr(router, "router_output_multiplier")
+    if multiplier is not None and not (not isinstance(multiplier, bool) and isinstance(multiplier, (int, float)) and float(multiplier) == 1.0):
+        return f"router_output_multiplier {multiplier!r} is not folded into the router weight (fold_router_output_multiplier)"
+    eps = _router_attr(router, "router_score_division_eps")
+    if eps is None or isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)):
+        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} is reproduced"
+    if _f32_bits(float(eps)) != _f32_bits(DIVISION_EPS):
+        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} (binary32) is reproduced"
+    route_scale = _router_attr(router, "route_scale")
+    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not math.isfinite(float(route_scale)):
+        return f"route_scale {route_scale!r} is not a finite number"
+    bias = _router_attr(router, "expert_bias", "e_score_correction_bias")
+    if not isinstance(bias, torch.Tensor):
+        return "the router has no expert bias tensor (expert_bias / e_score_correction_bias)"
+    if bias.dtype != torch.float32:
+        return f"expert bias is {bias.dtype}: only float32 is reproduced (a conversion would allocate per call)"
+    if tuple(bias.shape) != (NUM_EXPERTS,):
+        return f"expert bias has shape {tuple(bias.shape)}, not ({NUM_EXPERTS},)"
+    if not bias.is_contiguous():
+        return "expert bias is not contiguous"
+    if bias.data_ptr() % ALIGN_BYTES:
+        return f"expert bias is not {ALIGN_BYTES}-byte aligned"
+    return None
+
+
+class MuseRouting:
+    """Muse Spark's router, bound to a vLLM-style router's expert bias and route scale.
+
+    Construction refuses (ValueError, the reason from `unsupported_router`) what the kernel cannot
+    reproduce. The bias tensor is held by reference: in-place weight updates are seen. `run` is
+    `route` with the bound bias and scale: same contract, graph-capturable after `prepare`.
+    """
+
+    def __init__(self, router: object) -> None:
+        reason = unsupported_router(router)
+        if reason is not None:
+            raise ValueError(f"MuseRouting cannot reproduce this router: {reason}")
+        self.bias: torch.Tensor = _router_attr(router, "expert_bias", "e_score_correction_bias")  # type: ignore[assignment]
+        self.route_scale = float(_router_attr(router, "route_scale"))  # type: ignore[arg-type]
+        self.top_k = TOP_K
+        self.num_experts = NUM_EXPERTS
+
+    def run(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        renormalize: bool = True,
+        metadata: torch.Tensor | None = None,
+        local_expert_offset: int = 0,
+        num_local_experts: int = 0,
+        tile_n: int = 0,
+    ) -> None:
+        """`route(logits, bias, ids, weights, route_scale, ...)` with the bound bias and scale."""
+        route(logits, self.bias, ids, weights, self.route_scale, renormalize, metadata, local_expert_offset, num_local_experts, tile_n)
+
+    __call__ = run
