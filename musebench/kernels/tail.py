@@ -50,10 +50,11 @@ Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher v
 equal to the reference (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and
 adversarial rows), the missing-rank fault and 100 graph replays of 10 calls. Timing (`musebench
 bench tail`, records/2026-11-29-h200-bench-tail-ep.json): one collective call of the whole group of
-virtual ranks sharing the GPU (every rank's publisher and reduction; CUDA graph of 20 calls,
-median of 30 replays): tp 2: 0.57-0.71 µs, tp 4: 0.59-1.22 µs, tp 8: 0.99-1.87 µs over m = 1..8
-with CUDA_DEVICE_MAX_CONNECTIONS=32; at the default 8 queues tp 8 took 9.8-12.2 µs (a spinning
-reduction queued in front of a peer's publisher).
+virtual ranks sharing the GPU (every rank's publisher and reduction plus the per-call fork/join of
+tp streams; CUDA graph of 20 calls, median of 30 replays; empty launch by the same method 1.22
+µs): tp 2: 6.6-8.1 µs, tp 4: 7.6-9.3 µs, tp 8: 11.6-13.4 µs over m = 1, 2, 4, 8 and both weight
+dtypes. This is not one rank's time on its own GPU (that needs the process launcher on distinct
+GPUs).
 """
 
 from __future__ import annotations
