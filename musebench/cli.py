@@ -16,9 +16,10 @@ import click
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-# Virtual ranks put tp streams on one GPU; with the default 8 hardware queues a spinning reduction
-# can sit in front of a peer's publisher (tp = 8 graph: 11 µs per call at 8 queues, 1-2 µs at 32,
-# H200). It must be set before CUDA initializes, so the CLI sets it first thing.
+# Virtual ranks put tp streams on one GPU; with the default 8 hardware queues, streams share a
+# queue and a spinning reduction can sit in front of a peer's publisher until that peer's stream
+# gets its turn. Giving every stream its own queue needs the variable set before CUDA
+# initializes, so the CLI sets it first thing (an explicit value in the environment wins).
 CUDA_CONNECTIONS = "32"
 DEFAULT_SCENARIO = "scenarios/parity.toml"
 
