@@ -81,6 +81,8 @@ def main() -> None:
     musebench parity [FILE.toml]    the scenario's runs (default scenarios/parity.toml)
     musebench report RUN.json       re-render a run; --compare OLD.json flags regressions
     musebench bench tail            CUDA-graph timings of the cute EP tail (GPU)
+    musebench routing --tp 8        the routing kernel and its metadata on every rank (GPU)
+    musebench bench routing         the routing kernel vs the Triton stock (GPU)
     """
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", CUDA_CONNECTIONS)
 
@@ -263,6 +265,94 @@ def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> Non
     if json_path:
         report.write_json(run, json_path)
     if not run.passed:
+        sys.exit(EXIT_FAILED)
+
+
+@main.command()
+@click.option("--tp", type=int, default=8, show_default=True, help="Ranks (2..32), each with its own expert range.")
+@click.option("--tokens", default="1-8", show_default=True)
+@click.option("--tile", "tiles", default="8", show_default=True, help="GEMM tile sizes for the metadata (1..256).")
+@click.option("--renormalize/--no-renormalize", default=True, show_default=True)
+@click.option("--inputs", default="random,adversarial", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seeds", type=int, default=1, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
+def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, junit_path) -> None:
+    """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
+    from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.jobs import resolve_backend
+    from musebench.harness.scenario import validate_tokens, validate_tp
+
+    token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")
+    families = _parse_choices(inputs, INPUT_FAMILIES, "--inputs")
+    try:
+        validate_tp(tp)
+        validate_tokens(token_list, 8)
+        if any(not 1 <= tile <= 256 for tile in tile_list):
+            raise ValueError(f"--tile must be in 1..256, got {tile_list}")
+        if seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+        _, note = resolve_backend("cute", ())
+    except ValueError as error:
+        _usage_error(str(error))
+    from musebench.harness import report
+    from musebench.harness.jobs import build_report
+    from musebench.harness.routing import RoutingCase, run_routing_case
+
+    cases = [RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renormalize, inputs=family, seed=s)
+             for family in families for tile in tile_list for m in token_list for s in range(seed, seed + seeds)]
+    rows = []
+    with _stderr().status("routing") as status:
+        for case in cases:
+            status.update(case.label())
+            rows.append(run_routing_case(case))
+    run = build_report(rows, command=_command_line(), backend_note=note)
+    report.render_table(run, _stdout(), title=f"musebench routing --tp {tp}")
+    if json_path:
+        report.write_json(run, json_path)
+    if junit_path:
+        report.write_junit(run, junit_path)
+    if not run.passed:
+        sys.exit(EXIT_FAILED)
+
+
+@bench.command("routing")
+@click.option("--tokens", default="1-8", show_default=True)
+@click.option("--tile", "tile", type=int, default=8, show_default=True)
+@click.option("--calls", type=int, default=20, show_default=True)
+@click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
+    """GPU: the routing kernel alone and with metadata vs the Triton stock (µs per call)."""
+    from musebench.harness.jobs import resolve_backend
+    from musebench.harness.scenario import validate_tokens
+
+    token_list = _parse_ints(tokens, "--tokens")
+    try:
+        validate_tokens(token_list, 8)
+        if not 1 <= tile <= 256 or calls < 1 or replays < 1:
+            raise ValueError("--tile must be in 1..256, --calls and --replays >= 1")
+        _, note = resolve_backend("cute", ())
+    except ValueError as error:
+        _usage_error(str(error))
+    from musebench.harness import report
+    from musebench.harness.bench import BenchOptions, bench_empty_kernel
+    from musebench.harness.jobs import build_report
+    from musebench.harness.routing import bench_routing
+
+    options = BenchOptions(calls=calls, replays=replays)
+    rows = []
+    with _stderr().status("benchmarking routing"):
+        floor = bench_empty_kernel(options)
+        for m in token_list:
+            rows.extend(bench_routing(m, tile, options))
+    run = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
+    run.machine["empty_launch_us"] = floor
+    report.render_table(run, _stdout(), title="musebench bench routing")
+    if json_path:
+        report.write_json(run, json_path)
+    if any(row.error for row in rows):
         sys.exit(EXIT_FAILED)
 
 

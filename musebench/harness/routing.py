@@ -1,0 +1,173 @@
+"""Routing cases (GPU): every rank routes the same logits for its own local expert range.
+
+Per case and rank (virtual ranks on one GPU): `musebench.kernels.routing.route` writes ids,
+weights and the rank's TRT-LLM-gen metadata into a buffer poisoned one word past
+`metadata_size(tile)`; the checks are raw bits: ids and weights identical on every rank and
+equal to the project's Triton stock (`stock.triton_routing`) and to the reference with the
+hardware's approximations; each rank's live metadata words equal to
+`pack_metadata(routing_metadata_reference(ids, ...))`; the guard word untouched.
+
+`bench_routing` times, by the CUDA-graph method of `harness.bench` (20 back-to-back calls per
+graph, median of 30 replays), the kernel alone, the kernel with metadata, and the Triton stock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from musebench import config
+from musebench import numerics as nx
+from musebench.harness import checks
+from musebench.harness.bench import BenchOptions, _median_replay_us
+from musebench.harness.cases import expert_owner
+from musebench.harness.results import CaseResult, RankResult
+
+POISON_WORD = -0x2A2A2A2B  # 0xD5D5D5D5: a word no metadata field holds
+ROUTE_SCALE = 2.5
+
+
+@dataclass(frozen=True)
+class RoutingCase:
+    tp: int
+    tokens: int
+    tile_n: int = 8
+    renormalize: bool = True
+    inputs: str = "random"
+    seed: int = 0
+
+    def label(self) -> str:
+        norm = "renorm" if self.renormalize else "raw"
+        return f"routing tp={self.tp} b={self.tokens} tile={self.tile_n} {norm} {self.inputs} seed={self.seed}"
+
+
+def local_experts(rank: int, tp: int, num_experts: int = config.NUM_EXPERTS) -> tuple[int, int]:
+    """(offset, count) of rank's contiguous expert range, the EP sharding of the tails' cases."""
+    owned = [e for e in range(num_experts) if expert_owner(e, tp, num_experts) == rank]
+    return owned[0], len(owned)
+
+
+def make_routing_inputs(case: RoutingCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits fp32 [b, 256], bias fp32 [256]), deterministic in the case, fresh per seed."""
+    key = repr((case.tokens, case.inputs, case.seed)).encode()
+    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
+    logits = torch.randn(case.tokens, config.NUM_EXPERTS, generator=g) * 2
+    bias = torch.randn(config.NUM_EXPERTS, generator=g) * 0.05
+    if case.inputs == "adversarial":
+        logits[0, 10:40] = 1.25  # a 30-way tie: the lowest indices must win
+        if case.tokens > 1:
+            logits[1, ::2] = float("inf")  # scores of exactly 1.0, tied
+            logits[1, 1::2] = float("-inf")
+        if case.tokens > 2:
+            logits[2] = torch.where(torch.arange(256) % 2 == 0, torch.tensor(-0.0), torch.tensor(0.0))
+        if case.tokens > 3:
+            bias[200:208] = 1.5  # biases that reorder the top-8 against the scores
+            logits[3, 200:208] = -4.0
+    return logits.float().contiguous(), bias.float().contiguous()
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, rank: int, row: RankResult) -> None:
+    count, ulp, first = checks.compare_bits(got.cpu(), want.cpu(), rank=rank)
+    row.mismatches += count
+    row.max_ulp = max(row.max_ulp, ulp)
+    row.first_mismatch = row.first_mismatch or first
+
+
+def run_routing_case(case: RoutingCase) -> CaseResult:
+    """One case on virtual ranks of the current GPU; never raises (errors land in the row)."""
+    from musebench.kernels.routing import metadata_size, route
+    from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
+    from musebench.stock.triton_routing import triton_routing
+
+    result = CaseResult(
+        kernel="routing", mode="routing", tp=case.tp, tokens=case.tokens, weight_dtype="fp32",
+        norm="renorm" if case.renormalize else "raw", inputs=case.inputs, seed=case.seed, backend="cute",
+        launcher="virtual", transport="local", stock="triton", stock_path=f"triton + reference metadata, tile {case.tile_n}",
+        iters=1,
+    )
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        logits, bias = (t.to(device) for t in make_routing_inputs(case))
+        stock_ids, stock_weights = triton_routing(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize)
+        ref_ids, ref_weights = routing_reference(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize,
+                                                 approximations=nx.hardware_approximations())
+        size = metadata_size(case.tile_n)
+        digests = set()
+        for rank in range(case.tp):
+            row = RankResult(rank=rank)
+            result.ranks.append(row)
+            offset, count = local_experts(rank, case.tp)
+            ids = checks.poison(torch.empty(case.tokens, config.TOP_K, dtype=torch.int32, device=device))
+            weights = checks.poison(torch.empty(case.tokens, config.TOP_K, dtype=torch.float32, device=device))
+            metadata = torch.full((size + 1,), POISON_WORD, dtype=torch.int32, device=device)
+            route(logits, bias, ids, weights, ROUTE_SCALE, case.renormalize, metadata=metadata,
+                  local_expert_offset=offset, num_local_experts=count, tile_n=case.tile_n)
+            torch.cuda.synchronize(device)
+            for got, want in ((ids, stock_ids), (weights, stock_weights), (ids, ref_ids), (weights, ref_weights)):
+                _compare(got, want, rank, row)
+            expected = pack_metadata(
+                routing_metadata_reference(ref_ids.cpu(), local_expert_offset=offset, num_local_experts=count,
+                                           tile_n=case.tile_n),
+                tile_n=case.tile_n, fill=POISON_WORD,
+            )
+            got_metadata = metadata.cpu()
+            _compare(got_metadata[:size], expected, rank, row)
+            if int(got_metadata[size]) != POISON_WORD:
+                row.error = f"rank {rank}: the guard word past metadata_size({case.tile_n}) was written"
+            digests.add(checks.digest(torch.cat([ids.view(torch.int32).flatten(), weights.view(torch.int32).flatten()])))
+            row.digest = checks.digest(got_metadata)
+            result.mismatches += row.mismatches
+            result.max_ulp = max(result.max_ulp, row.max_ulp)
+            result.first_mismatch = result.first_mismatch or row.first_mismatch
+        result.rank_identical = len(digests) == 1
+        errors = [r.error for r in result.ranks if r.error]
+        result.error = errors[0] if errors else None
+    except Exception as error:
+        result.error = f"{type(error).__name__}: {error}"
+    return result
+
+
+def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseResult]:
+    """Graph-timed rows: the kernel alone, with metadata (rank 0's range), and the Triton stock."""
+    from musebench.kernels.routing import metadata_size, prepare, route
+    from musebench.stock.triton_routing import triton_routing
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = RoutingCase(tp=8, tokens=tokens, tile_n=tile_n)
+    logits, bias = (t.to(device) for t in make_routing_inputs(case))
+    ids = torch.empty(tokens, config.TOP_K, dtype=torch.int32, device=device)
+    weights = torch.empty(tokens, config.TOP_K, dtype=torch.float32, device=device)
+    metadata = torch.empty(metadata_size(tile_n), dtype=torch.int32, device=device)
+    offset, count = local_experts(0, case.tp)
+    prepare()
+    variants = {
+        "routing": lambda: route(logits, bias, ids, weights, ROUTE_SCALE),
+        "routing+metadata": lambda: route(logits, bias, ids, weights, ROUTE_SCALE, metadata=metadata,
+                                          local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
+        "triton stock": lambda: triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
+    }
+    rows = []
+    stream = torch.cuda.Stream(device)
+    for name, call in variants.items():
+        row = CaseResult(kernel=name, mode="routing", tp=case.tp, tokens=tokens, weight_dtype="fp32", norm="renorm",
+                         inputs="random", seed=0, backend="cute" if name.startswith("routing") else "triton",
+                         launcher="virtual", transport="local", stock="triton", stock_path=f"tile {tile_n}",
+                         iters=options.calls * options.replays)
+        try:
+            with torch.cuda.stream(stream):
+                call()  # compiles / warms outside capture
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(options.calls):
+                    call()
+            row.tail_us = _median_replay_us(graph, stream, options)
+        except Exception as error:
+            row.error = f"{type(error).__name__}: {error}"
+        rows.append(row)
+    stock = rows[-1].tail_us
+    for row in rows:
+        row.stock_us = stock
+    return rows
