@@ -57,8 +57,11 @@ Numbers measured: compile (CPU host, CuTe DSL 4.8.1, no GPU, 2026-11-29) 0.1-0.1
 routing-only variant and 0.2-0.25 s with metadata, sm_90a and sm_100a alike
 (tests/kernels/test_routing_compile.py). ptxas 13.0 -v (sm_90a): 40 registers, no stack, no
 spills, every variant; SASS (nvdisasm) of the routing-only variant: no FFMA (8 MUFU.EX2, 9 MUFU.RCP
-from div.full, FADD / FMUL only), 8 REDUX.MAX. No GPU run yet: tests/kernels/test_routing_gpu.py
-(bitwise ids / weights / metadata, graph replay) has not run, and nothing is timed.
+from div.full, FADD / FMUL only), 8 REDUX.MAX. H200, 2026-11-29 (commit 13f0ff6): tests/kernels/test_routing_gpu.py and
+tests/stock/test_triton_routing.py passed (bitwise ids and weights vs the reference with the
+hardware's ex2 / div.full and vs the project's Triton stock, b = 1..8, renormalize on and off,
+random and adversarial rows, 16 seeds; metadata in a guarded buffer for fixed and random ranges
+and tiles; graph capture and replay). Not timed yet (`musebench bench routing`).
 """
 
 from __future__ import annotations
