@@ -11,10 +11,12 @@ FP32, round to BF16, advance NEXT_STAGE and re-arm what was read.
 
 TP tail, one call (token-owner layout: token t is owned by rank t % tp): take the generation,
 push the token's eight K-partial route rows to the owner's route mailbox (slot = source rank),
-then, as owner, poll every source's rows, compute the token's row, keep it, and store a copy
-scrubbed per 32-bit word to row t of every other rank's token mailbox; finally poll the own token
+then, as owner, poll every source's rows, compute the token's row, keep it, and store to row t of
+every other rank's token mailbox what the stock delivers there: on the single launch a copy
+scrubbed per 32-bit word, on the other paths the owner's own bits; finally poll the own token
 mailbox for the other owners' rows and copy them out. The TP mailboxes' sentinel unit is the
-32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data.
+32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data; token
+rows travel widened to FP32, where no word can equal the sentinel.
 
 The per-row arithmetic is the reference's (musebench.stock): this model checks the protocol,
 the harness and the fault paths; the instruction-level contract is checked on the GPU kernels.
@@ -94,7 +96,7 @@ class CpuEpTail:
 
 class CpuTpTail:
     """One rank of the TP tail over a route mailbox (slots = tp sources, rows = capacity * top_k)
-    and a token mailbox (one slot, rows = capacity)."""
+    and a token mailbox (one slot, rows = capacity, each row a widened FP32 row of 2 * width words)."""
 
     def __init__(
         self,
@@ -158,12 +160,15 @@ class CpuTpTail:
                 approximations=o.approximations, path=path,
             )
             out[owned] = rows
-            copies = lamport.scrub_word32(_bits(rows))
+            # The stock's single launch hands the other ranks a copy scrubbed per 32-bit word;
+            # its other paths give every rank the owner's bits. Rows travel widened to FP32.
+            copies = lamport.scrub_word32(_bits(rows)).view(torch.bfloat16) if path.scrubbed_copies else rows
+            payload = _bits(copies.float().view(torch.bfloat16))
             if o.publish:
                 for step in range(1, tp):
                     peer = (rank + step) % tp
                     for i, t in enumerate(owned):
-                        lamport.publish(tokens.words[peer][generation, 0, t], copies[i], word_bits=32)
+                        lamport.publish(tokens.words[peer][generation, 0, t], payload[i], word_bits=32)
             lamport.rearm(region)
 
         # copy: every other owner's row (each a live view: polling reads the mailbox anew)
@@ -175,6 +180,6 @@ class CpuTpTail:
                 row, deadline=deadline, rank=rank, generation=generation, what="TP token",
                 owner_of=lambda slot, i, t=t: t % tp, word_bits=32,
             )
-            out[t] = final[0, 0].view(torch.bfloat16)
+            out[t] = final[0, 0].view(torch.float32).to(torch.bfloat16)  # exact: a widened BF16
             lamport.rearm(row)
         routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS

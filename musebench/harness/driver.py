@@ -108,19 +108,23 @@ class RankMailboxes:
                 box.close()
 
 
-def mailbox_geometry(mode: str, tp: int, capacity: int, width: int, top_k: int) -> dict[str, tuple[int, int]]:
-    """name -> (slots, capacity rows) of the mailboxes a mode needs."""
+def mailbox_geometry(mode: str, tp: int, capacity: int, width: int, top_k: int) -> dict[str, tuple[int, int, int]]:
+    """name -> (slots, capacity rows, row width in 16-bit words) of the mailboxes a mode needs.
+
+    The TP token mailbox carries rows widened to FP32 (2 * width words): a BF16 row can hold the
+    32-bit sentinel pattern (two -0.0 side by side), a widened one never does.
+    """
     if mode == "ep":
-        return {"ep": (tp, capacity)}
-    return {"tp_route": (tp, capacity * top_k), "tp_token": (1, capacity)}
+        return {"ep": (tp, capacity, width)}
+    return {"tp_route": (tp, capacity * top_k, width), "tp_token": (1, capacity, 2 * width)}
 
 
 def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int) -> list[RankMailboxes]:
     """Mailboxes of `tp` virtual ranks sharing host memory."""
     sets = [RankMailboxes() for _ in range(tp)]
     for mode in modes:
-        for name, (slots, rows) in mailbox_geometry(mode, tp, capacity, width, top_k).items():
-            for rank, box in enumerate(lamport.local_group(tp, slots, rows, width)):
+        for name, (slots, rows, row_width) in mailbox_geometry(mode, tp, capacity, width, top_k).items():
+            for rank, box in enumerate(lamport.local_group(tp, slots, rows, row_width)):
                 setattr(sets[rank], name, box)
     return sets
 

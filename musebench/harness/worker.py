@@ -35,15 +35,15 @@ from musebench.harness.results import CaseResult
 def _open_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, job: str) -> RankMailboxes:
     capacity = max(max(case.tokens for case in cases), 1)
     width, top_k = cases[0].width, cases[0].top_k
-    geometry: dict[str, tuple[int, int]] = {}
+    geometry: dict[str, tuple[int, int, int]] = {}
     for mode in sorted({case.mode for case in cases}):
         geometry.update(mailbox_geometry(mode, tp, capacity, width, top_k))
-    for name, (slots, rows) in geometry.items():
-        lamport.shm_create(job, name, rank, slots, rows, width)
+    for name, (slots, rows, row_width) in geometry.items():
+        lamport.shm_create(job, name, rank, slots, rows, row_width)
     dist.barrier()  # every file exists before anyone maps its peers
     boxes = RankMailboxes()
-    for name, (slots, rows) in geometry.items():
-        setattr(boxes, name, lamport.shm_open(job, name, rank, tp, slots, rows, width))
+    for name, (slots, rows, row_width) in geometry.items():
+        setattr(boxes, name, lamport.shm_open(job, name, rank, tp, slots, rows, row_width))
     dist.barrier()
     return boxes
 

@@ -351,3 +351,94 @@ def sub_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 def bitcast_f32_to_u32(value: Float32, *, loc=None, ip=None) -> Uint32:
     """Reinterpret binary32 as 32 bits (no instruction: a register rename)."""
     return Uint32(llvm.bitcast(T.i32(), _ir(Float32(value), loc, ip), loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------------------------
+# TP tail additions (appended): cluster shared memory, the done counter, and the TP protocol's
+# 32-bit-word sentinel (a word equal to 0x80008000 is "not arrived"; a lone -0.0 half is data).
+
+F32_NEGATIVE_ZERO_BITS = 0x80000000
+SENTINEL_TO_F32_NEGATIVE_ZERO = SENTINEL_BF16X2 ^ F32_NEGATIVE_ZERO_BITS  # 0x00008000
+
+
+@dsl_user_op
+def mapa_shared_cluster_u32(address: Int32, cta_rank: Int32, *, loc=None, ip=None) -> Int32:
+    """`mapa.shared::cluster.u32`: the shared::cluster address of this CTA's shared-memory
+    `address` in the cluster's CTA `cta_rank` (distributed shared memory, sm_90+)."""
+    return Int32(
+        _asm(
+            T.i32(),
+            [_ir(Int32(address), loc, ip), _ir(Int32(cta_rank), loc, ip)],
+            "mapa.shared::cluster.u32 $0, $1, $2;",
+            "=r,r,r",
+            side_effects=False,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def st_shared_cluster_f32(address: Int32, value: Float32, *, loc=None, ip=None) -> None:
+    """`st.shared::cluster.f32`: one binary32 into a cluster peer's shared memory (address from `mapa`)."""
+    _asm(
+        None,
+        [_ir(Int32(address), loc, ip), _ir(Float32(value), loc, ip)],
+        "st.shared::cluster.f32 [$0], $1;",
+        "r,f",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def st_shared_cluster_u32(address: Int32, value: Uint32, *, loc=None, ip=None) -> None:
+    """`st.shared::cluster.u32`: one word into a cluster peer's shared memory (address from `mapa`)."""
+    _asm(
+        None,
+        [_ir(Int32(address), loc, ip), _ir(Uint32(value), loc, ip)],
+        "st.shared::cluster.u32 [$0], $1;",
+        "r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def atom_add_acq_rel_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`atom.acq_rel.gpu.global.add.u32`: add, returning the old word; this thread's earlier
+    accesses are ordered before it and its later ones after it (a done counter)."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)],
+            "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
+            "=r,l,r",
+            side_effects=True,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+def is_sentinel_word_u32(word):
+    """1 if the 32-bit word is the TP sentinel 0x80008000 (two BF16 -0.0), else 0 (branch-free:
+    d | -d has its top bit set exactly when d != 0)."""
+    difference = word ^ _like(word, SENTINEL_BF16X2)
+    negated = (_like(word, U32_MASK) - difference + _like(word, 1)) & _like(word, U32_MASK)
+    return _like(word, 1) - ((difference | negated) >> _like(word, 31))
+
+
+def scrub_sentinel_word_u32(word):
+    """0 where the word is the TP sentinel 0x80008000, the word itself otherwise (BF16 pairs)."""
+    return word ^ (is_sentinel_word_u32(word) * _like(word, SENTINEL_BF16X2))
+
+
+def encode_sentinel_word_f32(word):
+    """binary32 bits safe to publish under the TP sentinel: 0x80008000 (-2^-134) becomes -0.0
+    (0x80000000), every other word is unchanged. Both round to BF16 -0.0 (`cvt.rn.bf16.f32`:
+    -2^-134 is the tie between -0.0 and -2^-133 and goes to the even -0.0), so a reader that
+    rounds gets the publisher's BF16 bits."""
+    return word ^ (is_sentinel_word_u32(word) * _like(word, SENTINEL_TO_F32_NEGATIVE_ZERO))

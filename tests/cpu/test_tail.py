@@ -49,3 +49,24 @@ def test_tp_owner_keeps_negative_zero_copies_are_scrubbed_per_word(monkeypatch):
     # rank 2 owns none, so the three ranks hold three different (stock-correct) outputs
     assert len({r.digest for r in row.ranks}) == 3
     assert row.rank_identical
+
+
+def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
+    """tp=4, m=5 (expert-owner): sums in [-2^-134, 0) round to -0.0, and every rank gets them."""
+    import torch
+
+    from musebench.harness import driver
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode="tp", tp=4, tokens=5, weight_dtype="fp32", norm="before")
+    rows = -torch.ones(40, 4096, dtype=torch.bfloat16)
+    weights = torch.full((5, 8), 1e-42, dtype=torch.float32)  # products are negative subnormals
+    index = torch.arange(40, dtype=torch.int32).reshape(5, 8)
+    per_rank = tuple(UnfinalizedMoEOutput(rows.clone(), weights, index) for _ in range(4))
+    inputs = TailInputs(per_rank, torch.zeros(4096, dtype=torch.bfloat16))
+    monkeypatch.setattr(driver, "make_tail_inputs", lambda c: inputs)
+    row = run_virtual([case], RunOptions(iters=1, warmup=0))[0]
+    assert "expert-owner" in row.stock_path
+    assert row.passed, (row.error, row.first_mismatch)
+    assert len({r.digest for r in row.ranks}) == 1
