@@ -92,6 +92,8 @@ class RankMailboxes:
     tp_route: lamport.Mailbox | None = None
     tp_token: lamport.Mailbox | None = None
     device_ep: object | None = None  # musebench.comm.device.DeviceMailbox (cute backend)
+    device_tp_route: object | None = None
+    device_tp_token: object | None = None
 
     def reset(self) -> None:
         """Re-arm this rank's own words and restart its generations (collective: after a barrier)."""
@@ -99,8 +101,9 @@ class RankMailboxes:
             if box is not None:
                 lamport.rearm(box.own)
                 box.stage.zero_()
-        if self.device_ep is not None:
-            self.device_ep.reset()
+        for box in (self.device_ep, self.device_tp_route, self.device_tp_token):
+            if box is not None:
+                box.reset()
 
     def close(self) -> None:
         for box in (self.ep, self.tp_route, self.tp_token):
@@ -129,6 +132,28 @@ def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, to
     return sets
 
 
+def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int,
+                     rank: int | None = None) -> list[RankMailboxes]:
+    """Device mailboxes of the cute tails: every virtual rank's (rank None, transport `local`) or,
+    in a process launch, this rank's alone among processes on this host (transport `ipc`)."""
+    from musebench.comm.device import ipc_device_group, local_device_group
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    # the TP token mailbox carries FP32 rows (2 * width words): the stock's exact delivery paths
+    shapes = {"device_ep": (tp, capacity, width), "device_tp_route": (tp, capacity * top_k, width),
+              "device_tp_token": (1, capacity, 2 * width)}
+    wanted = [name for name in shapes if (name == "device_ep" and "ep" in modes) or (name != "device_ep" and "tp" in modes)]
+    sets = [RankMailboxes() for _ in range(tp if rank is None else 1)]
+    for name in wanted:
+        slots, rows, row_width = shapes[name]
+        if rank is None:
+            for r, box in enumerate(local_device_group(tp, slots, rows, row_width, device)):
+                setattr(sets[r], name, box)
+        else:
+            setattr(sets[0], name, ipc_device_group(rank, tp, slots, rows, row_width, device))
+    return sets
+
+
 class InjectedFault(RuntimeError):
     pass
 
@@ -138,9 +163,21 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
 
     Binding compiles (cute backend): do it for every rank before any rank runs, outside capture.
     """
+    if options.backend == "cute" and case.mode == "tp":
+        from musebench.kernels.tp_tail import TpTail, TpVariant
+        from musebench.stock.tp import tp_stock_path
+
+        route, token = boxes.device_tp_route, boxes.device_tp_token
+        capacity = token.capacity
+        return TpTail(
+            rank=rank, tp=case.tp, capacity=capacity, route_mailbox=route.words, route_peers=route.peer_table,
+            token_mailbox=token.words, token_peers=token.peer_table, stage=route.stage, fault=route.fault,
+            norm_weight=inputs.norm_weight.to(route.words.device), weight_before_norm=case.weight_before_norm,
+            weight_dtype=case.weight_dtype, eps=case.eps, gain_center=case.gain_center,
+            variants={m: TpVariant.from_path(tp_stock_path(m, case.tp, options.nsm)) for m in range(1, capacity + 1)},
+            timeout_ns=int(options.timeout_s * 1e9),
+        )
     if options.backend == "cute":
-        if case.mode != "ep":
-            raise ValueError("the cute backend has the EP tail only so far; run the TP tail with --backend cpu")
         from musebench.kernels.tail import EpTail
 
         box = boxes.device_ep
@@ -338,10 +375,7 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
     capacity = max(max(case.tokens for case in cases), 1)
     modes = tuple(sorted({case.mode for case in cases}))
     if options.backend == "cute":
-        from musebench.comm.device import local_device_group
-
-        boxes = [RankMailboxes(device_ep=box) for box in
-                 local_device_group(tp, tp, capacity, cases[0].width, torch.device("cuda", torch.cuda.current_device()))]
+        boxes = device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
     else:
         boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
     transport = "local" if options.backend == "cute" else "cpu-local"

@@ -18,10 +18,10 @@ from musebench.harness.scenario import ScenarioRun, validate_tokens, validate_tp
 
 CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
 CPU_NOTE_NO_DSL = "CPU model (CuTe DSL does not import here)"
-CPU_NOTE_NO_TP = "CPU model (the cute backend has no TP tail yet)"
+CPU_NOTE_NO_TP = "CPU model (the cute backend lacks a requested tail)"
 CPU_NOTE_ASKED = "CPU model"
 CUTE_NOTE = "cute (CuTe DSL kernels on {gpu})"
-CUTE_MODES = ("ep",)  # tails the cute backend runs so far
+CUTE_MODES = ("ep", "tp")  # tails the cute backend runs
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,12 @@ def _gpu_name() -> str | None:
         return torch.cuda.get_device_name()
     except Exception:
         return None
+
+
+def _gpu_sm_count() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def _dsl_imports() -> bool:
@@ -157,8 +163,10 @@ def make_tail_job(
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
                        norms=tuple(norms), inputs=tuple(inputs), seeds=tuple(seeds))
+    if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
+        nsm = _gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm or DEFAULT_NSM, transport=transport, faults=faults)
+                         stock=stock, nsm=nsm, transport=transport, faults=faults)
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
 
 

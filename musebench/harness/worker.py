@@ -25,6 +25,7 @@ from musebench.harness.driver import (
     RankOutcome,
     RunOptions,
     bind_tail,
+    device_mailboxes,
     evaluate_case,
     mailbox_geometry,
     run_rank_case,
@@ -52,13 +53,11 @@ def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int) -> Ran
     """Ranks as processes on this host's GPUs (ranks may outnumber GPUs and share them): CUDA IPC."""
     import torch
 
-    from musebench.comm.device import ipc_device_group
-
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
     capacity = max(max(case.tokens for case in cases), 1)
-    return RankMailboxes(device_ep=ipc_device_group(rank, tp, tp, capacity, cases[0].width, device))
+    modes = sorted({case.mode for case in cases})
+    return device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k, rank=rank)[0]
 
 
 def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
@@ -76,7 +75,8 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
     job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=case_bound_s(options) + 30.0))
     boxes = _open_device_mailboxes(cases, rank, tp) if options.backend == "cute" else _open_mailboxes(cases, rank, tp, job)
-    transport = boxes.device_ep.transport if boxes.device_ep is not None else "shm"
+    device_box = boxes.device_ep or boxes.device_tp_route
+    transport = device_box.transport if device_box is not None else "shm"
     rows: list[CaseResult] = []
     try:
         for index, case in enumerate(cases):

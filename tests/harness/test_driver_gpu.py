@@ -1,4 +1,4 @@
-"""The driver over the cute backend on one GPU: virtual ranks, parity, and the fault paths."""
+"""The driver over the cute backend on one GPU: virtual ranks, parity (EP and TP), the fault paths."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ pytestmark = pytest.mark.gpu
 CUTE = dict(backend="cute", iters=2, warmup=1, timeout_s=2.0)
 
 
-@pytest.mark.parametrize("tp", [2, 3, 8])  # smallest, uneven expert split, decode TP
-def test_cute_ep_tail_is_bitwise_equal_to_the_stock(tp):
-    cases = [TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+@pytest.mark.parametrize("tp", [2, 3, 8])  # smallest, uneven split (TP: the extension), decode TP
+def test_cute_tails_are_bitwise_equal_to_the_stock(mode, tp):
+    cases = [TailCase(mode=mode, tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
              for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
     rows = run_virtual(cases, RunOptions(**CUTE))
     for row in rows:
@@ -34,3 +35,8 @@ def test_cute_missing_rank_is_a_timeout_record_not_a_hang():
 def test_cute_flipped_bit_is_caught():
     row = run_virtual([TailCase(mode="ep", tp=2, tokens=2)], RunOptions(**CUTE, faults=Faults(flip_rank=1)))[0]
     assert row.mismatches == 1 and row.first_mismatch.rank == 1
+
+
+def test_cute_tp_missing_rank_is_reported():
+    row = run_virtual([TailCase(mode="tp", tp=4, tokens=3)], RunOptions(**CUTE, faults=Faults(silent_rank=1)))[0]
+    assert not row.passed and "never published" in row.error

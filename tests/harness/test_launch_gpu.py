@@ -13,9 +13,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 CUTE = dict(backend="cute", launcher="torchrun", iters=2, warmup=1, timeout_s=5.0)
 
 
+@pytest.mark.parametrize("mode", ["ep", "tp"])
 @pytest.mark.parametrize("tp", [4, 8])  # the 4 and 8 processes on one GPU
-def test_processes_sharing_a_gpu_match_the_stock(tp, job_id):
-    cases = [TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
+def test_processes_sharing_a_gpu_match_the_stock(mode, tp, job_id):
+    cases = [TailCase(mode=mode, tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
              for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
     rows = launch.run_torchrun(cases, RunOptions(**CUTE))
     for row in rows:
