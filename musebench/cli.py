@@ -118,6 +118,7 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
             progress.update(task, description=job.name)
             rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
     notes = sorted({job.backend_note for job in jobs})
+    notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
     run = build_report(rows, command=_command_line(), backend_note="; ".join(notes))
     if not _is_reporting_rank():
         return
