@@ -82,3 +82,32 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
                         fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc")
     box._peers = peers  # keep the mapped peers open for the mailbox's lifetime
     return box
+
+
+def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, device: torch.device,
+                           group=None) -> DeviceMailbox:
+    """This process's mailbox among `tp` processes on distinct GPUs (transport `unicast`), collective.
+
+    torch SymmetricMemory allocates the words and maps every peer's allocation into this process;
+    the table holds those peer addresses. Multicast stays off unless the caller asked for it:
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set (if unset) before the rendezvous, so no multicast
+    object is created. Untested here (needs two GPUs): the multi-GPU issue runs it first.
+    """
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symmetric_memory
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    shape = lamport.mailbox_shape(slots, capacity, width)
+    words = symmetric_memory.empty(*shape, dtype=torch.int16, device=device)
+    words.fill_(lamport.SENTINEL_BF16_BITS)
+    torch.cuda.synchronize(device)  # armed before any peer can write it
+    handle = symmetric_memory.rendezvous(words, group if group is not None else dist.group.WORLD)
+    offset = words.data_ptr() - int(handle.buffer_ptrs[rank])  # the words within this rank's allocation
+    table = torch.tensor([int(base) + offset for base in handle.buffer_ptrs], dtype=torch.int64, device=device)
+    box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
+                        stage=torch.zeros(2, dtype=torch.int32, device=device),
+                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast")
+    box._peers = handle  # the mapping lives as long as the handle
+    return box

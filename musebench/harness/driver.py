@@ -135,8 +135,15 @@ def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, to
 def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int,
                      rank: int | None = None) -> list[RankMailboxes]:
     """Device mailboxes of the cute tails: every virtual rank's (rank None, transport `local`) or,
-    in a process launch, this rank's alone among processes on this host (transport `ipc`)."""
-    from musebench.comm.device import ipc_device_group, local_device_group
+    in a process launch, this rank's alone: CUDA IPC where processes share GPUs (`ipc`), torch
+    SymmetricMemory peer pointers where each process has a GPU of its own (`unicast`)."""
+    import os
+
+    from musebench.comm.device import ipc_device_group, local_device_group, symmetric_device_group
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
+    own_gpu = rank is not None and local_world <= torch.cuda.device_count()
+    group_of = symmetric_device_group if own_gpu else ipc_device_group
 
     device = torch.device("cuda", torch.cuda.current_device())
     # the TP token mailbox carries FP32 rows (2 * width words): the stock's exact delivery paths
@@ -150,7 +157,7 @@ def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, t
             for r, box in enumerate(local_device_group(tp, slots, rows, row_width, device)):
                 setattr(sets[r], name, box)
         else:
-            setattr(sets[0], name, ipc_device_group(rank, tp, slots, rows, row_width, device))
+            setattr(sets[0], name, group_of(rank, tp, slots, rows, row_width, device))
     return sets
 
 
