@@ -76,10 +76,11 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench import config
 from musebench.kernels import ptx
+from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 from musebench.numerics import LOG2_E
 from musebench.routing_metadata import (
     HEADER_CTA_COUNT,
@@ -434,19 +435,8 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _compiler(options: RoutingOptions):
-    flags = []
-    if options.arch is not None:
-        flags.append(cute.GPUArch(options.arch))
-    if options.ptx_dir is not None:
-        from cutlass.base_dsl.compiler import DumpDir
-
-        flags.extend([cute.KeepPTX(True), DumpDir(options.ptx_dir)])
-    return cute.compile[tuple(flags)] if flags else cute.compile
 
 
-def _flat(dtype, divisibility: int):
-    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=ALIGN_BYTES)
 
 
 def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions = DEFAULT_OPTIONS) -> Any:
@@ -465,13 +455,13 @@ def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions =
     if _capturing():
         raise RuntimeError("compile the routing kernels before CUDA graph capture (musebench.kernels.routing.prepare)")
     kernel = _RoutingKernel(metadata=metadata, renormalize=renormalize, enable_pdl=options.enable_pdl)
-    compiled = _compiler(options)(
+    compiled = compiler(options.arch, options.ptx_dir)(
         kernel,
-        _flat(Float32, NUM_EXPERTS),
+        fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
         make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
-        _flat(Int32, TOP_K),
-        _flat(Float32, TOP_K),
-        _flat(Int32, 1) if metadata else None,  # any length >= size: a guard word may follow
+        fake_flat(Int32, TOP_K, ALIGN_BYTES),
+        fake_flat(Float32, TOP_K, ALIGN_BYTES),
+        fake_flat(Int32, 1, ALIGN_BYTES) if metadata else None,  # any length >= size: a guard word may follow
         Int32(1),
         Int32(0),
         Int32(1),
@@ -494,9 +484,6 @@ def prepare(options: RoutingOptions = DEFAULT_OPTIONS) -> None:
 # Host side.
 
 
-def _cute_flat(tensor: torch.Tensor, divisibility: int) -> cute.Tensor:
-    # from_dlpack exports with stream=-1 in CuTe DSL 4.8: no producer sync, safe under capture.
-    return from_dlpack(tensor.detach().view(-1), assumed_align=ALIGN_BYTES).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
 
 
 def _check_tensor(name: str, tensor: object, dtype: torch.dtype, shape: tuple[int, ...] | None) -> None:
@@ -602,11 +589,11 @@ def route(
     compiled = compile_routing(metadata is not None, renormalize)
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
     compiled(
-        _cute_flat(logits, NUM_EXPERTS),
-        _cute_flat(bias, NUM_EXPERTS),
-        _cute_flat(ids, TOP_K),
-        _cute_flat(weights, TOP_K),
-        _cute_flat(metadata, 1) if metadata is not None else None,
+        cute_flat(logits, ALIGN_BYTES, NUM_EXPERTS),
+        cute_flat(bias, ALIGN_BYTES, NUM_EXPERTS),
+        cute_flat(ids, ALIGN_BYTES, TOP_K),
+        cute_flat(weights, ALIGN_BYTES, TOP_K),
+        cute_flat(metadata, ALIGN_BYTES, 1) if metadata is not None else None,
         Int32(b),
         Int32(local_expert_offset),
         Int32(num_local_experts),

@@ -68,9 +68,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int16, Int32, Int64
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench.kernels import ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
@@ -446,24 +447,10 @@ _PUBLISHERS: dict[tuple, Any] = {}
 _REDUCERS: dict[tuple, Any] = {}
 
 
-def _refuse_during_capture() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("compile the EP tail kernels before CUDA graph capture")
 
 
-def _compiler(arch: str | None, ptx_dir: str | None):
-    options = []
-    if arch is not None:
-        options.append(cute.GPUArch(arch))
-    if ptx_dir is not None:
-        from cutlass.base_dsl.compiler import DumpDir
-
-        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
-    return cute.compile[tuple(options)] if options else cute.compile
 
 
-def _flat(dtype, divisibility: int, align: int):
-    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=align)
 
 
 def compile_publisher(
@@ -493,7 +480,7 @@ def compile_publisher(
     compiled = _PUBLISHERS.get(key)
     if compiled is not None:
         return compiled
-    _refuse_during_capture()
+    refuse_during_capture("the EP tail kernels")
     kernel = _EpPublisherKernel(
         width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
         weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
@@ -501,11 +488,11 @@ def compile_publisher(
     )
     weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
     peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
-    compiled = _compiler(arch, ptx_dir)(
+    compiled = compiler(arch, ptx_dir)(
         kernel,
-        _flat(BFloat16, width, 16),
-        _flat(weight_type, top_k, weight_type.width // 8),
-        _flat(Int32, top_k, 4),
+        fake_flat(BFloat16, width, 16),
+        fake_flat(weight_type, top_k, weight_type.width // 8),
+        fake_flat(Int32, top_k, 4),
         make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
         make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
         peers,
@@ -535,15 +522,15 @@ def compile_reduce(
     compiled = _REDUCERS.get(key)
     if compiled is not None:
         return compiled
-    _refuse_during_capture()
+    refuse_during_capture("the EP tail kernels")
     kernel = _EpReduceKernel(
         width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
     )
     words = LAMPORT_GENERATIONS * tp * capacity * width
-    compiled = _compiler(arch, ptx_dir)(
+    compiled = compiler(arch, ptx_dir)(
         kernel,
         make_fake_compact_tensor(Int16, (words,), assumed_align=16),
-        _flat(BFloat16, width, 16),
+        fake_flat(BFloat16, width, 16),
         make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
         make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
         Int32(1),
@@ -557,13 +544,8 @@ def compile_reduce(
 # Host side: one rank's bound tail.
 
 
-def _cute_view(tensor: torch.Tensor, align: int) -> cute.Tensor:
-    # from_dlpack exports with stream=-1 in CuTe DSL 4.8: no producer sync, safe under capture.
-    return from_dlpack(tensor.detach(), assumed_align=align)
 
 
-def _cute_flat(tensor: torch.Tensor, align: int, divisibility: int) -> cute.Tensor:
-    return _cute_view(tensor.view(-1), align).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
 
 
 @dataclass(frozen=True)
@@ -659,11 +641,11 @@ class EpTail:
             width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
         )
         # The fixed buffers are exported once; run converts only the per-call tensors.
-        self._mailbox = _cute_view(mailbox.view(-1), 16)
-        self._stage = _cute_view(stage, 8)
-        self._fault = _cute_view(fault, 16)
-        self._gamma = _cute_view(norm_weight, 16)
-        self._peers = _cute_view(peer_mailboxes, 8) if peer_mailboxes is not None else None
+        self._mailbox = cute_view(mailbox.view(-1), 16)
+        self._stage = cute_view(stage, 8)
+        self._fault = cute_view(fault, 16)
+        self._gamma = cute_view(norm_weight, 16)
+        self._peers = cute_view(peer_mailboxes, 8) if peer_mailboxes is not None else None
         self._multicast = Int64(multicast_address if multicast_address is not None else 0)
         self._buffers = (mailbox, stage, fault, norm_weight, peer_mailboxes)  # keep the storage alive
         if warm_up:
@@ -690,12 +672,12 @@ class EpTail:
             weights = torch.zeros(1, self.top_k, dtype=_TORCH_WEIGHT_TYPES[self.weight_dtype], device=device)
             index = torch.full((1, self.top_k), -1, dtype=torch.int32, device=device)  # no local route
             self._publisher(
-                _cute_flat(rows, 16, self.width), _cute_flat(weights, weights.element_size(), self.top_k),
-                _cute_flat(index, 4, self.top_k), self._gamma, _cute_view(stage, 8), _cute_view(peers, 8), Int64(0),
+                cute_flat(rows, 16, self.width), cute_flat(weights, weights.element_size(), self.top_k),
+                cute_flat(index, 4, self.top_k), self._gamma, cute_view(stage, 8), cute_view(peers, 8), Int64(0),
                 Int32(1), Int32(1), stream,
             )
-        self._reduce(_cute_view(scratch_box.view(-1), 16), _cute_flat(out, 16, self.width), _cute_view(stage, 8),
-                     _cute_view(fault, 16), Int32(1), stream)
+        self._reduce(cute_view(scratch_box.view(-1), 16), cute_flat(out, 16, self.width), cute_view(stage, 8),
+                     cute_view(fault, 16), Int32(1), stream)
         torch.cuda.current_stream(device).synchronize()
         if int(fault[FAULT_RANK]) != FAULT_CLEAR:
             raise RuntimeError("EP tail warm-up: the reduction timed out on a scratch mailbox with every slot landed")
@@ -731,9 +713,9 @@ class EpTail:
             raise ValueError(f"gemm2_permuted must be contiguous bfloat16 [rows, {self.width}]")
         stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
         self._publisher(
-            _cute_flat(rows, 16, self.width),
-            _cute_flat(weights, weights.element_size(), self.top_k),
-            _cute_flat(index, 4, self.top_k),
+            cute_flat(rows, 16, self.width),
+            cute_flat(weights, weights.element_size(), self.top_k),
+            cute_flat(index, 4, self.top_k),
             self._gamma,
             self._stage,
             self._peers,
@@ -742,7 +724,7 @@ class EpTail:
             Int32(rows.shape[0]),
             stream,
         )
-        self._reduce(self._mailbox, _cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, slot and generation if set."""

@@ -106,9 +106,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
-from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench.kernels import ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
@@ -695,24 +696,10 @@ class _TpTailKernel:
 _KERNELS: dict[tuple, Any] = {}
 
 
-def _refuse_during_capture() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("compile the TP tail kernel before CUDA graph capture")
 
 
-def _compiler(arch: str | None, ptx_dir: str | None):
-    options = []
-    if arch is not None:
-        options.append(cute.GPUArch(arch))
-    if ptx_dir is not None:
-        from cutlass.base_dsl.compiler import DumpDir
-
-        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
-    return cute.compile[tuple(options)] if options else cute.compile
 
 
-def _flat(dtype, divisibility: int, align: int):
-    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=align)
 
 
 def compile_tp_tail(
@@ -741,7 +728,7 @@ def compile_tp_tail(
     compiled = _KERNELS.get(key)
     if compiled is not None:
         return compiled
-    _refuse_during_capture()
+    refuse_during_capture("the TP tail kernel")
     kernel = _TpTailKernel(
         tp=tp, capacity=capacity, token_width=token_width, split=variant.split, combine=variant.combine,
         group=variant.group, delivery=variant.delivery, weight_before_norm=weight_before_norm,
@@ -750,11 +737,11 @@ def compile_tp_tail(
     weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
     route_words = math.prod(route_mailbox_shape(tp, capacity))
     token_words = LAMPORT_GENERATIONS * capacity * token_width
-    compiled = _compiler(arch, ptx_dir)(
+    compiled = compiler(arch, ptx_dir)(
         kernel,
-        _flat(BFloat16, VEC, 16),
-        _flat(weight_type, TOP_K, weight_type.width // 8),
-        _flat(Int32, TOP_K, 4),
+        fake_flat(BFloat16, VEC, 16),
+        fake_flat(weight_type, TOP_K, weight_type.width // 8),
+        fake_flat(Int32, TOP_K, 4),
         make_fake_compact_tensor(BFloat16, (H_DIM,), assumed_align=16),
         make_fake_compact_tensor(Int16, (route_words,), assumed_align=16),
         make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
@@ -762,7 +749,7 @@ def compile_tp_tail(
         make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
         make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
         make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        _flat(BFloat16, H_DIM, 16),
+        fake_flat(BFloat16, H_DIM, 16),
         Int32(1),
         Int32(1),
         Int32(H_DIM),
@@ -777,13 +764,8 @@ def compile_tp_tail(
 # Host side: one rank's bound tail.
 
 
-def _cute_view(tensor: torch.Tensor, align: int) -> cute.Tensor:
-    # from_dlpack exports with stream=-1 in CuTe DSL 4.8: no producer sync, safe under capture.
-    return from_dlpack(tensor.detach(), assumed_align=align)
 
 
-def _cute_flat(tensor: torch.Tensor, align: int, divisibility: int) -> cute.Tensor:
-    return _cute_view(tensor.view(-1), align).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
 
 
 @dataclass(frozen=True)
@@ -894,13 +876,13 @@ class TpTail:
             )
         self._kernels = {m: compiled[variant] for m, variant in plan.items()}
         # The fixed buffers are exported once; run converts only the per-call tensors.
-        self._gamma = _cute_view(norm_weight, 16)
-        self._route_mailbox = _cute_view(route_mailbox.view(-1), 16)
-        self._route_peers = _cute_view(route_peers, 8)
-        self._token_mailbox = _cute_view(token_mailbox.view(-1), 16)
-        self._token_peers = _cute_view(token_peers, 8)
-        self._stage = _cute_view(stage, 8)
-        self._fault = _cute_view(fault, 16)
+        self._gamma = cute_view(norm_weight, 16)
+        self._route_mailbox = cute_view(route_mailbox.view(-1), 16)
+        self._route_peers = cute_view(route_peers, 8)
+        self._token_mailbox = cute_view(token_mailbox.view(-1), 16)
+        self._token_peers = cute_view(token_peers, 8)
+        self._stage = cute_view(stage, 8)
+        self._fault = cute_view(fault, 16)
         self._rank = Int32(rank)
         device = route_mailbox.device
         # Stands in for gemm2_permuted when a rank holds no row at all (never read: every index
@@ -934,10 +916,10 @@ class TpTail:
             index = torch.full((m, TOP_K), -1, dtype=torch.int32, device=device)  # no row is read
             out = torch.empty(m, H_DIM, dtype=torch.bfloat16, device=device)
             self._kernels[m](
-                _cute_flat(self._no_rows, 16, VEC), _cute_flat(weights, weights.element_size(), TOP_K),
-                _cute_flat(index, 4, TOP_K), self._gamma, _cute_view(route_box.view(-1), 16), _cute_view(route_peers, 8),
-                _cute_view(token_box.view(-1), 16), _cute_view(token_peers, 8), _cute_view(stage, 8),
-                _cute_view(fault, 16), _cute_flat(out, 16, H_DIM), Int32(m), Int32(0), Int32(H_DIM), self._rank, stream,
+                cute_flat(self._no_rows, 16, VEC), cute_flat(weights, weights.element_size(), TOP_K),
+                cute_flat(index, 4, TOP_K), self._gamma, cute_view(route_box.view(-1), 16), cute_view(route_peers, 8),
+                cute_view(token_box.view(-1), 16), cute_view(token_peers, 8), cute_view(stage, 8),
+                cute_view(fault, 16), cute_flat(out, 16, H_DIM), Int32(m), Int32(0), Int32(H_DIM), self._rank, stream,
             )
             torch.cuda.current_stream(device).synchronize()
             # Back to the state the next variant expects: generation 0, every word landed.
@@ -984,9 +966,9 @@ class TpTail:
             rows = self._no_rows
         stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
         kernel(
-            _cute_flat(rows, 16, VEC),
-            _cute_flat(weights, weights.element_size(), TOP_K),
-            _cute_flat(index, 4, TOP_K),
+            cute_flat(rows, 16, VEC),
+            cute_flat(weights, weights.element_size(), TOP_K),
+            cute_flat(index, 4, TOP_K),
             self._gamma,
             self._route_mailbox,
             self._route_peers,
@@ -994,7 +976,7 @@ class TpTail:
             self._token_peers,
             self._stage,
             self._fault,
-            _cute_flat(out, 16, H_DIM),
+            cute_flat(out, 16, H_DIM),
             Int32(m),
             Int32(num_rows),
             Int32(rows.shape[1]),

@@ -1,0 +1,46 @@
+"""What every kernel module shares to compile and call its kernels (host side of device code).
+
+- `refuse_during_capture(what)`: compiling inside CUDA-graph capture would allocate and
+  synchronize; every `compile_*` calls this before compiling a new variant.
+- `compiler(arch, ptx_dir)`: `cute.compile`, for a target (`sm_90a`, `sm_100a`; compiles with no
+  GPU present) and, with `ptx_dir`, keeping the PTX there (the compile tests read it).
+- `fake_flat(dtype, divisibility, align)`: a 1-D fake tensor with a symbolic extent, so one
+  compiled variant serves every size that is a multiple of `divisibility`.
+- `cute_view` / `cute_flat`: torch tensors as CuTe tensors at call time; `from_dlpack` exports
+  with stream -1 in CuTe DSL 4.8 (no producer synchronization), so it is safe under capture and
+  allocates no device memory.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import torch
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
+
+
+def refuse_during_capture(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"compile {what} before CUDA graph capture")
+
+
+def compiler(arch: str | None, ptx_dir: str | None):
+    options = []
+    if arch is not None:
+        options.append(cute.GPUArch(arch))
+    if ptx_dir is not None:
+        from cutlass.base_dsl.compiler import DumpDir
+
+        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
+    return cute.compile[tuple(options)] if options else cute.compile
+
+
+def fake_flat(dtype, divisibility: int, align: int):
+    return make_fake_compact_tensor(dtype, (cute.sym_int32(divisibility=divisibility),), assumed_align=align)
+
+
+def cute_view(tensor: torch.Tensor, align: int) -> cute.Tensor:
+    return from_dlpack(tensor.detach(), assumed_align=align)
+
+
+def cute_flat(tensor: torch.Tensor, align: int, divisibility: int) -> cute.Tensor:
+    return cute_view(tensor.view(-1), align).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
