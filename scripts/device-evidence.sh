@@ -10,11 +10,13 @@ mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo gpu)
 status=0
-run() {  # run NAME COMMAND...: log to $out/NAME.log, remember a failure, keep going
+# The device returns at most 8 files: 7 JSON records and one log holding every command's output.
+log="$out/evidence.log"
+run() {  # run NAME COMMAND...: append to the log, remember a failure, keep going
   local name=$1; shift
-  echo "== $name: $*"
-  "$@" > "$out/$name.log" 2>&1 || { echo "   failed (see $name.log)"; status=1; }
-  tail -n 2 "$out/$name.log"
+  echo "== $name: $*" | tee -a "$log"
+  "$@" >> "$log" 2>&1 || { echo "   $name failed (see evidence.log)"; status=1; }
+  tail -n 2 "$log"
 }
 run env musebench env --json "$out/$day-$gpu-env.json"
 run pytest-gpu python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider
