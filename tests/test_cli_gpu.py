@@ -1,0 +1,31 @@
+"""The CLI on a GPU: the default backend is cute for both tails, and every row is ✓."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from musebench.cli import main
+
+pytestmark = pytest.mark.gpu
+
+
+def test_tail_defaults_to_the_cute_kernels_on_a_gpu(tmp_path):
+    out = tmp_path / "tail.json"
+    result = CliRunner().invoke(main, ["tail", "--tp", "4", "--tokens", "1,8", "--weights", "bf16", "--norm", "after",
+                                       "--iters", "1", "--warmup", "0", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {case["backend"] for case in data["cases"]} == {"cute"}
+    assert {case["kernel"] for case in data["cases"]} == {"ep_tail", "tp_tail"}
+
+
+def test_bench_tail_rows_carry_their_correctness(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["bench", "tail", "--tp", "2", "--tokens", "1", "--calls", "5", "--replays", "5",
+                                       "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    case = json.loads(out.read_text())["cases"][0]
+    assert case["passed"] and case["tail_us"] > 0
