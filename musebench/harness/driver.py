@@ -369,6 +369,25 @@ def _bytes_moved(case: TailCase) -> int:
     return case.tokens * case.top_k * row + ((case.tokens + case.tp - 1) // case.tp) * case.tp * row
 
 
+def co_residency_refusal(tail, case: TailCase) -> str | None:
+    """Why tp virtual ranks of this tail cannot all be resident on this GPU at once, or None.
+
+    Every rank's grid must run together (a Lamport wait ends only when its peers' CTAs run); the
+    occupancy API says how many CTAs of each kernel the GPU holds (musebench.kernels.occupancy).
+    """
+    from musebench.kernels import occupancy
+
+    demands = tail.launch_demands(case.tokens)
+    sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    resident = [occupancy.resident_ctas(demand, sm_count) for demand in demands]
+    load = occupancy.group_load(demands, case.tp, resident)
+    if load <= 1.0:
+        return None
+    needed = ", ".join(f"{case.tp * d.ctas} CTAs of {d.threads} threads (GPU holds {r})" for d, r in zip(demands, resident))
+    return (f"{case.tp} virtual ranks of the {case.kernel} at m={case.tokens} cannot all be resident on one GPU "
+            f"({needed}; load {load:.2f}): use --launcher torchrun")
+
+
 def run_virtual(cases: Sequence[TailCase], options: RunOptions,
                 on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
     """All ranks in this process, one thread per rank, over shared host mailboxes."""
@@ -393,6 +412,10 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
         tails: list[object | None] = [None] * tp
         try:  # compile every rank's variant here, before any rank spins on a peer
             tails = [bind_tail(case, rank, boxes[rank], inputs, options) for rank in range(tp)]
+            if options.backend == "cute":
+                refusal = co_residency_refusal(tails[0], case)
+                if refusal is not None:
+                    raise ValueError(refusal)
         except Exception as error:
             failed = [RankOutcome(rank=rank, error=f"bind: {type(error).__name__}: {error}") for rank in range(tp)]
             results.append(evaluate_case(case, failed, options, transport, inputs))

@@ -2,8 +2,9 @@
 
 - `refuse_during_capture(what)`: compiling inside CUDA-graph capture would allocate and
   synchronize; every `compile_*` calls this before compiling a new variant.
-- `compiler(arch, ptx_dir)`: `cute.compile`, for a target (`sm_90a`, `sm_100a`; compiles with no
-  GPU present) and, with `ptx_dir`, keeping the PTX there (the compile tests read it).
+- `compiler(arch, ptx_dir)`: `cute.compile` keeping the cubin (for `kernels.occupancy`), for a
+  target (`sm_90a`, `sm_100a`; compiles with no GPU present) and, with `ptx_dir`, keeping the PTX
+  there (the compile tests read it).
 - `fake_flat(dtype, divisibility, align)`: a 1-D fake tensor with a symbolic extent, so one
   compiled variant serves every size that is a multiple of `divisibility`.
 - `cute_view` / `cute_flat`: torch tensors as CuTe tensors at call time; `from_dlpack` exports
@@ -24,14 +25,15 @@ def refuse_during_capture(what: str) -> None:
 
 
 def compiler(arch: str | None, ptx_dir: str | None):
-    options = []
+    # the cubin stays with the compiled function: the occupancy query (kernels.occupancy) loads it
+    options = [cute.KeepCUBIN(True)]
     if arch is not None:
         options.append(cute.GPUArch(arch))
     if ptx_dir is not None:
         from cutlass.base_dsl.compiler import DumpDir
 
         options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
-    return cute.compile[tuple(options)] if options else cute.compile
+    return cute.compile[tuple(options)]
 
 
 def fake_flat(dtype, divisibility: int, align: int):

@@ -71,6 +71,7 @@ from cutlass import BFloat16, Float32, Int16, Int32, Int64
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench.kernels import ptx
+from musebench.kernels.occupancy import LaunchDemand
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 
 if TYPE_CHECKING:
@@ -629,6 +630,7 @@ class EpTail:
         if peer_mailboxes is not None:
             self._check(peer_mailboxes, torch.int64, (tp,), "peer_mailboxes", 8)
         self.rank, self.tp, self.capacity, self.width, self.top_k = rank, tp, capacity, width, top_k
+        self._threads = threads
         self.weight_dtype = weight_dtype
         self.transport = transport
         self.fault = fault
@@ -725,6 +727,14 @@ class EpTail:
             stream,
         )
         self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+
+    def launch_demands(self, m: int) -> list[LaunchDemand]:
+        """This rank's launches for m tokens (publisher, reduction), for the co-residency check."""
+        threads = self._threads
+        return [
+            LaunchDemand(self._publisher, ctas=m, threads=threads, smem_bytes=self.top_k * (threads // WARP) * 4),
+            LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads),
+        ]
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, slot and generation if set."""

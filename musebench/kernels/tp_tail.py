@@ -109,6 +109,7 @@ from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench.kernels import ptx
+from musebench.kernels.occupancy import LaunchDemand
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 
 if TYPE_CHECKING:
@@ -983,6 +984,14 @@ class TpTail:
             self._rank,
             stream,
         )
+
+    def launch_demands(self, m: int) -> list[LaunchDemand]:
+        """This rank's launch for m tokens (grid (S, ceil(m / tp), tp), clusters of S), for the
+        co-residency check."""
+        variant = self.plan[m]
+        ctas = variant.split * math.ceil(m / self.tp) * self.tp
+        return [LaunchDemand(self._kernels[m], ctas=ctas, threads=ROW_THREADS // variant.split, smem_bytes=SMEM_BYTES,
+                             cluster=variant.split)]
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, token and generation if set."""

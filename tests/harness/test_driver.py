@@ -75,3 +75,12 @@ def test_fault_parsing():
         Faults.parse(["melt:1"])
     with pytest.raises(ValueError):
         Faults.parse(["flip:x"])
+
+
+def test_group_load_adds_each_kernels_share():
+    from musebench.kernels.occupancy import LaunchDemand, group_load
+
+    publisher, reduce = LaunchDemand(None, ctas=8, threads=128), LaunchDemand(None, ctas=32, threads=128)
+    assert group_load([publisher, reduce], 8, [1000, 1000]) == pytest.approx(8 * 8 / 1000 + 8 * 32 / 1000)
+    assert group_load([reduce], 32, [512]) > 1.0  # 1024 CTAs on a GPU that holds 512: refused
+    assert group_load([reduce], 1, [0]) == float("inf")

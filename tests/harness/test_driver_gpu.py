@@ -40,3 +40,9 @@ def test_cute_flipped_bit_is_caught():
 def test_cute_tp_missing_rank_is_reported():
     row = run_virtual([TailCase(mode="tp", tp=4, tokens=3)], RunOptions(**CUTE, faults=Faults(silent_rank=1)))[0]
     assert not row.passed and "never published" in row.error
+
+
+def test_co_residency_is_checked_before_launching():
+    """tp 32 TP tails as virtual ranks: either they fit (and pass) or the run refuses up front."""
+    row = run_virtual([TailCase(mode="tp", tp=32, tokens=8)], RunOptions(**CUTE))[0]
+    assert row.passed or ("cannot all be resident" in row.error and "--launcher torchrun" in row.error)
