@@ -105,7 +105,6 @@ def env(json_path: str | None) -> None:
 def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from musebench.harness import report
     from musebench.harness.jobs import build_report, run_job
 
     rows = []
@@ -120,8 +119,14 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
     notes = sorted({job.backend_note for job in jobs})
     notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
     run = build_report(rows, command=_command_line(), backend_note="; ".join(notes))
-    if not _is_reporting_rank():
-        return
+    if _is_reporting_rank():
+        _emit(run, title=title, json_path=json_path, junit_path=junit_path)
+
+
+def _emit(run, *, title: str, json_path: str | None, junit_path: str | None = None) -> None:
+    """Render the run, write the files asked for, exit 1 unless every row passed."""
+    from musebench.harness import report
+
     report.render_table(run, _stdout(), title=title)
     if json_path:
         report.write_json(run, json_path)
@@ -243,10 +248,9 @@ def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> Non
         validate_tokens(token_list, 8)
         if calls < 1 or replays < 1:
             raise ValueError("--calls and --replays must be >= 1")
-        _, note = resolve_backend("cute", ("ep",))
+        _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness import report
     from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_ep_tail
     from musebench.harness.jobs import build_report
 
@@ -262,11 +266,7 @@ def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> Non
     note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group; empty launch {floor:.2f} µs"
     run = build_report(rows, command=_command_line(), backend_note=note)
     run.machine["empty_launch_us"] = floor
-    report.render_table(run, _stdout(), title="musebench bench tail")
-    if json_path:
-        report.write_json(run, json_path)
-    if not run.passed:
-        sys.exit(EXIT_FAILED)
+    _emit(run, title="musebench bench tail", json_path=json_path)
 
 
 @main.command()
@@ -294,10 +294,9 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, juni
             raise ValueError(f"--tile must be in 1..256, got {tile_list}")
         if seeds < 1:
             raise ValueError("--seeds must be >= 1")
-        _, note = resolve_backend("cute", ())
+        _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness import report
     from musebench.harness.jobs import build_report
     from musebench.harness.routing import RoutingCase, run_routing_case
 
@@ -309,13 +308,7 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, juni
             status.update(case.label())
             rows.append(run_routing_case(case))
     run = build_report(rows, command=_command_line(), backend_note=note)
-    report.render_table(run, _stdout(), title=f"musebench routing --tp {tp}")
-    if json_path:
-        report.write_json(run, json_path)
-    if junit_path:
-        report.write_junit(run, junit_path)
-    if not run.passed:
-        sys.exit(EXIT_FAILED)
+    _emit(run, title=f"musebench routing --tp {tp}", json_path=json_path, junit_path=junit_path)
 
 
 @bench.command("routing")
@@ -334,10 +327,9 @@ def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
         validate_tokens(token_list, 8)
         if not 1 <= tile <= 256 or calls < 1 or replays < 1:
             raise ValueError("--tile must be in 1..256, --calls and --replays >= 1")
-        _, note = resolve_backend("cute", ())
+        _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness import report
     from musebench.harness.bench import BenchOptions, bench_empty_kernel
     from musebench.harness.jobs import build_report
     from musebench.harness.routing import bench_routing
@@ -350,11 +342,7 @@ def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
             rows.extend(bench_routing(m, tile, options))
     run = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
     run.machine["empty_launch_us"] = floor
-    report.render_table(run, _stdout(), title="musebench bench routing")
-    if json_path:
-        report.write_json(run, json_path)
-    if any(row.error for row in rows):
-        sys.exit(EXIT_FAILED)
+    _emit(run, title="musebench bench routing", json_path=json_path)
 
 
 @main.command("report")

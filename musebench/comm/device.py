@@ -36,6 +36,7 @@ class DeviceMailbox:
     stage: torch.Tensor  # int32 [2]
     fault: torch.Tensor  # int32 [4]
     transport: str = "local"
+    keepalive: object = None  # what keeps the peers' mappings open (IPC tensors, a SymmetricMemory handle)
 
     def reset(self) -> None:
         """Re-arm every word, restart the generations, clear the fault record (no call in flight)."""
@@ -79,8 +80,8 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
                         stage=torch.zeros(2, dtype=torch.int32, device=device),
-                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc")
-    box._peers = peers  # keep the mapped peers open for the mailbox's lifetime
+                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc",
+                        keepalive=peers)
     return box
 
 
@@ -108,6 +109,6 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
     table = torch.tensor([int(base) + offset for base in handle.buffer_ptrs], dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
                         stage=torch.zeros(2, dtype=torch.int32, device=device),
-                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast")
-    box._peers = handle  # the mapping lives as long as the handle
+                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast",
+                        keepalive=handle)
     return box

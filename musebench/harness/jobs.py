@@ -18,10 +18,8 @@ from musebench.harness.scenario import ScenarioRun, validate_tokens, validate_tp
 
 CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
 CPU_NOTE_NO_DSL = "CPU model (CuTe DSL does not import here)"
-CPU_NOTE_NO_TP = "CPU model (the cute backend lacks a requested tail)"
 CPU_NOTE_ASKED = "CPU model"
 CUTE_NOTE = "cute (CuTe DSL kernels on {gpu})"
-CUTE_MODES = ("ep", "tp")  # tails the cute backend runs
 
 
 @dataclass(frozen=True)
@@ -69,28 +67,23 @@ def _dsl_imports() -> bool:
         return False
 
 
-def resolve_backend(requested: str, modes: Sequence[str] = ("ep", "tp")) -> tuple[str, str]:
+def resolve_backend(requested: str) -> tuple[str, str]:
     """(backend, note for the table title); ValueError for a backend this machine cannot run."""
     if requested == "cpu":
         return "cpu", CPU_NOTE_ASKED
     if requested not in ("auto", "cute"):
         raise ValueError(f"unknown backend {requested!r}")
     gpu = _gpu_name()
-    unsupported = [mode for mode in modes if mode not in CUTE_MODES]
     if requested == "cute":
         if gpu is None:
             raise ValueError("the cute backend needs a CUDA GPU with SM >= 90; use --backend cpu")
         if not _dsl_imports():
             raise ValueError("the cute backend needs CuTe DSL (nvidia-cutlass-dsl), which does not import here")
-        if unsupported:
-            raise ValueError(f"the cute backend has no {'/'.join(unsupported).upper()} tail yet; use --mode ep or --backend cpu")
         return "cute", CUTE_NOTE.format(gpu=gpu)
     if gpu is None:
         return "cpu", CPU_NOTE_NO_GPU
     if not _dsl_imports():
         return "cpu", CPU_NOTE_NO_DSL
-    if unsupported:
-        return "cpu", CPU_NOTE_NO_TP
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
@@ -157,8 +150,10 @@ def make_tail_job(
     if faults.exit_rank is not None and launcher != "torchrun":
         raise ValueError("the exit fault needs --launcher torchrun")
     if check_machine:
-        resolved, note = resolve_backend(backend, modes)
+        resolved, note = resolve_backend(backend)
         check_transport(transport, resolved, launcher)
+        if resolved == "cute" and (faults.hang_rank is not None or faults.exit_rank is not None):
+            raise ValueError("the cute backend injects flip, silent and raise faults; hang and exit need --backend cpu")
     else:
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),

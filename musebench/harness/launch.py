@@ -118,6 +118,10 @@ def run_torchrun(
                 _cleanup_shm(job)
         _drain(results_path, rows, seen, on_case)
         code = process.returncode
+        if len(rows) == len(cases) and code not in (0, None) and rows and rows[-1].error is None:
+            # every case reported, then a rank died (teardown): the run did not end cleanly
+            rows[-1].error = f"torchrun exited with code {code} after the last case: " + _failure_summary(
+                log_path.read_text(errors="replace"), tp)
         if len(rows) < len(cases):
             text = log_path.read_text(errors="replace")
             if killed:

@@ -130,8 +130,14 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
 
 
 def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseResult]:
-    """Graph-timed rows: the kernel alone, with metadata (rank 0's range), and the Triton stock."""
+    """Graph-timed rows: the kernel alone, with metadata (rank 0's range), and the Triton stock.
+
+    Outputs are poisoned before each variant and checked after its replays: ids and weights
+    against the reference with the hardware's approximations, the metadata's live words against
+    `pack_metadata(routing_metadata_reference(...))`, so every timed row carries its #wrong.
+    """
     from musebench.kernels.routing import metadata_size, prepare, route
+    from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
     from musebench.stock.triton_routing import triton_routing
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -141,6 +147,12 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
     weights = torch.empty(tokens, config.TOP_K, dtype=torch.float32, device=device)
     metadata = torch.empty(metadata_size(tile_n), dtype=torch.int32, device=device)
     offset, count = local_experts(0, case.tp)
+    want_ids, want_weights = routing_reference(logits, bias, route_scale=ROUTE_SCALE,
+                                               approximations=nx.hardware_approximations())
+    want_metadata = pack_metadata(
+        routing_metadata_reference(want_ids.cpu(), local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
+        tile_n=tile_n, fill=POISON_WORD,
+    )
     prepare()
     variants = {
         "routing": lambda: route(logits, bias, ids, weights, ROUTE_SCALE),
@@ -156,6 +168,9 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
                          launcher="virtual", transport="local", stock="triton", stock_path=f"tile {tile_n}",
                          iters=options.calls * options.replays)
         try:
+            for out in (ids, weights):
+                checks.poison(out)
+            metadata.fill_(POISON_WORD)
             with torch.cuda.stream(stream):
                 call()  # compiles / warms outside capture
             stream.synchronize()
@@ -164,6 +179,14 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
                 for _ in range(options.calls):
                     call()
             row.tail_us = _median_replay_us(graph, stream, options)
+            checked = RankResult(rank=0)
+            pairs = [(ids, want_ids), (weights, want_weights)]
+            if name == "routing+metadata":
+                pairs.append((metadata, want_metadata))
+            for got, want in pairs:
+                _compare(got, want, 0, checked)
+            row.ranks = [checked]
+            row.mismatches, row.max_ulp, row.first_mismatch = checked.mismatches, checked.max_ulp, checked.first_mismatch
         except Exception as error:
             row.error = f"{type(error).__name__}: {error}"
         rows.append(row)

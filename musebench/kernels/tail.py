@@ -448,12 +448,6 @@ _PUBLISHERS: dict[tuple, Any] = {}
 _REDUCERS: dict[tuple, Any] = {}
 
 
-
-
-
-
-
-
 def compile_publisher(
     *,
     width: int = DEFAULT_WIDTH,
@@ -543,10 +537,6 @@ def compile_reduce(
 
 # ---------------------------------------------------------------------------------------------
 # Host side: one rank's bound tail.
-
-
-
-
 
 
 @dataclass(frozen=True)

@@ -697,12 +697,6 @@ class _TpTailKernel:
 _KERNELS: dict[tuple, Any] = {}
 
 
-
-
-
-
-
-
 def compile_tp_tail(
     *,
     tp: int,
@@ -763,10 +757,6 @@ def compile_tp_tail(
 
 # ---------------------------------------------------------------------------------------------
 # Host side: one rank's bound tail.
-
-
-
-
 
 
 @dataclass(frozen=True)

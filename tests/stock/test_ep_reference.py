@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from musebench import numerics as nx
 from musebench.harness.cases import TailCase, make_tail_inputs
 from musebench.layout import UnfinalizedMoEOutput
 from musebench.stock import ep
