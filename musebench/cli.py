@@ -227,14 +227,20 @@ def bench() -> None:
 
 @bench.command("tail")
 @click.option("--tp", "tp_list", default="2,4,8", show_default=True, help="TP sizes, e.g. 2,4,8.")
+@click.option("--mode", type=click.Choice(["ep", "tp", "both"]), default="both", show_default=True)
 @click.option("--tokens", default="1-8", show_default=True)
 @click.option("--weights", default="bf16", show_default=True)
 @click.option("--norm", default="before", show_default=True)
+@click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True,
+              help="virtual: every rank a stream of this GPU (µs of the whole group); torchrun: a process per "
+                   "rank (µs per rank, max over ranks, with the NCCL and SymmetricMemory paths beside).")
 @click.option("--calls", type=int, default=20, show_default=True, help="Back-to-back calls per CUDA graph.")
 @click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--timeout", type=float, default=2.0, show_default=True, help="Seconds any device wait may last.")
+@click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default: this GPU's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
-def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> None:
-    """The cute EP tail on virtual ranks of this GPU: µs per collective call (all ranks)."""
+def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, timeout, nsm, json_path) -> None:
+    """The cute tails, CUDA-graph timed against the stock finalize (and, per process, NCCL paths)."""
     from musebench.harness.cases import NORM_ORDERS, WEIGHT_DTYPES, TailCase
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.scenario import validate_tokens, validate_tp
@@ -242,31 +248,51 @@ def bench_tail(tp_list, tokens, weights, norm, calls, replays, json_path) -> Non
     tps, token_list = _parse_ints(tp_list, "--tp"), _parse_ints(tokens, "--tokens")
     weight_list = _parse_choices(weights, tuple(WEIGHT_DTYPES), "--weights")
     norms = _parse_choices(norm, NORM_ORDERS, "--norm")
+    modes = ("ep", "tp") if mode == "both" else (mode,)
     try:
         for tp in tps:
             validate_tp(tp)
         validate_tokens(token_list, 8)
         if calls < 1 or replays < 1:
             raise ValueError("--calls and --replays must be >= 1")
+        if timeout <= 0:
+            raise ValueError("--timeout must be positive")
         _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_ep_tail
+    import torch
+
+    from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_virtual_tail
+    from musebench.harness.driver import RunOptions
     from musebench.harness.jobs import build_report
 
-    options = BenchOptions(calls=calls, replays=replays)
-    cases = [TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=w, norm=n)
-             for tp in tps for w in weight_list for n in norms for m in token_list]
+    nsm = nsm if nsm is not None else torch.cuda.get_device_properties(0).multi_processor_count
+    options = BenchOptions(calls=calls, replays=replays, timeout_s=timeout)
     rows = []
     with _stderr().status("benchmarking") as status:
         floor = bench_empty_kernel(options)
-        for case in cases:
-            status.update(case.label())
-            rows.append(bench_ep_tail(case, options))
-    note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group; empty launch {floor:.2f} µs"
-    run = build_report(rows, command=_command_line(), backend_note=note)
-    run.machine["empty_launch_us"] = floor
-    _emit(run, title="musebench bench tail", json_path=json_path)
+        for tp in tps:
+            cases = [TailCase(mode=kind, tp=tp, tokens=m, weight_dtype=w, norm=n)
+                     for kind in modes for w in weight_list for n in norms for m in token_list]
+            if launcher == "virtual":
+                for case in cases:
+                    status.update(case.label())
+                    rows.append(bench_virtual_tail(case, options, nsm))
+            else:
+                from musebench.harness import launch
+
+                status.update(f"tp={tp}: {len(cases)} cases, one process per rank")
+                run_options = RunOptions(backend="cute", launcher="torchrun", timeout_s=timeout, nsm=nsm)
+                run = launch.run_in_job if launch.in_torchrun_job() else launch.run_torchrun
+                rows.extend(run(cases, run_options, bench=options))
+    if launcher == "virtual":
+        note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group; empty launch {floor:.2f} µs"
+    else:
+        note = f"{note}; a process per rank: µs per call, max over ranks; empty launch {floor:.2f} µs"
+    run_report = build_report(rows, command=_command_line(), backend_note=note)
+    run_report.machine["empty_launch_us"] = floor
+    if _is_reporting_rank():
+        _emit(run_report, title="musebench bench tail", json_path=json_path)
 
 
 @main.command()

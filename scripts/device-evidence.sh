@@ -1,31 +1,94 @@
 #!/usr/bin/env bash
-# One device call that brings back the GPU evidence: `pytest -m gpu`, the parity runs and the
-# benches, as JSON under $OUT (records) plus the logs. Run on the device machine after staging
-# CuTe DSL (../shared/device/stage, then call 1 `bash .dsl/p1/stash.sh`), as call 2:
-#   source .dsl/p2/env.sh && MUSEBENCH_GIT_COMMIT=$(git rev-parse HEAD) bash scripts/device-evidence.sh [quick]
-# (pass the commit from this machine: the device copy has no .git). `quick` skips the long runs.
+# The GPU evidence, in parts that each fit one device call (10 minutes): records as JSON under
+# $OUT plus one log per part. Run on the device machine after staging CuTe DSL
+# (../shared/device/stage, then call 1 `bash .dsl/p1/stash.sh`), as calls 2, 3, ...:
+#   source .dsl/p2/env.sh && MUSEBENCH_GIT_COMMIT=<hash> bash scripts/device-evidence.sh PART
+# (pass the commit from this machine: the device copy has no .git). PART:
+#   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu`
+#   records     the one-GPU records: tail --tp 8, tail --tp 4 --launcher torchrun, parity,
+#               bench tail (virtual ranks), routing --tp 8, bench routing
+#   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
+#               tp = GPUs, two processes per GPU, and the fault runs (a killed and a silent rank)
+# Every command runs under `timeout` so the call always returns; a failure is logged, the part
+# goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part=${1:?usage: device-evidence.sh tests|records|multi-gpu}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
 gpu=$(python3 -c "import torch; print(torch.cuda.get_device_name().split()[-1].lower())" 2>/dev/null || echo gpu)
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 status=0
-# The device returns at most 8 files: 7 JSON records and one log holding every command's output.
-log="$out/evidence.log"
-run() {  # run NAME COMMAND...: append to the log, remember a failure, keep going
-  local name=$1; shift
+log="$out/$part.log"  # the device returns at most 8 files: 7 JSON records and this log
+run() {  # run NAME SECONDS COMMAND...: append to the log, remember a failure, keep going
+  local name=$1 limit=$2; shift 2
+  local started=$SECONDS
   echo "== $name: $*" | tee -a "$log"
-  "$@" >> "$log" 2>&1 || { echo "   $name failed (see evidence.log)"; status=1; }
-  tail -n 2 "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  local code=$?
+  [ $code -eq 0 ] || { echo "   $name failed with code $code (see $part.log)" | tee -a "$log"; status=1; }
+  echo "   $name took $((SECONDS - started)) s" | tee -a "$log"
+  tail -n 3 "$log"
 }
-run env musebench env --json "$out/$day-$gpu-env.json"
-run pytest-gpu python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider
-run tail-tp8 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"
-run bench-tail musebench bench tail --tp 2,4,8 --weights bf16,fp32 --json "$out/$day-$gpu-bench-tail.json"
-run routing musebench routing --tp 8 --tile 8,64 --json "$out/$day-$gpu-routing-tp8.json"
-run bench-routing musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
-if [ "${1:-}" != quick ]; then
-  run parity-ep musebench parity scenarios/gpu-ep.toml --json "$out/$day-$gpu-parity-ep.json"
-  run tail-torchrun musebench tail --tp 4 --launcher torchrun --json "$out/$day-$gpu-tail-tp4-torchrun.json"
-fi
+expect_fault() {  # expect_fault NAME SECONDS PATTERN COMMAND...: must exit 1 and report PATTERN
+  local name=$1 limit=$2 pattern=$3; shift 3
+  local started=$SECONDS mark
+  mark=$(wc -l < "$log" 2>/dev/null || echo 0)
+  echo "== $name (must fail, reporting '$pattern'): $*" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  local code=$?
+  if [ $code -eq 1 ] && tail -n +"$((mark + 1))" "$log" | grep -q -- "$pattern"; then
+    echo "   $name reported as expected (exit 1) in $((SECONDS - started)) s" | tee -a "$log"
+  else
+    echo "   $name: exit $code, expected 1 with '$pattern'" | tee -a "$log"; status=1
+  fi
+}
+strays() {  # processes of a finished launch must be gone
+  local left
+  left=$(pgrep -fc 'musebench.harness.worker|torch.distributed.run' || true)
+  echo "   stray musebench processes: ${left:-0}" | tee -a "$log"
+  [ "${left:-0}" -eq 0 ] || status=1
+}
+case $part in
+  tests)
+    run gpus 30 nvidia-smi
+    run topology 30 nvidia-smi topo -m
+    run p2p 60 python3 -c "import torch; n = torch.cuda.device_count(); print('gpus', n); [print(i, [torch.cuda.can_device_access_peer(i, j) if i != j else '-' for j in range(n)]) for i in range(n)]"
+    run env 120 musebench env --json "$out/$day-$gpu-env.json"
+    run pytest-gpu 480 python3 -m pytest -m gpu -q -n 16 -p no:cacheprovider --junitxml "$out/pytest-gpu.xml"
+    ;;
+  records)
+    run tail-tp8 130 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"
+    run tail-tp4-torchrun 120 musebench tail --tp 4 --launcher torchrun --json "$out/$day-$gpu-tail-tp4-torchrun.json"
+    run bench-tail 120 musebench bench tail --tp 2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
+    run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
+      --json "$out/$day-$gpu-routing-tp8.json"
+    run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
+    run parity 100 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
+    ;;
+  multi-gpu)
+    [ "$gpus" -ge 2 ] || { echo "multi-gpu needs 2+ GPUs, found $gpus"; exit 2; }
+    run tail-own-gpu 150 musebench tail --tp "$gpus" --launcher torchrun --inputs random,adversarial \
+      --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun.json"
+    strays
+    run bench-own-gpu 150 musebench bench tail --tp "$gpus" --launcher torchrun --weights bf16,fp32 \
+      --json "$out/$day-${gpus}x$gpu-bench-tail-tp$gpus-torchrun.json"
+    strays
+    run tail-two-per-gpu 120 musebench tail --tp $((2 * gpus)) --launcher torchrun --inputs random,adversarial \
+      --tokens 1,2,8 --json "$out/$day-${gpus}x$gpu-tail-tp$((2 * gpus))-torchrun.json"
+    strays
+    run bench-two-per-gpu 90 musebench bench tail --tp $((2 * gpus)) --launcher torchrun --tokens 1,8 \
+      --json "$out/$day-${gpus}x$gpu-bench-tail-tp$((2 * gpus))-torchrun.json"
+    strays
+    # fault runs: each must fail within its --timeout with a named rank, and leave nothing behind
+    expect_fault fault-killed 90 "rank 1 exited with code 17" musebench tail --tp "$gpus" --launcher torchrun --mode ep --tokens 2 --weights bf16 \
+      --norm before --timeout 2 --inject "exit:1" --json "$out/$day-${gpus}x$gpu-fault-killed.json"
+    strays
+    expect_fault fault-silent 90 "never published" musebench tail --tp "$gpus" --launcher torchrun --mode both --tokens 2 --weights bf16 \
+      --norm before --timeout 2 --inject "silent:1" --json "$out/$day-${gpus}x$gpu-fault-silent.json"
+    strays
+    ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
 exit $status

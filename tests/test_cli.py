@@ -171,7 +171,12 @@ def test_cute_backend_refuses_faults_it_cannot_inject(monkeypatch):
     from musebench.harness import jobs
 
     monkeypatch.setattr(jobs, "resolve_backend", lambda requested: ("cute", "cute (test)"))
-    with pytest.raises(ValueError, match="hang and exit need --backend cpu"):
-        jobs.make_tail_job(name="t", tp=2, modes=("ep",), tokens=(1,), capacity=8, weights=("bf16",),
-                           norms=("before",), inputs=("random",), seeds=(0,), launcher="virtual", backend="cute",
-                           iters=1, warmup=0, timeout_s=1.0, faults=jobs.Faults(hang_rank=1))
+    def job(launcher):
+        return jobs.make_tail_job(name="t", tp=2, modes=("ep",), tokens=(1,), capacity=8, weights=("bf16",),
+                                  norms=("before",), inputs=("random",), seeds=(0,), launcher=launcher,
+                                  backend="cute", iters=1, warmup=0, timeout_s=1.0, nsm=132,
+                                  faults=jobs.Faults(hang_rank=1))
+
+    with pytest.raises(ValueError, match="a hung virtual rank cannot be stopped on the GPU"):
+        job("virtual")
+    assert job("torchrun").options.faults.hang_rank == 1  # a process can be killed

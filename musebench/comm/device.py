@@ -7,10 +7,11 @@ so a CUDA-graph replay advances them) and its fault record (int32 [4], -1 when c
 bounded wait that runs out fills it, the kernel module decodes it and the host reports it).
 
 Transports here:
-- `local`: virtual ranks in one process on one GPU; the table holds plain device pointers.
-(CUDA IPC for processes sharing a GPU, and torch SymmetricMemory peer pointers for ranks on
-distinct GPUs, join this module with the process launcher on GPUs. Multicast objects are never
-created here: NVLink multicast is for GB200 racks, compile-tested only.)
+- `local`: virtual ranks in one process on one GPU; the table holds plain device pointers;
+- `ipc`: processes sharing GPUs; CUDA IPC handles gathered over the process group;
+- `unicast`: one process per GPU; torch SymmetricMemory peer pointers.
+Multicast objects are never created here: NVLink multicast is for GB200 racks, compile-tested
+only.
 """
 
 from __future__ import annotations
@@ -92,14 +93,14 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
     torch SymmetricMemory allocates the words and maps every peer's allocation into this process;
     the table holds those peer addresses. Multicast stays off unless the caller asked for it:
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set (if unset) before the rendezvous, so no multicast
-    object is created. Untested here (needs two GPUs): the multi-GPU issue runs it first.
+    object is created.
     """
     import os
 
     import torch.distributed as dist
-    import torch.distributed._symmetric_memory as symmetric_memory
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    symmetric_memory = enable_symmetric_memory(group)
     shape = lamport.mailbox_shape(slots, capacity, width)
     words = symmetric_memory.empty(*shape, dtype=torch.int16, device=device)
     words.fill_(lamport.SENTINEL_BF16_BITS)
@@ -112,3 +113,41 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
                         fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast",
                         keepalive=handle)
     return box
+
+
+def enable_symmetric_memory(group=None):
+    """torch's SymmetricMemory module, enabled for `group` (WORLD when None).
+
+    torch before 2.13 needs `enable_symm_mem_for_group` before a rendezvous; later versions
+    deprecate it as a no-op, so it is called with its warning silenced.
+    """
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symmetric_memory
+
+    name = (group if group is not None else dist.group.WORLD).group_name
+    enable = getattr(symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(name)
+    return symmetric_memory
+
+
+PEER_MAPPINGS = ("auto", "symmetric", "ipc")
+
+
+def peer_mapping(local_world: int, gpus: int) -> str:
+    """How a process launch maps its peers' mailboxes: `symmetric` (torch SymmetricMemory, one
+    process per GPU) or `ipc` (CUDA IPC handles, processes sharing GPUs). MUSEBENCH_PEER_MAPPING
+    forces one (`ipc` also works across GPUs with peer access: a diagnostic when SymmetricMemory
+    fails on a machine)."""
+    import os
+
+    forced = os.environ.get("MUSEBENCH_PEER_MAPPING", "auto")
+    if forced not in PEER_MAPPINGS:
+        raise ValueError(f"MUSEBENCH_PEER_MAPPING must be one of {', '.join(PEER_MAPPINGS)}, got {forced!r}")
+    if forced != "auto":
+        return forced
+    return "symmetric" if local_world <= gpus else "ipc"

@@ -1,13 +1,15 @@
-"""CUDA-graph timing of the cute EP tail on virtual ranks sharing one GPU.
+"""CUDA-graph timing of the cute tails on virtual ranks sharing one GPU.
 
 Method (STYLE 11): compile and warm every rank's tail, check one eager call bitwise against the
-stock reference, then capture `calls` back-to-back calls of all tp ranks in one CUDA graph (each
+stock's expected bits for each rank, then capture `calls` back-to-back calls of all tp ranks in one CUDA graph (each
 call forks the capture stream to one stream per rank and joins them again), replay the graph
 `replays` times, and report the median replay time divided by `calls`. The outputs of the last
 replay are checked again, so every timed row carries its correctness.
 
 On one GPU the tp ranks share the SMs: the number is the time of one collective call of the
-whole group (every rank's publisher and reduction), not one rank's time on its own GPU.
+whole group (every rank's kernels), not one rank's time on its own GPU; the process bench
+(`bench_process`, one process per GPU) gives that. `stock_us` is the stock finalize of one rank's
+partial alone, timed the same way (the brief's aim: a tail per rank no slower than it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from musebench import numerics as nx
 from musebench.harness import checks
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.results import CaseResult, RankResult
@@ -30,52 +31,45 @@ class BenchOptions:
     timeout_s: float = 2.0
 
 
-def _expected(case: TailCase, inputs: TailInputs, device: torch.device) -> torch.Tensor:
-    from musebench.stock.ep import ep_tail_reference
-
-    return ep_tail_reference(
-        [u.to(device) for u in inputs.per_rank], inputs.norm_weight.to(device), eps=case.eps,
-        gain_center=case.gain_center, weight_before_norm=case.weight_before_norm,
-        approximations=nx.hardware_approximations(),
-    ).cpu()
-
-
-def _check(case: TailCase, outs: list[torch.Tensor], want: torch.Tensor, row: CaseResult) -> None:
+def _check(case: TailCase, outs: list[torch.Tensor], wants: list[torch.Tensor], row: CaseResult) -> None:
+    """Every rank's output against its own expected bits; ranks the stock gives equal bits must agree."""
     row.ranks = []
     row.mismatches, row.max_ulp, row.first_mismatch = 0, 0, None
     for rank, out in enumerate(outs):
         got = out.cpu()
-        count, ulp, first = checks.compare_bits(got, want, rank=rank)
+        count, ulp, first = checks.compare_bits(got, wants[rank], rank=rank)
         row.ranks.append(RankResult(rank=rank, digest=checks.digest(got), mismatches=count, max_ulp=ulp, first_mismatch=first))
         row.mismatches += count
         row.max_ulp = max(row.max_ulp, ulp)
         row.first_mismatch = row.first_mismatch or first
-    row.rank_identical = len({r.digest for r in row.ranks}) == 1
+    groups: dict[str, set[str]] = {}
+    for rank, result in enumerate(row.ranks):
+        groups.setdefault(checks.digest(wants[rank]), set()).add(result.digest)
+    row.rank_identical = all(len(digests) == 1 for digests in groups.values())
 
 
-def bench_ep_tail(case: TailCase, options: BenchOptions) -> CaseResult:
-    """One timed row: the EP tail of `case` on tp virtual ranks of the current GPU."""
-    from musebench.comm.device import local_device_group
-    from musebench.kernels.tail import EpTail
+def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseResult:
+    """One timed row: the cute tail of `case` on tp virtual ranks of the current GPU, and the stock
+    finalize of rank 0's partial alone (no communication) timed the same way as `stock_us`."""
+    from musebench.harness.driver import RunOptions, bind_tail, co_residency_refusal, device_mailboxes, expected_outputs
 
     device = torch.device("cuda", torch.cuda.current_device())
+    run_options = RunOptions(backend="cute", launcher="virtual", timeout_s=options.timeout_s, nsm=nsm)
     row = CaseResult(
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="virtual", transport="local",
-        stock="reference", stock_path="ep-ll one-shot", iters=options.calls * options.replays,
+        stock="reference", iters=options.calls * options.replays,
         bytes_moved=case.tp * case.tokens * case.width * 2,
     )
     try:
         inputs = make_tail_inputs(case)
-        want = _expected(case, inputs, device)
-        boxes = local_device_group(case.tp, case.tp, case.tokens, case.width, device)
-        tails = [
-            EpTail(rank=r, tp=case.tp, capacity=case.tokens, mailbox=b.words, stage=b.stage, fault=b.fault,
-                   norm_weight=inputs.norm_weight.to(device), peer_mailboxes=b.peer_table,
-                   weight_before_norm=case.weight_before_norm, weight_dtype=case.weight_dtype, eps=case.eps,
-                   gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9))
-            for r, b in enumerate(boxes)
-        ]
+        wants, path = expected_outputs(case, inputs, run_options)
+        row.stock_path = f"{path}; timed vs finalize (one rank, no communication)"
+        boxes = device_mailboxes((case.mode,), case.tp, case.tokens, case.width, case.top_k)
+        tails = [bind_tail(case, r, boxes[r], inputs, run_options) for r in range(case.tp)]
+        refusal = co_residency_refusal(tails[0], case)
+        if refusal is not None:
+            raise ValueError(refusal)
         unfinalized = [u.to(device) for u in inputs.per_rank]
         outs = [checks.poison(torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device))
                 for _ in range(case.tp)]
@@ -99,7 +93,7 @@ def bench_ep_tail(case: TailCase, options: BenchOptions) -> CaseResult:
         torch.cuda.synchronize()
         for tail in tails:
             tail.check_fault()
-        _check(case, outs, want, row)
+        _check(case, outs, wants, row)
         if not row.passed:
             return row
 
@@ -112,10 +106,36 @@ def bench_ep_tail(case: TailCase, options: BenchOptions) -> CaseResult:
         row.tail_us = _median_replay_us(graph, main, options)
         for tail in tails:
             tail.check_fault()
-        _check(case, outs, want, row)
+        _check(case, outs, wants, row)
+        row.stock_us = bench_finalize(case, inputs, options)
+        row.baselines_us["finalize"] = row.stock_us
     except Exception as error:
         row.error = f"{type(error).__name__}: {error}"
     return row
+
+
+def bench_finalize(case: TailCase, inputs: TailInputs, options: BenchOptions) -> float | None:
+    """Median µs of the stock finalize (`stock.triton_finalize`) of rank 0's input, graph-replayed."""
+    from musebench.stock.triton_finalize import triton_finalize
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    source = inputs.per_rank[0].to(device)
+    weight = inputs.norm_weight.to(device)
+    partial = torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device)
+    main = torch.cuda.Stream(device)
+
+    def call() -> None:
+        triton_finalize(source, weight, partial, eps=case.eps, gain_center=case.gain_center,
+                        weight_before_norm=case.weight_before_norm)
+
+    with torch.cuda.stream(main):
+        call()  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=main):
+        for _ in range(options.calls):
+            call()
+    return _median_replay_us(graph, main, options)
 
 
 def bench_empty_kernel(options: BenchOptions) -> float:

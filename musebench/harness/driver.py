@@ -139,11 +139,11 @@ def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, t
     SymmetricMemory peer pointers where each process has a GPU of its own (`unicast`)."""
     import os
 
-    from musebench.comm.device import ipc_device_group, local_device_group, symmetric_device_group
+    from musebench.comm.device import ipc_device_group, local_device_group, peer_mapping, symmetric_device_group
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    own_gpu = rank is not None and local_world <= torch.cuda.device_count()
-    group_of = symmetric_device_group if own_gpu else ipc_device_group
+    mapping = peer_mapping(local_world, torch.cuda.device_count())
+    group_of = symmetric_device_group if mapping == "symmetric" else ipc_device_group
 
     device = torch.device("cuda", torch.cuda.current_device())
     # the TP token mailbox carries FP32 rows (2 * width words): the stock's exact delivery paths
@@ -261,6 +261,12 @@ def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, optio
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
             if faults.silent_rank == rank:  # never launches: its peers' bounded waits must report it
                 raise InjectedFault(f"injected fault: rank {rank} never published")
+            if call == options.warmup and faults.hang_rank == rank:  # mid-run: its host stops responding
+                threading.Event().wait(10 * 365 * 86400.0)
+            if call == options.warmup and faults.exit_rank == rank:  # mid-run: its process dies
+                import os
+
+                os._exit(17)
             started = time.perf_counter()
             tail.run(unfinalized, out)
             stream.synchronize()

@@ -152,8 +152,9 @@ def make_tail_job(
     if check_machine:
         resolved, note = resolve_backend(backend)
         check_transport(transport, resolved, launcher)
-        if resolved == "cute" and (faults.hang_rank is not None or faults.exit_rank is not None):
-            raise ValueError("the cute backend injects flip, silent and raise faults; hang and exit need --backend cpu")
+        if resolved == "cute" and launcher == "virtual" and faults.hang_rank is not None:
+            raise ValueError("a hung virtual rank cannot be stopped on the GPU; inject hang with --launcher torchrun "
+                             "or --backend cpu")
     else:
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase
 from musebench.harness.driver import Faults, RunOptions
 from musebench.harness.results import CaseResult
@@ -33,19 +34,34 @@ from musebench.harness.results import CaseResult
 STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
 
 
-def spec_to_json(cases: Sequence[TailCase], options: RunOptions) -> dict:
-    return {"cases": [dataclasses.asdict(c) for c in cases], "options": dataclasses.asdict(options)}
+COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
 
 
-def spec_from_json(data: dict) -> tuple[list[TailCase], RunOptions]:
+def compile_bound_s(options: RunOptions) -> float:
+    return COMPILE_S if options.backend == "cute" else 0.0
+
+
+def spec_to_json(cases: Sequence[TailCase], options: RunOptions, bench: BenchOptions | None = None) -> dict:
+    return {"cases": [dataclasses.asdict(c) for c in cases], "options": dataclasses.asdict(options),
+            "bench": dataclasses.asdict(bench) if bench is not None else None}
+
+
+def spec_from_json(data: dict) -> tuple[list[TailCase], RunOptions, BenchOptions | None]:
     cases = [TailCase(**c) for c in data["cases"]]
     opts = dict(data["options"])
     opts["faults"] = Faults(**opts["faults"])
-    return cases, RunOptions(**opts)
+    bench = data.get("bench")
+    return cases, RunOptions(**opts), BenchOptions(**bench) if bench is not None else None
 
 
-def case_bound_s(options: RunOptions) -> float:
-    """How long one case may take on one rank: its calls, each bounded by the poll timeout."""
+def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> float:
+    """How long one case may take on one rank: its calls, each bounded by the poll timeout.
+
+    A bench case times up to four paths, each a warm-up, a capture and 3 + replays replays of a
+    one-call and a `calls`-call graph, every call bounded by the bench's poll timeout.
+    """
+    if bench is not None:
+        return 4 * (3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + 4 * bench.timeout_s + 30.0
     return (options.warmup + options.iters) * (options.timeout_s + 2.0) + 10.0
 
 
@@ -75,15 +91,17 @@ def run_torchrun(
     cases: Sequence[TailCase],
     options: RunOptions,
     on_case: Callable[[CaseResult], None] | None = None,
+    bench: BenchOptions | None = None,
 ) -> list[CaseResult]:
-    """Run the cases with one process per rank on this host; returns rank 0's rows."""
+    """Run the cases with one process per rank on this host; returns rank 0's rows (timed rows
+    from `musebench.harness.bench_process` when `bench` is given)."""
     if not cases:
         return []
     tp = cases[0].tp
     job = os.environ.get("MUSEBENCH_JOB_ID") or uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix=f"musebench-{job}-") as folder:
         spec = Path(folder) / "spec.json"
-        spec.write_text(json.dumps(spec_to_json(cases, options)))
+        spec.write_text(json.dumps(spec_to_json(cases, options, bench)))
         results_path = Path(folder) / "results.jsonl"
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
@@ -94,7 +112,7 @@ def run_torchrun(
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         log_path = Path(folder) / "torchrun.log"
-        bound_s = STARTUP_S + len(cases) * case_bound_s(options)
+        bound_s = STARTUP_S + compile_bound_s(options) + len(cases) * case_bound_s(options, bench)
         deadline = time.monotonic() + bound_s
         killed = False
         rows: list[CaseResult] = []
@@ -194,8 +212,9 @@ def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
 
 
 def run_in_job(cases: Sequence[TailCase], options: RunOptions,
-               on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+               on_case: Callable[[CaseResult], None] | None = None,
+               bench: BenchOptions | None = None) -> list[CaseResult]:
     """Inside an existing torchrun/srun job: this process is one rank."""
     from musebench.harness import worker
 
-    return worker.run_rank(cases, options, results_path=None, on_case=on_case)
+    return worker.run_rank(cases, options, results_path=None, on_case=on_case, bench=bench)

@@ -185,6 +185,9 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     table.add_column("tail µs", justify="right")
     table.add_column("stock µs", justify="right")
     table.add_column("ratio", justify="right")
+    baselines = list(dict.fromkeys(name for case in report.cases for name in case.baselines_us))
+    for name in baselines:
+        table.add_column(f"{name} µs", justify="right")
 
     for case in report.cases:
         passed = case.passed
@@ -210,9 +213,13 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
             Text(_format_us(case.stock_us)),
             Text(_format_ratio(case.ratio)),
         ]
+        row += [Text(_format_us(case.baselines_us.get(name))) for name in baselines]
         table.add_row(*row, style=None if passed else "red")
 
     console.print(table)
+    notes = list(dict.fromkeys(note for case in report.cases for note in case.notes))
+    for note in notes:
+        console.print(Text(f"note: {note}"), soft_wrap=True)
 
     failed = [case for case in report.cases if not case.passed]
     for case in failed:

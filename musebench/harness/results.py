@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1: baselines_us and notes on rows (1.0 files read unchanged)
 
 
 @dataclass
@@ -63,6 +63,10 @@ class CaseResult:
     bytes_moved: int = 0  # per rank per call, payload bytes written to peers
     iters: int = 0
     ranks: list[RankResult] = field(default_factory=list)
+    # benches: other paths timed in the same run (name -> µs per call, max over ranks), e.g.
+    # "finalize", "finalize+nccl"; `stock_us` is the one the ratio compares against
+    baselines_us: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what was not timed and why
 
     @property
     def passed(self) -> bool:

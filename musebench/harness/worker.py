@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from musebench.comm import lamport
+from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase, make_tail_inputs
 from musebench.harness.driver import (
     RankMailboxes,
@@ -61,9 +62,13 @@ def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int) -> Ran
 
 
 def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
-             on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-    """This process's rank of the run; rank 0 returns the checked rows, the others []."""
-    from musebench.harness.launch import case_bound_s
+             on_case: Callable[[CaseResult], None] | None = None,
+             bench: BenchOptions | None = None) -> list[CaseResult]:
+    """This process's rank of the run; rank 0 returns the checked rows, the others [].
+
+    With `bench` the cases are timed (`musebench.harness.bench_process`, cute backend only).
+    """
+    from musebench.harness.launch import case_bound_s, compile_bound_s
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -73,12 +78,23 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
     if local_world != world:
         raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
     job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=case_bound_s(options) + 30.0))
+    if bench is not None and options.backend != "cute":
+        raise SystemExit("musebench: benches run the cute backend")
+    bound_s = case_bound_s(options, bench) + compile_bound_s(options) + 30.0  # a barrier may wait for a peer compiling
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
     boxes = _open_device_mailboxes(cases, rank, tp) if options.backend == "cute" else _open_mailboxes(cases, rank, tp, job)
     device_box = boxes.device_ep or boxes.device_tp_route
     transport = device_box.transport if device_box is not None else "shm"
     rows: list[CaseResult] = []
     try:
+        if bench is not None:
+            from musebench.harness.bench_process import run_bench_rank
+
+            rows = run_bench_rank(cases, options, bench, boxes, transport, results_path)
+            for row in rows:
+                if on_case is not None:
+                    on_case(row)
+            cases = []
         for index, case in enumerate(cases):
             inputs = make_tail_inputs(case)
             tail, bind_error = None, None
@@ -120,8 +136,8 @@ def main(argv: Sequence[str]) -> int:
     from musebench.harness.launch import spec_from_json
 
     spec, results = argv
-    cases, options = spec_from_json(json.loads(Path(spec).read_text()))
-    run_rank(cases, options, Path(results))
+    cases, options, bench = spec_from_json(json.loads(Path(spec).read_text()))
+    run_rank(cases, options, Path(results), bench=bench)
     return 0
 
 

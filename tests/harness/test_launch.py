@@ -45,7 +45,7 @@ def test_flipped_bit_in_a_process(job_id):
 
 def test_hung_rank_is_killed_with_every_rank(job_id, monkeypatch):
     monkeypatch.setattr(launch, "STARTUP_S", 25.0)
-    monkeypatch.setattr(launch, "case_bound_s", lambda options: 5.0)
+    monkeypatch.setattr(launch, "case_bound_s", lambda options, bench=None: 5.0)
     started = time.monotonic()
     rows = launch.run_torchrun(_cases(tokens=(1,)), RunOptions(**FAST, faults=Faults(hang_rank=1)))
     assert time.monotonic() - started < 60

@@ -28,3 +28,9 @@ def test_a_silent_process_is_reported_not_hung(job_id):
     rows = launch.run_torchrun([TailCase(mode="ep", tp=4, tokens=2)],
                                RunOptions(**{**CUTE, "timeout_s": 1.0}, faults=Faults(silent_rank=3)))
     assert not rows[0].passed and "rank 3" in rows[0].error
+
+
+def test_a_process_killed_mid_run_ends_the_job(job_id):
+    rows = launch.run_torchrun([TailCase(mode="ep", tp=4, tokens=2)],
+                               RunOptions(**{**CUTE, "timeout_s": 1.0}, faults=Faults(exit_rank=2)))
+    assert not rows[0].passed and "rank 2 exited with code 17" in rows[0].error

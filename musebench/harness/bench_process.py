@@ -1,0 +1,265 @@
+"""CUDA-graph timing with one process per rank: `musebench bench tail --launcher torchrun`.
+
+Every rank process times the same paths on the same inputs, each as a CUDA graph of `calls`
+back-to-back calls on the rank's stream, and rank 0 reports the max over ranks of each median:
+
+- `ep_tail` / `tp_tail`: musebench's kernels over the Lamport mailboxes (checked bitwise against
+  the stock's expected bits for this rank after the last replay);
+- `finalize`: the stock post-expert finalize alone (`stock.triton_finalize`), no communication;
+- EP, `finalize+nccl`: the finalize, then `torch.distributed.all_reduce` of the BF16 partial
+  (NCCL); `finalize+symm_mem`: the finalize into a SymmetricMemory buffer, then torch's one-shot
+  all-reduce (peer loads, no multicast);
+- TP, `nccl+finalize` / `symm_mem+finalize`: the all-reduce of the BF16 K-partial rows, then the
+  finalize (the norm needs the full rows, so the reduction comes first).
+The row's `stock_us` is the NCCL path (what a user runs without musebench) and `ratio` is
+tail / stock. Baseline outputs are not checked bitwise: their sums run in another order.
+
+Replay protocol (per path and replay): a host barrier, one untimed call (a collective: once it
+returns on a rank, every peer has reached the same call, so launch skew is not timed), the start
+event, the timed graph, the end event. NCCL refuses two ranks on one GPU, so the NCCL and
+SymmetricMemory baselines run only with one process per GPU; the row notes why otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from musebench.harness import checks
+from musebench.harness.bench import BenchOptions
+from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
+from musebench.harness.driver import RankMailboxes, RunOptions, bind_tail, expected_outputs
+from musebench.harness.results import CaseResult, Mismatch, RankResult
+from musebench.layout import UnfinalizedMoEOutput
+
+
+@dataclass
+class RankTimes:
+    """One rank's medians (µs per call) and its check of the tail's last output."""
+
+    rank: int
+    times_us: dict[str, float] = field(default_factory=dict)
+    mismatches: int = 0
+    max_ulp: int = 0
+    first_mismatch: Mismatch | None = None
+    digest: str = ""
+    error: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class _Collectives:
+    """The baselines' communication: an NCCL group and SymmetricMemory on it (one process per GPU)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="nccl")
+        from musebench.comm.device import enable_symmetric_memory
+
+        self.symmetric_memory = enable_symmetric_memory(self.group)
+
+    def symmetric_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        buffer = self.symmetric_memory.empty(*shape, dtype=torch.bfloat16, device=device)
+        buffer.zero_()
+        self.symmetric_memory.rendezvous(buffer, self.group)
+        return buffer
+
+    def one_shot(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        torch.ops.symm_mem.one_shot_all_reduce_out(source, "sum", self.group.group_name, out)
+
+
+def _graph(stream: torch.cuda.Stream, calls: int, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            body()
+    return graph
+
+
+def time_path(body: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions,
+              collective: bool) -> float:
+    """Median µs per call of `body` replayed as a graph of `options.calls` calls (see module doc).
+
+    Collective: every rank calls this for the same path in the same order.
+    """
+    with torch.cuda.stream(stream):
+        body()  # eager warm-up: compiles, initialises communicators, outside capture
+    stream.synchronize()
+    sync = _graph(stream, 1, body) if collective else None
+    timed = _graph(stream, options.calls, body)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    with torch.cuda.stream(stream):
+        for replay in range(3 + options.replays):
+            dist.barrier()
+            if sync is not None:
+                sync.replay()
+            start.record(stream)
+            timed.replay()
+            end.record(stream)
+            end.synchronize()
+            if replay >= 3:
+                times.append(start.elapsed_time(end) * 1e3 / options.calls)
+    return statistics.median(times)
+
+
+def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: RunOptions, options: BenchOptions,
+                collectives: _Collectives | None) -> RankTimes:
+    from musebench.stock.triton_finalize import triton_finalize
+
+    result = RankTimes(rank=rank)
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+    inputs: TailInputs = make_tail_inputs(case)
+    unfinalized = inputs.per_rank[rank].to(device)
+    norm_weight = inputs.norm_weight.to(device)
+    m, width = case.tokens, case.width
+    try:
+        tail = bind_tail(case, rank, boxes, inputs, run_options)
+        want = expected_outputs(case, inputs, run_options)[0][rank]
+        out = checks.poison(torch.empty(m, width, dtype=torch.bfloat16, device=device))
+        result.times_us[case.kernel] = time_path(lambda: tail.run(unfinalized, out), stream, options, collective=True)
+        tail.check_fault()
+        result.mismatches, result.max_ulp, result.first_mismatch = checks.compare_bits(out.cpu(), want, rank=rank)
+        result.digest = checks.digest(out)
+    except Exception as error:
+        result.error = f"rank {rank}: {type(error).__name__}: {error}"
+        return result
+
+    def finalize(source: UnfinalizedMoEOutput, into: torch.Tensor) -> None:
+        triton_finalize(source, norm_weight, into, eps=case.eps, gain_center=case.gain_center,
+                        weight_before_norm=case.weight_before_norm)
+
+    partial = torch.empty(m, width, dtype=torch.bfloat16, device=device)
+    try:
+        result.times_us["finalize"] = time_path(lambda: finalize(unfinalized, partial), stream, options,
+                                                collective=False)
+    except Exception as error:
+        result.notes.append(f"finalize not timed: {type(error).__name__}: {error}")
+        return result
+    if collectives is None:
+        result.notes.append("NCCL and SymmetricMemory baselines need one process per GPU (NCCL refuses two ranks on one GPU)")
+        return result
+    group = collectives.group
+    try:
+        if case.mode == "ep":
+            def finalize_nccl() -> None:
+                finalize(unfinalized, partial)
+                dist.all_reduce(partial, group=group)
+
+            result.times_us["finalize+nccl"] = time_path(finalize_nccl, stream, options, collective=True)
+        else:
+            rows = unfinalized.gemm2_permuted.clone()
+            summed = UnfinalizedMoEOutput(rows, unfinalized.route_weights, unfinalized.expanded_idx_to_permuted_idx)
+
+            def nccl_finalize() -> None:
+                dist.all_reduce(rows, group=group)  # in place, as on the GEMM's output
+                finalize(summed, partial)
+
+            result.times_us["nccl+finalize"] = time_path(nccl_finalize, stream, options, collective=True)
+    except Exception as error:
+        result.notes.append(f"NCCL baseline not timed: {type(error).__name__}: {error}")
+    try:
+        if case.mode == "ep":
+            source = collectives.symmetric_buffer((m, width), device)
+            reduced = torch.empty_like(partial)
+
+            def finalize_one_shot() -> None:
+                finalize(unfinalized, source)
+                collectives.one_shot(source, reduced)
+
+            result.times_us["finalize+symm_mem"] = time_path(finalize_one_shot, stream, options, collective=True)
+        else:
+            source = collectives.symmetric_buffer(tuple(unfinalized.gemm2_permuted.shape), device)
+            source.copy_(unfinalized.gemm2_permuted)
+            reduced_rows = torch.empty_like(source)
+            summed = UnfinalizedMoEOutput(reduced_rows, unfinalized.route_weights,
+                                          unfinalized.expanded_idx_to_permuted_idx)
+
+            def one_shot_finalize() -> None:
+                collectives.one_shot(source, reduced_rows)
+                finalize(summed, partial)
+
+            result.times_us["symm_mem+finalize"] = time_path(one_shot_finalize, stream, options, collective=True)
+    except Exception as error:
+        result.notes.append(f"SymmetricMemory baseline not timed: {type(error).__name__}: {error}")
+    return result
+
+
+STOCK_BASELINE = {"ep": "finalize+nccl", "tp": "nccl+finalize"}
+
+
+def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, options: BenchOptions) -> CaseResult:
+    """Rank 0's row: every path's max over ranks, the tail's bit check summed over ranks."""
+    row = CaseResult(
+        kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
+        norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="torchrun",
+        transport=transport, stock="reference", iters=options.calls * options.replays,
+        bytes_moved=case.tp * case.tokens * case.width * 2,
+        stock_path=f"timed vs {STOCK_BASELINE[case.mode]}",
+    )
+    errors = [r.error for r in ranks if r.error is not None]
+    for r in sorted(ranks, key=lambda r: r.rank):
+        row.ranks.append(RankResult(rank=r.rank, digest=r.digest, mismatches=r.mismatches, max_ulp=r.max_ulp,
+                                    first_mismatch=r.first_mismatch, tail_us=r.times_us.get(case.kernel),
+                                    error=r.error))
+        row.mismatches += r.mismatches
+        row.max_ulp = max(row.max_ulp, r.max_ulp)
+        row.first_mismatch = row.first_mismatch or r.first_mismatch
+        row.notes.extend(note for note in r.notes if note not in row.notes)
+    if len(ranks) != case.tp:
+        errors.append(f"{case.tp - len(ranks)} rank(s) returned no result")
+    if errors:
+        row.error = errors[0] + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "")
+        row.rank_identical = False
+        return row
+    if case.mode == "ep":  # the EP tail gives every rank the same bits
+        row.rank_identical = len({r.digest for r in ranks}) == 1
+    names = dict.fromkeys(name for r in ranks for name in r.times_us)
+    worst = {name: max(r.times_us[name] for r in ranks if name in r.times_us) for name in names}
+    missing = [name for name in names if any(name not in r.times_us for r in ranks)]
+    for name in missing:
+        row.notes.append(f"{name}: timed on some ranks only")
+        worst.pop(name)
+    row.tail_us = worst.pop(case.kernel, None)
+    row.stock_us = worst.get(STOCK_BASELINE[case.mode])
+    row.baselines_us = worst
+    return row
+
+
+def run_bench_rank(cases: Sequence[TailCase], run_options: RunOptions, options: BenchOptions, boxes: RankMailboxes,
+                   transport: str, results_path: Path | None) -> list[CaseResult]:
+    """This rank's part of a process bench (process group and mailboxes already set up)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    collectives = None
+    if local_world <= torch.cuda.device_count():
+        collectives = _Collectives()
+    rows = []
+    for index, case in enumerate(cases):
+        print(f"rank {rank} started case {index}", flush=True)
+        times = _bench_case(case, rank, boxes, run_options, options, collectives)
+        print(f"rank {rank} done case {index}", flush=True)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(times, gathered, dst=0)
+        failed = [False]
+        if rank == 0:
+            row = bench_row(case, gathered, transport, options)
+            rows.append(row)
+            failed = [not row.passed]
+            if results_path is not None:
+                with open(results_path, "a") as out:
+                    out.write(json.dumps(row.to_dict()) + "\n")
+        dist.broadcast_object_list(failed, src=0)
+        if failed[0]:
+            torch.cuda.synchronize()
+            dist.barrier()
+            boxes.reset()
+            torch.cuda.synchronize()
+            dist.barrier()
+    return rows
