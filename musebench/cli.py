@@ -192,13 +192,19 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--dry-run", is_flag=True, help="Print the runs, their cases and launch commands; launch nothing.")
-@click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default=None, help="Override the files' launcher.")
-@click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default=None, help="Override the files' backend.")
+@click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default=None,
+              help="Override the files' launcher (tail runs; routing runs on virtual ranks of one GPU).")
+@click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default=None,
+              help="Override the files' backend (routing: auto skips it without a GPU, cpu always, cute refuses).")
 @click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default=None,
-              help="Override the files' transport.")
+              help="Override the files' transport (tail runs).")
 def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport) -> None:
-    """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock."""
-    from musebench.harness.jobs import jobs_from_scenario
+    """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock.
+
+    Tail runs go first, then routing runs. A routing run needs a GPU with SM >= 90 and CuTe DSL;
+    elsewhere it is reported as skipped (exit 0 if nothing failed), never as passed.
+    """
+    from musebench.harness.jobs import RoutingJob, jobs_from_scenario
     from musebench.harness.scenario import load_scenario
 
     paths = scenarios or (DEFAULT_SCENARIO,)
@@ -208,16 +214,52 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
                 for job in jobs_from_scenario(load_scenario(path), overrides=overrides, check_machine=not dry_run)]
     except ValueError as error:
         _usage_error(str(error))
+    # Routing last: inside a torchrun job only the reporting rank routes (virtual ranks on its own
+    # GPU), so no rank may be left waiting at a tail barrier for a peer that is still routing.
+    jobs.sort(key=lambda job: isinstance(job, RoutingJob))  # stable: file order within each kind
     if dry_run:
         out = _stdout()
         for job in jobs:
-            out.print(f"[bold]{job.name}[/bold]: {len(job.cases)} cases, backend {job.options.backend}, "
-                      f"launcher {job.options.launcher}")
+            if isinstance(job, RoutingJob):
+                how = f"backend {job.backend}, virtual ranks"
+            else:
+                how = f"backend {job.options.backend}, launcher {job.options.launcher}"
+            out.print(f"[bold]{job.name}[/bold]: {len(job.cases)} cases, {how}")
             out.print(f"  launch: {job.launch_command()}")
             for case in job.cases:
                 out.print(f"  {case.label()}")
         return
-    _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
+    if not _is_reporting_rank():
+        jobs = [job for job in jobs if not isinstance(job, RoutingJob)]
+    _run_parity_jobs(jobs, json_path=json_path, junit_path=junit_path)
+
+
+def _run_parity_jobs(jobs, *, json_path, junit_path) -> None:
+    """`musebench parity`'s run: tail and routing jobs, skipped routing jobs reported as such."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from musebench.harness.jobs import RoutingJob, build_report, run_job
+
+    def skips(job) -> bool:
+        return isinstance(job, RoutingJob) and job.skip_reason is not None
+
+    skipped = [job for job in jobs if skips(job)]
+    running = [job for job in jobs if not skips(job)]
+    rows = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=_stderr(), transient=True)
+    with progress:
+        task = progress.add_task("cases", total=sum(len(job.cases) for job in running))
+        for job in running:
+            progress.update(task, description=job.name)
+            rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
+    notes = sorted({job.backend_note for job in running})
+    if any(not isinstance(job, RoutingJob) for job in running):
+        notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
+    run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
+                       skipped=[job.skipped() for job in skipped])
+    if _is_reporting_rank():
+        _emit(run, title="musebench parity", json_path=json_path, junit_path=junit_path)
 
 
 @main.group()

@@ -104,6 +104,145 @@ def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):
     assert "torch.distributed.run" in result.output and "ep_tail tp=2 m=1" in result.output
 
 
+ROUTING_RUN = 'name = "routing"\nkernel = "routing"\ntp = [2, 4]\ntokens = [1, 8]\ntile = [8]\ninputs = ["random"]\n'
+TAIL_RUN = 'name = "tail"\nmodes = ["ep"]\ntp = [2]\ntokens = [1]\nweights = ["bf16"]\nnorm = ["after"]\niters = 1\nwarmup = 0\n'
+
+
+def _scenario(tmp_path, *runs: str):
+    path = tmp_path / "s.toml"
+    path.write_text("".join(f"[[run]]\n{run}" for run in runs))
+    return str(path)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    from musebench.harness import jobs
+
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: None)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A machine that can run the routing kernel, as far as the CLI can tell: runner rows come from the test."""
+    from musebench.harness import jobs
+
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
+    monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)
+
+
+def _routing_row(case, **flaws):
+    from musebench.harness.results import CaseResult
+
+    return CaseResult(kernel="routing", mode="routing", tp=case.tp, tokens=case.tokens, weight_dtype="fp32",
+                      norm="renorm" if case.renormalize else "raw", inputs=case.inputs, seed=case.seed,
+                      backend="cute", launcher="virtual", transport="local", stock="triton", **flaws)
+
+
+def test_parity_dry_run_lists_routing_cases_after_the_tails():
+    result = _run("parity", "scenarios/parity.toml", "--dry-run")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "routing, virtual ranks (tp=8): 128 cases, backend auto, virtual ranks" in out
+    assert "(in process) 8 virtual ranks on one GPU, 128 cases; skipped unless this machine has a CUDA GPU" in out
+    for label in ("routing tp=2 b=1 tile=8 renorm random seed=0", "routing tp=8 b=8 tile=128 raw adversarial seed=1"):
+        assert label in out
+    assert out.index("routing tp=") > out.rindex("_tail tp=")
+
+
+def test_parity_runs_routing_after_the_tails_whatever_the_file_order(tmp_path):
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN, TAIL_RUN), "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert result.output.index("tail (tp=2)") < result.output.index("routing (tp=2)")
+
+
+def test_parity_reports_routing_as_skipped_without_a_gpu(tmp_path, no_gpu):
+    out, junit = tmp_path / "run.json", tmp_path / "run.xml"
+    result = _run("parity", _scenario(tmp_path, TAIL_RUN, ROUTING_RUN), "--json", str(out), "--junit", str(junit))
+    assert result.exit_code == 0, result.output
+    assert "routing: skipped, needs a CUDA GPU with SM >= 90 and CuTe DSL" in result.output
+    assert "1 passed, 0 failed, 4 skipped" in result.output
+    data = json.loads(out.read_text())
+    assert data["passed"] and [case["kernel"] for case in data["cases"]] == ["ep_tail"]
+    assert [(run["name"], run["cases"]) for run in data["skipped"]] == [("routing (tp=2)", 2), ("routing (tp=4)", 2)]
+    assert 'skipped="2"' in junit.read_text() and junit.read_text().count("<skipped ") == 2
+
+
+def test_a_routing_only_scenario_skipped_everywhere_exits_0(tmp_path, no_gpu):
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN))
+    assert result.exit_code == 0, result.output
+    assert result.output.count("routing: skipped") == 2 and "0 passed, 0 failed, 4 skipped" in result.output
+
+
+def test_backend_cpu_skips_routing_even_on_a_gpu(tmp_path, fake_gpu, monkeypatch):
+    from musebench.harness import routing
+
+    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("backend cpu ran routing"))
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--backend", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "routing has no CPU model" in result.output
+
+
+@pytest.mark.parametrize("how", ["option", "file"])
+def test_routing_with_cute_asked_for_and_no_gpu_exits_2(tmp_path, no_gpu, how):
+    if how == "option":
+        result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--backend", "cute")
+    else:
+        result = _run("parity", _scenario(tmp_path, ROUTING_RUN + 'backend = "cute"\n'))
+    assert result.exit_code == 2
+    assert "routing (tp=2): routing needs a CUDA GPU with SM >= 90 and CuTe DSL" in result.output
+
+
+@pytest.mark.parametrize(
+    "flaw",
+    [
+        dict(mismatches=3, max_ulp=1),  # wrong bits on some rank
+        dict(error="rank 1: the guard word past metadata_size(8) was written"),
+        dict(rank_identical=False),  # ranks disagree
+    ],
+)
+def test_a_failing_routing_row_fails_parity(tmp_path, fake_gpu, monkeypatch, flaw):
+    from musebench.harness import routing
+
+    ran = []
+
+    def runner(case):
+        ran.append(case)
+        return _routing_row(case, **(flaw if (case.tp, case.tokens) == (4, 8) else {}))
+
+    monkeypatch.setattr(routing, "run_routing_case", runner)
+    out = tmp_path / "run.json"
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--json", str(out))
+    assert result.exit_code == 1, result.output
+    assert len(ran) == 4 and "✗ routing[tp4-tok8-fp32-renorm-random-local]" in result.output
+    data = json.loads(out.read_text())
+    assert not data["passed"] and data["skipped"] == []
+    assert [case["passed"] for case in data["cases"]] == [True, True, True, False]
+
+
+def test_passing_routing_rows_land_in_the_parity_report(tmp_path, fake_gpu, monkeypatch):
+    from musebench.harness import routing
+
+    monkeypatch.setattr(routing, "run_routing_case", _routing_row)
+    out, junit = tmp_path / "run.json", tmp_path / "run.xml"
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--json", str(out), "--junit", str(junit))
+    assert result.exit_code == 0, result.output
+    assert "cute (CuTe DSL kernels on Fake H200)" in result.output and "4 passed, 0 failed" in result.output
+    data = json.loads(out.read_text())
+    assert data["passed"] and len(data["cases"]) == 4 and data["skipped"] == []
+    assert {case["kernel"] for case in data["cases"]} == {"routing"}
+    assert junit.read_text().count("<testcase") == 4
+
+
+def test_only_the_reporting_rank_of_a_torchrun_job_routes(tmp_path, fake_gpu, monkeypatch):
+    from musebench.harness import routing
+
+    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("rank 1 routed"))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    result = _run("parity", _scenario(tmp_path, ROUTING_RUN))
+    assert result.exit_code == 0 and "passed" not in result.output
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -113,6 +252,9 @@ def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):
         ("[defaults]\niters = 1\n", "no [[run]] tables"),
         ("[[run]]\ntokens = ['a']\n", "tokens must hold int"),
         ("[[run]]\nlauncher = 'slurm'\n", "launcher 'slurm' is not one of"),
+        ("[[run]]\nkernel = 'routing'\nweights = ['bf16']\n", "run 1: key 'weights' belongs to tail runs"),
+        ("[[run]]\ntile = [8]\n", "run 1: key 'tile' belongs to routing runs"),
+        ("[[run]]\nkernel = 'routing'\ntile = [512]\n", "tile must be in 1..256"),
     ],
 )
 def test_malformed_scenario_exits_2(tmp_path, content, message):
@@ -156,7 +298,8 @@ def test_gb200_nightly_scenario_runs_on_virtual_cpu_ranks(tmp_path, monkeypatch)
     result = _run("parity", "scenarios/gb200-nightly.toml", "--launcher", "virtual", "--backend", "cpu",
                   "--transport", "auto", "--json", str(out))
     assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["passed"]
+    data = json.loads(out.read_text())
+    assert data["passed"] and len(data["skipped"]) == 4  # routing: no CPU model
 
 
 def test_multicast_is_refused_where_the_environment_forbids_it(monkeypatch):

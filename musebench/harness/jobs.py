@@ -1,7 +1,13 @@
-"""Jobs: a list of tail cases with their run options, resolved, launched and turned into a report.
+"""Jobs: a list of cases with their run options, resolved, launched and turned into a report.
 
-The CLI builds `TailJob`s (from options or scenario files) and calls `run_jobs`; everything that
-can be refused is refused in `make_tail_job` / `resolve_backend`, before any rank starts.
+The CLI builds `TailJob`s (from options or scenario files) and `RoutingJob`s (scenario files) and
+runs them with `run_job`; everything that can be refused is refused in `make_tail_job` /
+`make_routing_job` / `resolve_backend`, before any rank starts.
+
+A routing job runs only where `resolve_backend` picks cute (a GPU with SM >= 90 and CuTe DSL):
+routing has no CPU model, so where auto would fall back to the CPU model, or the backend is cpu,
+the job carries a `skip_reason`, runs nothing and is reported as a `SkippedRun`, never as a pass.
+Asking for cute where it cannot run is a ValueError, as for the tails.
 """
 
 from __future__ import annotations
@@ -10,16 +16,29 @@ import shlex
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from musebench.harness.cases import TailCase, tail_cases
 from musebench.harness.driver import DEFAULT_NSM, Faults, RunOptions
-from musebench.harness.results import CaseResult, RunReport
-from musebench.harness.scenario import ScenarioRun, validate_tokens, validate_tp
+from musebench.harness.results import CaseResult, RunReport, SkippedRun
+from musebench.harness.scenario import (
+    RoutingScenarioRun,
+    ScenarioRun,
+    validate_routing_tokens,
+    validate_tiles,
+    validate_tokens,
+    validate_tp,
+)
+
+if TYPE_CHECKING:
+    from musebench.harness.routing import RoutingCase
 
 CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
 CPU_NOTE_NO_DSL = "CPU model (CuTe DSL does not import here)"
 CPU_NOTE_ASKED = "CPU model"
 CUTE_NOTE = "cute (CuTe DSL kernels on {gpu})"
+ROUTING_NEEDS = "needs a CUDA GPU with SM >= 90 and CuTe DSL"
+_ROUTING_WHY_NOT = {CPU_NOTE_NO_GPU: "no such GPU here", CPU_NOTE_NO_DSL: "CuTe DSL does not import here"}
 
 
 @dataclass(frozen=True)
@@ -166,24 +185,122 @@ def make_tail_job(
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
 
 
-def jobs_from_scenario(runs: Sequence[ScenarioRun], *, overrides: dict[str, str] | None = None,
-                       check_machine: bool = True) -> list[TailJob]:
-    """One job per (run, tp); `overrides` (launcher, backend, transport) replace the file's values."""
+@dataclass(frozen=True)
+class RoutingJob:
+    """Routing cases of one tp, on virtual ranks of the current GPU; `skip_reason` set: runs nothing."""
+
+    name: str
+    cases: tuple[RoutingCase, ...]
+    backend: str  # "cute"; "skipped" with a skip_reason; the requested backend in a dry run
+    backend_note: str
+    skip_reason: str | None = None
+    resolved: bool = True  # False: built for a dry run, never to be run
+
+    def launch_command(self) -> str:
+        """What runs the job, for --dry-run."""
+        tp = self.cases[0].tp if self.cases else 0
+        where = {
+            "auto": "; skipped unless this machine has a CUDA GPU with SM >= 90 and CuTe DSL",
+            "cpu": "; skipped: routing has no CPU model",
+            "skipped": f"; skipped: {self.skip_reason}",
+        }.get(self.backend, "")
+        return f"(in process) {tp} virtual ranks on one GPU, {len(self.cases)} cases{where}"
+
+    def skipped(self) -> SkippedRun:
+        return SkippedRun(name=self.name, kernel="routing", cases=len(self.cases), reason=self.skip_reason or "")
+
+
+def resolve_routing_backend(requested: str) -> tuple[str, str, str | None]:
+    """(backend, note, skip reason): cute where the kernel runs, else "skipped" and why.
+
+    ValueError where cute is asked for and cannot run, or for an unknown backend.
+    """
+    if requested == "cpu":
+        return "skipped", "", f"routing has no CPU model (backend cpu); it {ROUTING_NEEDS}"
+    if requested == "cute":
+        try:
+            return (*resolve_backend("cute"), None)
+        except ValueError as error:
+            raise ValueError(f"routing {ROUTING_NEEDS}: {error}") from None
+    resolved, note = resolve_backend(requested)
+    if resolved == "cute":
+        return resolved, note, None
+    return "skipped", "", f"{ROUTING_NEEDS} ({_ROUTING_WHY_NOT.get(note, note)})"
+
+
+def make_routing_job(
+    *,
+    name: str,
+    tp: int,
+    tokens: Sequence[int],
+    tiles: Sequence[int],
+    renormalize: Sequence[bool],
+    inputs: Sequence[str],
+    seeds: Sequence[int],
+    backend: str,
+    check_machine: bool = True,
+) -> RoutingJob:
+    """Validate everything and build the job; ValueError names the first bad value.
+
+    Cases in `musebench routing`'s order within each renormalize flag. `check_machine=False` (dry
+    runs) leaves the backend as requested and skips nothing.
+    """
+    from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.routing import RoutingCase
+
+    validate_tp(tp)
+    validate_routing_tokens(tuple(tokens))
+    validate_tiles(tuple(tiles))
+    bad = [family for family in inputs if family not in INPUT_FAMILIES]
+    if bad or not inputs:
+        raise ValueError(f"inputs must be among {', '.join(INPUT_FAMILIES)}, got {list(inputs)}")
+    if not seeds or not renormalize:
+        raise ValueError("no seeds or no renormalize flags given")
+    if check_machine:
+        try:
+            resolved, note, skip_reason = resolve_routing_backend(backend)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    else:
+        if backend not in ("auto", "cpu", "cute"):
+            raise ValueError(f"unknown backend {backend!r}")
+        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    cases = tuple(RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renorm, inputs=family, seed=seed)
+                  for renorm in renormalize for family in inputs for tile in tiles for m in tokens for seed in seeds)
+    return RoutingJob(name=name, cases=cases, backend=resolved, backend_note=note, skip_reason=skip_reason,
+                      resolved=check_machine)
+
+
+def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, overrides: dict[str, str] | None = None,
+                       check_machine: bool = True) -> list[TailJob | RoutingJob]:
+    """One job per (run, tp), in file order; `overrides` (launcher, backend, transport) replace the
+    file's values (a routing run takes only backend: it always runs on virtual ranks of one GPU)."""
     overrides = overrides or {}
-    return [
-        make_tail_job(
-            name=f"{run.name} (tp={tp})", tp=tp, modes=run.modes, tokens=run.tokens, capacity=run.capacity,
-            weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds,
-            launcher=overrides.get("launcher") or run.launcher, backend=overrides.get("backend") or run.backend,
-            transport=overrides.get("transport") or run.transport, iters=run.iters, warmup=run.warmup,
-            timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine,
-        )
-        for run in runs
-        for tp in run.tp
-    ]
+    jobs: list[TailJob | RoutingJob] = []
+    for run in runs:
+        backend = overrides.get("backend") or run.backend
+        for tp in run.tp:
+            if isinstance(run, RoutingScenarioRun):
+                jobs.append(make_routing_job(
+                    name=f"{run.name} (tp={tp})", tp=tp, tokens=run.tokens, tiles=run.tile,
+                    renormalize=run.renormalize, inputs=run.inputs, seeds=run.seeds, backend=backend,
+                    check_machine=check_machine,
+                ))
+                continue
+            jobs.append(make_tail_job(
+                name=f"{run.name} (tp={tp})", tp=tp, modes=run.modes, tokens=run.tokens, capacity=run.capacity,
+                weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds,
+                launcher=overrides.get("launcher") or run.launcher, backend=backend,
+                transport=overrides.get("transport") or run.transport, iters=run.iters, warmup=run.warmup,
+                timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine,
+            ))
+    return jobs
 
 
-def run_job(job: TailJob, on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+def run_job(job: TailJob | RoutingJob, on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """The job's rows; a skipped routing job has none (report it with `RoutingJob.skipped`)."""
+    if isinstance(job, RoutingJob):
+        return _run_routing_job(job, on_case)
     from musebench.harness import launch
     from musebench.harness.driver import run_virtual
 
@@ -194,10 +311,27 @@ def run_job(job: TailJob, on_case: Callable[[CaseResult], None] | None = None) -
     return launch.run_torchrun(job.cases, job.options, on_case)
 
 
-def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str) -> RunReport:
+def _run_routing_job(job: RoutingJob, on_case: Callable[[CaseResult], None] | None) -> list[CaseResult]:
+    if job.skip_reason is not None:
+        return []
+    if not job.resolved:
+        raise ValueError(f"{job.name}: backend {job.backend!r} was not resolved; build the job with check_machine")
+    # looked up per call: the harness module imports torch and the tests stand in for the runner
+    from musebench.harness import routing
+
+    rows = []
+    for case in job.cases:
+        rows.append(routing.run_routing_case(case))
+        if on_case is not None:
+            on_case(rows[-1])
+    return rows
+
+
+def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str,
+                 skipped: Sequence[SkippedRun] = ()) -> RunReport:
     from musebench.harness import report
 
     return RunReport(
         command=command, backend_note=backend_note, created=report.now_utc(), machine=report.machine_info(),
-        versions=report.version_info(), git_commit=report.git_commit(), cases=list(rows),
+        versions=report.version_info(), git_commit=report.git_commit(), cases=list(rows), skipped=list(skipped),
     )

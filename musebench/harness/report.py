@@ -4,14 +4,17 @@ Contract:
 
 - `render_table` prints one rich table per run, one row per case, in the report's case order;
   nothing is grouped or aggregated away. A failed case's row is red, and under the table each
-  failed case gets exactly one diagnostic line (`diagnostic`), then one summary line
-  "N passed, N failed".
+  failed case gets exactly one diagnostic line (`diagnostic`), each skipped run one line
+  (`skipped_line`: "routing: skipped, REASON — NAME, N cases"); a run with no case rows
+  but skipped runs prints no empty table, then one summary line
+  "N passed, N failed" (", N skipped" appended, counting cases, when runs were skipped).
 - `write_json` writes `RunReport.to_dict()` as UTF-8 JSON; `read_json` reads it back into an equal
   `RunReport`, and raises ValueError naming the file for anything that is not a readable report of
   a supported schema (an absent or unreadable file raises the usual OSError).
 - `write_junit` writes JUnit XML: a <testsuites> root holding one <testsuite name="musebench">
   with one <testcase> per case (name from the case's key, classname its kernel) and one <failure>,
-  carrying the diagnostic line, per failed case.
+  carrying the diagnostic line, per failed case; each skipped run is one <testcase> holding a
+  <skipped> with its reason.
 - `compare` lists what got worse from one run to the next: cases that passed and now fail, cases
   whose median tail time grew by more than a relative threshold, and cases that disappeared.
   Improvements and cases new in the second run are not reported.
@@ -42,7 +45,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from musebench.harness.results import CaseResult, Mismatch, RunReport
+from musebench.harness.results import CaseResult, Mismatch, RunReport, SkippedRun
 
 __all__ = [
     "Regression",
@@ -56,6 +59,7 @@ __all__ = [
     "read_json",
     "render_comparison",
     "render_table",
+    "skipped_line",
     "version_info",
     "write_json",
     "write_junit",
@@ -153,6 +157,15 @@ def diagnostic(case: CaseResult) -> str:
     return f"{case_name(case)}: {cause}; {flags}"
 
 
+def skipped_name(run: SkippedRun) -> str:
+    return f"{run.kernel}[skipped: {run.name}]"
+
+
+def skipped_line(run: SkippedRun) -> str:
+    """One line for a run that did not run: kernel, name, case count and why."""
+    return f"{run.kernel}: skipped, {run.reason} — {run.name}, {run.cases} cases"
+
+
 # --------------------------------------------------------------------------------------------
 # Terminal table
 # --------------------------------------------------------------------------------------------
@@ -216,7 +229,10 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
         row += [Text(_format_us(case.baselines_us.get(name))) for name in baselines]
         table.add_row(*row, style=None if passed else "red")
 
-    console.print(table)
+    if report.cases or not report.skipped:
+        console.print(table)
+    else:  # only skipped runs: the heading still says which machine and command this was
+        console.print(Text(heading, style="italic"))
     notes = list(dict.fromkeys(note for case in report.cases for note in case.notes))
     for note in notes:
         console.print(Text(f"note: {note}"), soft_wrap=True)
@@ -225,12 +241,17 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     for case in failed:
         # soft_wrap keeps each diagnostic on one physical line, so it survives copy-paste and grep.
         console.print(Text(f"✗ {diagnostic(case)}", style="red"), soft_wrap=True)
+    for run in report.skipped:
+        console.print(Text(f"○ {skipped_line(run)}", style="yellow"), soft_wrap=True)
 
     passed_count = len(report.cases) - len(failed)
     summary = Text()
     summary.append(f"{passed_count} passed", style="green" if passed_count else "")
     summary.append(", ")
     summary.append(f"{len(failed)} failed", style="bold red" if failed else "")
+    if report.skipped:
+        summary.append(", ")
+        summary.append(f"{sum(run.cases for run in report.skipped)} skipped", style="yellow")
     console.print(summary)
 
 
@@ -418,15 +439,17 @@ def write_junit(report: RunReport, path: str | os.PathLike[str]) -> None:
     Each case is a <testcase> named `case_name(case)` with classname = its kernel and time =
     tail_us × iters / 1e6 seconds (0 when untimed). A failed case holds one <failure> whose
     message is its diagnostic line and whose type is "error" for a crashed case, else "mismatch".
+    A skipped run is one <testcase> named `skipped_name(run)`, classname its kernel, time 0, holding
+    a <skipped> whose message is its `skipped_line`; it counts in `tests` and `skipped`.
     The suite's <properties> record the git commit, backend note, backends, command and schema.
     """
     failures = [case for case in report.cases if not case.passed]
     total_seconds = sum(_case_seconds(case) for case in report.cases)
     counts = {
-        "tests": str(len(report.cases)),
+        "tests": str(len(report.cases) + len(report.skipped)),
         "failures": str(len(failures)),
         "errors": "0",
-        "skipped": "0",
+        "skipped": str(len(report.skipped)),
         "time": f"{total_seconds:.6f}",
     }
 
@@ -462,6 +485,11 @@ def write_junit(report: RunReport, path: str | os.PathLike[str]) -> None:
                 testcase, "failure", {"message": line, "type": "error" if case.error is not None else "mismatch"}
             )
             failure.text = line
+    for run in report.skipped:
+        testcase = ET.SubElement(
+            suite, "testcase", {"name": _xml_text(skipped_name(run)), "classname": _xml_text(run.kernel), "time": "0.000000"}
+        )
+        ET.SubElement(testcase, "skipped", {"message": _xml_text(skipped_line(run))})
 
     tree = ET.ElementTree(root)
     ET.indent(tree)

@@ -1,8 +1,14 @@
 """What a run produces: per-rank results, per-case rows, and the run report (schema-versioned).
 
 Every row carries its correctness (`mismatches`, `max_ulp`, `first_mismatch`) beside its timings,
-as nccl-tests rows carry `#wrong`. The JSON form is `RunReport.to_dict()`; `RunReport.from_dict`
-reads any file written with the same `SCHEMA_VERSION` major.
+as nccl-tests rows carry `#wrong`. A run this machine cannot execute (routing without a GPU) is no
+row: it is a `SkippedRun` in `RunReport.skipped`, with its case count and the reason, so a skip
+never reads as a pass. The JSON form is `RunReport.to_dict()`; `RunReport.from_dict` reads any
+file written with the same `SCHEMA_VERSION` major.
+
+Schema history: 1.0 the cases; 1.1 adds the top-level `skipped` list (a 1.0 file reads with none,
+and a 1.0 reader, which reads top-level fields by name, ignores it) and, on rows, `baselines_us`
+(other paths timed in the same bench run) and `notes` (a 1.0 file reads with neither).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-SCHEMA_VERSION = "1.1"  # 1.1: baselines_us and notes on rows (1.0 files read unchanged)
+SCHEMA_VERSION = "1.1"
 
 
 @dataclass
@@ -112,6 +118,16 @@ def _rank_from_dict(data: dict[str, Any]) -> RankResult:
 
 
 @dataclass
+class SkippedRun:
+    """A run that was not executed here, and why (e.g. routing on a machine without a GPU)."""
+
+    name: str  # the job's name, e.g. "routing (tp=8)"
+    kernel: str  # "routing"
+    cases: int  # how many cases it holds
+    reason: str  # one line, e.g. "needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here)"
+
+
+@dataclass
 class RunReport:
     command: str
     backend_note: str = ""  # e.g. "CPU model (no GPU present)"
@@ -121,10 +137,12 @@ class RunReport:
     git_commit: str = ""
     cases: list[CaseResult] = field(default_factory=list)
     schema_version: str = SCHEMA_VERSION
+    skipped: list[SkippedRun] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
-        return bool(self.cases) and all(case.passed for case in self.cases)
+        """No case failed and something was accounted for: run cases, or runs skipped with a reason."""
+        return bool(self.cases or self.skipped) and all(case.passed for case in self.cases)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -137,6 +155,7 @@ class RunReport:
             "git_commit": self.git_commit,
             "passed": self.passed,
             "cases": [case.to_dict() for case in self.cases],
+            "skipped": [asdict(run) for run in self.skipped],
         }
 
     @classmethod
@@ -153,4 +172,5 @@ class RunReport:
             git_commit=data.get("git_commit", ""),
             cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
             schema_version=version,
+            skipped=[SkippedRun(**run) for run in data.get("skipped", [])],
         )

@@ -1,25 +1,42 @@
-"""Scenario files (`scenarios/*.toml`): named runs of tail cases, validated before anything runs.
+"""Scenario files (`scenarios/*.toml`): named runs of tail and routing cases, validated before anything runs.
 
 Format: an optional `[defaults]` table and one `[[run]]` table per run; a run's keys override the
-defaults. Keys (lists may be given as a single value):
+defaults. `kernel` picks the run's kind and with it the keys it takes. Keys (lists may be given as
+a single value):
 
+    every run
     name      str          label of the run
-    kernel    "tail"       (routing joins when its kernel lands)
-    modes     ["ep","tp"]
+    kernel    "tail" | "routing"   (default "tail")
     tp        [int]        each 2..32; one job per tp
+    inputs    ["random","adversarial"]
+    seeds     [int]
+    backend   "auto" | "cpu" | "cute"
+
+    kernel = "tail" (the EP and TP tails; defaults in `_TAIL_DEFAULTS`)
+    modes     ["ep","tp"]
     tokens    [int]        each 1..capacity
     capacity  int          mailbox capacity in tokens (default 8)
     weights   ["bf16","fp32"]
     norm      ["before","after"]
-    inputs    ["random","adversarial"]
-    seeds     [int]
     launcher  "virtual" | "torchrun"
-    backend   "auto" | "cpu" | "cute"
     transport "auto" | "unicast" | "multicast"
     iters, warmup  int;  timeout  float seconds;  nsm  int
 
-An unknown key, a wrong type or a value out of range is a `ScenarioError` naming the file, the
-run and the key.
+    kernel = "routing" (`musebench routing`'s options; defaults in `_ROUTING_DEFAULTS`: tp 8,
+    tokens 1..8, tile 8, renormalize true, inputs random and adversarial, seed 0, backend auto)
+    tokens       [int]     each 1..8 (the decode batch)
+    tile         [int]     GEMM tile sizes of the metadata, each 1..256
+    renormalize  [bool]    true: weights renormalized over the top-8; false: raw scores x scale
+
+A routing run runs on virtual ranks of one GPU (every rank routes for its own expert range) and
+needs a GPU with SM >= 90 and CuTe DSL: `backend = "auto"` skips it elsewhere (reported as
+skipped, never as passed), `"cpu"` always skips it (routing has no CPU model), `"cute"` refuses to
+start without one.
+
+`[defaults]` may hold the keys of both kinds; each run takes the ones its kernel has. A key of
+the other kind written in a run itself (`weights` in a routing run, `tile` in a tail run), an
+unknown key, a wrong type or a value out of range is a `ScenarioError` naming the file, the run
+and the key.
 """
 
 from __future__ import annotations
@@ -29,10 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from musebench import config
 from musebench.harness.cases import INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
+from musebench.routing_metadata import TILE_N_MAX
 
 MIN_TP, MAX_TP = 2, 32
 DEFAULT_CAPACITY = 8
+ROUTING_MAX_TOKENS = config.MAX_DECODE_TOKENS  # the routing kernel: one warp per token
 
 _LIST_KEYS = {
     "modes": (str, MODES),
@@ -42,6 +62,8 @@ _LIST_KEYS = {
     "norm": (str, NORM_ORDERS),
     "inputs": (str, INPUT_FAMILIES),
     "seeds": (int, None),
+    "tile": (int, None),
+    "renormalize": (bool, None),
 }
 _SCALAR_KEYS = {
     "name": str,
@@ -56,12 +78,18 @@ _SCALAR_KEYS = {
     "nsm": int,
 }
 _CHOICES = {
-    "kernel": ("tail",),
+    "kernel": ("tail", "routing"),
     "launcher": ("virtual", "torchrun"),
     "backend": ("auto", "cpu", "cute"),
     "transport": ("auto", "unicast", "multicast"),
 }
-_DEFAULTS: dict[str, Any] = {
+_COMMON_KEYS = frozenset({"name", "kernel", "tp", "inputs", "seeds", "backend"})
+_KERNEL_KEYS = {
+    "tail": _COMMON_KEYS | {"modes", "tokens", "capacity", "weights", "norm", "launcher", "transport", "iters",
+                            "warmup", "timeout", "nsm"},
+    "routing": _COMMON_KEYS | {"tokens", "tile", "renormalize"},
+}
+_TAIL_DEFAULTS: dict[str, Any] = {
     "kernel": "tail",
     "modes": ["ep", "tp"],
     "tp": [8],
@@ -78,6 +106,17 @@ _DEFAULTS: dict[str, Any] = {
     "warmup": 1,
     "timeout": 10.0,
 }
+# what `musebench routing` runs with no options
+_ROUTING_DEFAULTS: dict[str, Any] = {
+    "kernel": "routing",
+    "tp": [8],
+    "tokens": list(range(1, ROUTING_MAX_TOKENS + 1)),
+    "tile": [8],
+    "renormalize": [True],
+    "inputs": ["random", "adversarial"],
+    "seeds": [0],
+    "backend": "auto",
+}
 
 
 class ScenarioError(ValueError):
@@ -86,7 +125,7 @@ class ScenarioError(ValueError):
 
 @dataclass(frozen=True)
 class ScenarioRun:
-    """One validated run of a scenario file."""
+    """One validated tail run of a scenario file."""
 
     source: str
     name: str
@@ -108,6 +147,22 @@ class ScenarioRun:
     nsm: int | None
 
 
+@dataclass(frozen=True)
+class RoutingScenarioRun:
+    """One validated routing run of a scenario file (`kernel = "routing"`)."""
+
+    source: str
+    name: str
+    kernel: str
+    tp: tuple[int, ...]
+    tokens: tuple[int, ...]
+    tile: tuple[int, ...]
+    renormalize: tuple[bool, ...]
+    inputs: tuple[str, ...]
+    seeds: tuple[int, ...]
+    backend: str
+
+
 def validate_tp(tp: int) -> None:
     if not MIN_TP <= tp <= MAX_TP:
         raise ValueError(f"tp must be in {MIN_TP}..{MAX_TP}, got {tp}")
@@ -123,12 +178,27 @@ def validate_tokens(tokens: tuple[int, ...], capacity: int) -> None:
         raise ValueError("no tokens given")
 
 
+def validate_routing_tokens(tokens: tuple[int, ...]) -> None:
+    bad = [m for m in tokens if not 1 <= m <= ROUTING_MAX_TOKENS]
+    if bad:
+        raise ValueError(f"tokens must be in 1..{ROUTING_MAX_TOKENS} (the routing kernel's batch), got {bad}")
+    if not tokens:
+        raise ValueError("no tokens given")
+
+
+def validate_tiles(tiles: tuple[int, ...]) -> None:
+    bad = [tile for tile in tiles if not 1 <= tile <= TILE_N_MAX]
+    if bad:
+        raise ValueError(f"tile must be in 1..{TILE_N_MAX}, got {bad}")
+
+
 def _check_value(where: str, key: str, value: Any) -> Any:
     if key in _LIST_KEYS:
         kind, choices = _LIST_KEYS[key]
         items = value if isinstance(value, list) else [value]
         for item in items:
-            if not isinstance(item, kind) or isinstance(item, bool):
+            # bool is an int subclass: true is not a tp, and 1 is not a renormalize flag
+            if not isinstance(item, kind) or (kind is not bool and isinstance(item, bool)):
                 raise ScenarioError(f"{where}: {key} must hold {kind.__name__} values, got {item!r}")
             if choices is not None and item not in choices:
                 raise ScenarioError(f"{where}: {key} value {item!r} is not one of {', '.join(choices)}")
@@ -143,12 +213,24 @@ def _check_value(where: str, key: str, value: Any) -> Any:
     return value
 
 
-def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], source: str, index: int) -> ScenarioRun:
+def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], source: str,
+              index: int) -> ScenarioRun | RoutingScenarioRun:
     unknown = sorted(set(table) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if unknown:
         raise ScenarioError(f"{where}: unknown key {unknown[0]!r}")
-    merged = {**_DEFAULTS, **defaults, **table}
-    values = {key: _check_value(where, key, merged[key]) for key in merged if key in _LIST_KEYS or key in _SCALAR_KEYS}
+    kernel = _check_value(where, "kernel", table.get("kernel", defaults.get("kernel", "tail")))
+    foreign = sorted(set(table) - _KERNEL_KEYS[kernel])
+    if foreign:
+        other = "routing" if kernel == "tail" else "tail"
+        raise ScenarioError(f"{where}: key {foreign[0]!r} belongs to {other} runs; a kernel = {kernel!r} run takes "
+                            f"{', '.join(sorted(_KERNEL_KEYS[kernel]))}")
+    # [defaults] may serve both kinds: a run takes the defaults its kernel has
+    own_defaults = {key: value for key, value in defaults.items() if key in _KERNEL_KEYS[kernel]}
+    base = _TAIL_DEFAULTS if kernel == "tail" else _ROUTING_DEFAULTS
+    merged = {**base, **own_defaults, **table}
+    values = {key: _check_value(where, key, merged[key]) for key in merged}
+    if kernel == "routing":
+        return _routing_run_from(where, values, source, index)
     try:
         for tp in values["tp"]:
             validate_tp(tp)
@@ -166,7 +248,22 @@ def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], sourc
     )
 
 
-def load_scenario(path: str | Path) -> list[ScenarioRun]:
+def _routing_run_from(where: str, values: dict[str, Any], source: str, index: int) -> RoutingScenarioRun:
+    try:
+        for tp in values["tp"]:
+            validate_tp(tp)
+        validate_routing_tokens(values["tokens"])
+        validate_tiles(values["tile"])
+    except ValueError as error:
+        raise ScenarioError(f"{where}: {error}") from None
+    return RoutingScenarioRun(
+        source=source, name=values.get("name", f"run {index}"), kernel="routing", tp=values["tp"],
+        tokens=values["tokens"], tile=values["tile"], renormalize=values["renormalize"], inputs=values["inputs"],
+        seeds=values["seeds"], backend=values["backend"],
+    )
+
+
+def load_scenario(path: str | Path) -> list[ScenarioRun | RoutingScenarioRun]:
     """The runs of one scenario file, validated; ScenarioError on any defect."""
     path = Path(path)
     try:
@@ -184,6 +281,8 @@ def load_scenario(path: str | Path) -> list[ScenarioRun]:
     bad = sorted(set(defaults) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if bad:
         raise ScenarioError(f"{path} [defaults]: unknown key {bad[0]!r}")
+    for key, value in defaults.items():  # checked here too: a default no run takes is still read
+        _check_value(f"{path} [defaults]", key, value)
     runs = data.get("run", [])
     if not isinstance(runs, list) or not runs:
         raise ScenarioError(f"{path}: no [[run]] tables")

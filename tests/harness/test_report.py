@@ -22,11 +22,12 @@ from musebench.harness.report import (
     read_json,
     render_comparison,
     render_table,
+    skipped_line,
     version_info,
     write_json,
     write_junit,
 )
-from musebench.harness.results import SCHEMA_VERSION, CaseResult, Mismatch, RankResult, RunReport
+from musebench.harness.results import SCHEMA_VERSION, CaseResult, Mismatch, RankResult, RunReport, SkippedRun
 
 
 def make_case(**overrides) -> CaseResult:
@@ -74,6 +75,10 @@ def make_report(cases: list[CaseResult]) -> RunReport:
     )
 
 
+SKIPPED_ROUTING = SkippedRun(name="routing (tp=8)", kernel="routing", cases=128,
+                             reason="needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here)")
+
+
 def mixed_report() -> RunReport:
     return make_report(
         [
@@ -115,6 +120,26 @@ def test_malformed_json_raises_value_error(tmp_path, content):
         read_json(path)
 
 
+def test_skipped_runs_round_trip_and_a_1_0_file_reads_with_none(tmp_path):
+    report = replace(mixed_report(), skipped=[SKIPPED_ROUTING])
+    path = tmp_path / "report.json"
+    write_json(report, path)
+    assert read_json(path) == report
+    assert json.loads(path.read_text())["skipped"][0]["reason"].startswith("needs a CUDA GPU")
+    old = json.loads(path.read_text())
+    del old["skipped"]
+    old["schema_version"] = "1.0"
+    path.write_text(json.dumps(old))
+    assert read_json(path).skipped == []
+
+
+def test_a_skipped_run_is_no_pass_and_no_failure():
+    assert not make_report([]).passed  # nothing run, nothing skipped: no evidence
+    assert RunReport(command="run", skipped=[SKIPPED_ROUTING]).passed
+    assert replace(make_report([make_case()]), skipped=[SKIPPED_ROUTING]).passed
+    assert not replace(make_report([wrong_case()]), skipped=[SKIPPED_ROUTING]).passed
+
+
 def test_non_utf8_file_raises_value_error(tmp_path):
     path = tmp_path / "binary.json"
     path.write_bytes(b"\xff\xfe\x00garbage")
@@ -150,6 +175,17 @@ def test_junit_counts_and_failures(tmp_path):
     properties = {p.get("name"): p.get("value") for p in suite.find("properties")}
     assert properties["git_commit"] == "0123abcd-dirty"
     assert properties["backend"] == "cpu"
+
+
+def test_junit_marks_skipped_runs_skipped(tmp_path):
+    report = replace(make_report([make_case()]), skipped=[SKIPPED_ROUTING])
+    path = tmp_path / "junit.xml"
+    write_junit(report, path)
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("skipped")) == ("2", "0", "1")
+    skipped = suite.findall("testcase")[1]
+    assert skipped.get("classname") == "routing" and skipped.find("failure") is None
+    assert skipped.find("skipped").get("message") == skipped_line(SKIPPED_ROUTING)
 
 
 def test_junit_survives_control_characters(tmp_path):
@@ -243,6 +279,26 @@ def test_render_table_title_and_markup_safety():
     assert "nightly — CPU model (no GPU present)" in text
     assert "vllm[fused].finalize" in text
     assert "1 passed, 0 failed" in text
+
+
+def test_skipped_runs_get_one_line_each_and_count_in_the_summary():
+    console = Console(record=True, width=200)
+    render_table(replace(make_report([make_case()]), skipped=[SKIPPED_ROUTING, replace(SKIPPED_ROUTING, cases=2)]),
+                 console)
+    text = console.export_text()
+    assert ("routing: skipped, needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here) — routing (tp=8), "
+            "128 cases") in text
+    assert "1 passed, 0 failed, 130 skipped" in text
+    console = Console(record=True, width=200)
+    render_table(make_report([make_case()]), console)
+    assert "skipped" not in console.export_text()
+
+
+def test_only_skipped_runs_print_no_empty_table():
+    console = Console(record=True, width=200)
+    render_table(RunReport(command="parity", skipped=[SKIPPED_ROUTING]), console, title="musebench parity")
+    text = console.export_text()
+    assert "┃" not in text and "musebench parity" in text and "0 passed, 0 failed, 128 skipped" in text
 
 
 def test_failed_rows_are_red_and_passed_rows_are_not():

@@ -1,0 +1,138 @@
+"""Routing jobs: where they run, where they are skipped (and say why), where they are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from musebench.harness import jobs
+from musebench.harness.results import CaseResult
+from musebench.harness.scenario import RoutingScenarioRun
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: None)
+
+
+@pytest.fixture
+def gpu_without_dsl(monkeypatch):
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
+    monkeypatch.setattr(jobs, "_dsl_imports", lambda: False)
+
+
+@pytest.fixture
+def gpu_with_dsl(monkeypatch):
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
+    monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)
+
+
+def _job(**overrides) -> jobs.RoutingJob:
+    fields = dict(name="routing (tp=2)", tp=2, tokens=(1, 8), tiles=(8, 128), renormalize=(True, False),
+                  inputs=("random", "adversarial"), seeds=(0, 1), backend="auto")
+    fields.update(overrides)
+    return jobs.make_routing_job(**fields)
+
+
+def test_auto_skips_routing_without_a_gpu_and_says_why(no_gpu):
+    assert jobs.resolve_routing_backend("auto") == (
+        "skipped", "", "needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here)")
+
+
+def test_auto_skips_routing_without_the_dsl(gpu_without_dsl):
+    backend, _, reason = jobs.resolve_routing_backend("auto")
+    assert backend == "skipped" and reason.endswith("(CuTe DSL does not import here)")
+
+
+def test_cpu_always_skips_routing(gpu_with_dsl):
+    backend, _, reason = jobs.resolve_routing_backend("cpu")
+    assert backend == "skipped" and "routing has no CPU model" in reason
+
+
+@pytest.mark.parametrize("machine", ["no_gpu", "gpu_without_dsl"])
+def test_cute_is_refused_where_routing_cannot_run(request, machine):
+    request.getfixturevalue(machine)
+    with pytest.raises(ValueError, match="routing needs a CUDA GPU with SM >= 90 and CuTe DSL"):
+        jobs.resolve_routing_backend("cute")
+    with pytest.raises(ValueError, match=r"^routing \(tp=2\): routing needs"):
+        _job(backend="cute")
+
+
+@pytest.mark.parametrize("requested", ["auto", "cute"])
+def test_routing_runs_where_the_kernel_runs(gpu_with_dsl, requested):
+    backend, note, reason = jobs.resolve_routing_backend(requested)
+    assert (backend, reason) == ("cute", None) and "Fake H200" in note
+
+
+def test_a_job_holds_every_combination_once(no_gpu):
+    job = _job()
+    assert len(job.cases) == 2 * 2 * 2 * 2 * 2 == len(set(job.cases))
+    assert {(c.tp, c.tokens, c.tile_n, c.renormalize, c.inputs, c.seed) for c in job.cases} == {
+        (2, m, t, r, f, s) for m in (1, 8) for t in (8, 128) for r in (True, False)
+        for f in ("random", "adversarial") for s in (0, 1)}
+    skipped = job.skipped()
+    assert (skipped.name, skipped.kernel, skipped.cases) == ("routing (tp=2)", "routing", 32)
+    assert "needs a CUDA GPU" in skipped.reason
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(tp=1), "tp must be in 2..32"),
+        (dict(tokens=(9,)), "tokens must be in 1..8"),
+        (dict(tiles=(0,)), "tile must be in 1..256"),
+        (dict(inputs=("zeros",)), "inputs must be among"),
+        (dict(seeds=()), "no seeds"),
+    ],
+)
+def test_bad_values_are_refused_before_anything_runs(no_gpu, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _job(**overrides)
+
+
+def test_a_dry_run_job_keeps_the_requested_backend_and_never_runs(monkeypatch):
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: pytest.fail("a dry run must not probe the machine"))
+    job = _job(backend="cute", check_machine=False)
+    assert (job.backend, job.skip_reason) == ("cute", None)
+    with pytest.raises(ValueError, match="was not resolved"):
+        jobs.run_job(job)
+
+
+def test_a_skipped_job_runs_nothing(no_gpu, monkeypatch):
+    from musebench.harness import routing
+
+    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("a skipped job ran a case"))
+    assert jobs.run_job(_job()) == []
+
+
+def test_a_runnable_job_runs_every_case_through_the_runner(gpu_with_dsl, monkeypatch):
+    from musebench.harness import routing
+
+    ran, seen = [], []
+
+    def fake(case):
+        ran.append(case)
+        return CaseResult(kernel="routing", mode="routing", tp=case.tp, tokens=case.tokens, weight_dtype="fp32",
+                          norm="renorm", inputs=case.inputs, seed=case.seed, backend="cute", launcher="virtual",
+                          transport="local", stock="triton")
+
+    monkeypatch.setattr(routing, "run_routing_case", fake)
+    job = _job()
+    rows = jobs.run_job(job, on_case=seen.append)
+    assert ran == list(job.cases) and rows == seen and len(rows) == 32
+
+
+def test_scenario_overrides_reach_routing_runs_but_launch_options_do_not(no_gpu):
+    run = RoutingScenarioRun(source="s.toml", name="r", kernel="routing", tp=(2, 4), tokens=(1,), tile=(8,),
+                             renormalize=(True,), inputs=("random",), seeds=(0,), backend="auto")
+    built = jobs.jobs_from_scenario([run], overrides={"backend": "cpu", "launcher": "torchrun", "transport": "unicast"})
+    assert [job.name for job in built] == ["r (tp=2)", "r (tp=4)"]
+    assert all("no CPU model" in job.skip_reason for job in built)
+
+
+@pytest.mark.gpu
+def test_a_routing_job_passes_on_this_gpu():
+    job = _job(tokens=(1, 8), tiles=(8,), seeds=(0,))
+    if job.skip_reason is not None:
+        pytest.skip(job.skip_reason)
+    rows = jobs.run_job(job)
+    assert len(rows) == len(job.cases) and all(row.passed for row in rows), [row.error for row in rows]
