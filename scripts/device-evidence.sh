@@ -58,12 +58,15 @@ case $part in
     run topology 30 nvidia-smi topo -m
     run p2p 60 python3 -c "import torch; n = torch.cuda.device_count(); print('gpus', n); [print(i, [torch.cuda.can_device_access_peer(i, j) if i != j else '-' for j in range(n)]) for i in range(n)]"
     run env 120 musebench env --json "$out/$day-$gpu-env.json"
-    run pytest-gpu 480 python3 -m pytest -m gpu -q -n 16 -p no:cacheprovider --junitxml "$out/pytest-gpu.xml"
+    # KEEP=all also runs tests/kernels/test_tail_gpu.py (265 EP kernel tests, about 2.5 minutes)
+    skip=(--ignore tests/kernels/test_tail_gpu.py); [ "${KEEP:-}" = all ] && skip=()
+    run pytest-gpu "${PYTEST_LIMIT:-480}" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
+      "${skip[@]}" --junitxml "$out/pytest-gpu.xml"
     ;;
   records)
     run tail-tp8 130 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"
     run tail-tp4-torchrun 120 musebench tail --tp 4 --launcher torchrun --json "$out/$day-$gpu-tail-tp4-torchrun.json"
-    run bench-tail 120 musebench bench tail --tp 2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
+    run bench-tail 200 musebench bench tail --tp 2,4,8 --tokens 1,2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"

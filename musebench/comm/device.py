@@ -67,7 +67,10 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     reduction, which keeps the exporter's storage referenced), gathers every rank's handle over the
     process group and opens the peers' in this process; the table holds the mapped addresses.
     torch SymmetricMemory refuses ranks on one device ("detected allocations from overlapping
-    devices"), hence IPC here.
+    devices"), hence IPC here. Peers on another GPU of the host (more processes than GPUs) are
+    mapped the same way; torch opens a handle in the exporter's device context, so this rank's
+    device is then granted peer access to that GPU explicitly (a store through the mapping from
+    a kernel without it is an illegal address, seen on two H200s).
     """
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
@@ -78,6 +81,8 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     handles: list[object] = [None] * tp
     dist.all_gather_object(handles, reduce_tensor(words), group=group)
     peers = [words if peer == rank else rebuild(*args) for peer, (rebuild, args) in enumerate(handles)]
+    for other in sorted({p.device.index for p in peers} - {words.device.index}):
+        enable_peer_access(words.device.index, other)
     table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
                         stage=torch.zeros(2, dtype=torch.int32, device=device),
@@ -151,3 +156,21 @@ def peer_mapping(local_world: int, gpus: int) -> str:
     if forced != "auto":
         return forced
     return "symmetric" if local_world <= gpus else "ipc"
+
+
+def enable_peer_access(device: int, peer: int) -> None:
+    """Let kernels on `device` load and store memory of GPU `peer` (idempotent); RuntimeError if
+    the pair has no peer access."""
+    from cuda.bindings import runtime
+
+    if not torch.cuda.can_device_access_peer(device, peer):
+        raise RuntimeError(f"GPU {device} has no peer access to GPU {peer}: its ranks cannot share mailboxes")
+    current = torch.cuda.current_device()
+    try:
+        (error,) = runtime.cudaSetDevice(device)
+        (error,) = runtime.cudaDeviceEnablePeerAccess(peer, 0)
+        if error not in (runtime.cudaError_t.cudaSuccess, runtime.cudaError_t.cudaErrorPeerAccessAlreadyEnabled):
+            raise RuntimeError(f"cudaDeviceEnablePeerAccess({device} -> {peer}) failed: {error}")
+        runtime.cudaGetLastError()  # clear the sticky-free "already enabled" status
+    finally:
+        torch.cuda.set_device(current)

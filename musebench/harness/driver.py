@@ -378,8 +378,9 @@ def _bytes_moved(case: TailCase) -> int:
 def co_residency_refusal(tail, case: TailCase) -> str | None:
     """Why tp virtual ranks of this tail cannot all be resident on this GPU at once, or None.
 
-    Every rank's grid must run together (a Lamport wait ends only when its peers' CTAs run); the
-    occupancy API says how many CTAs of each kernel the GPU holds (musebench.kernels.occupancy).
+    A Lamport wait ends only when its peers' CTAs run: every rank's grid must be resident at once,
+    or, for launches whose waits split into groups, enough of them that one group is always whole;
+    the occupancy API says how many CTAs of each kernel the GPU holds (musebench.kernels.occupancy).
     """
     from musebench.kernels import occupancy
 
@@ -389,7 +390,8 @@ def co_residency_refusal(tail, case: TailCase) -> str | None:
     load = occupancy.group_load(demands, case.tp, resident)
     if load <= 1.0:
         return None
-    needed = ", ".join(f"{case.tp * d.ctas} CTAs of {d.threads} threads (GPU holds {r})" for d, r in zip(demands, resident))
+    needed = ", ".join(f"{d.needed_ctas(case.tp)} CTAs of {d.threads} threads at once (GPU holds {r})"
+                       for d, r in zip(demands, resident))
     return (f"{case.tp} virtual ranks of the {case.kernel} at m={case.tokens} cannot all be resident on one GPU "
             f"({needed}; load {load:.2f}): use --launcher torchrun")
 

@@ -1,10 +1,17 @@
 """How many CTAs of a compiled kernel one GPU holds at once: the CUDA occupancy API on its cubin.
 
 Virtual ranks put every rank's grid on one GPU, and a Lamport wait only ends when the peers'
-CTAs run: the grids must be resident together, or the waits run into their timeouts. The kernel
-modules describe each launch of one rank (`LaunchDemand`); `group_load` adds up what `ranks`
-copies of those launches take of the GPU, kernel by kernel, from the occupancy API's answer for
-that kernel (clusters included: `cuOccupancyMaxActiveClusters`), and a load above 1.0 does not fit.
+CTAs run. The kernel modules describe each launch of one rank (`LaunchDemand`); `group_load`
+adds up what `ranks` copies of those launches need of the GPU, kernel by kernel, from the
+occupancy API's answer for that kernel (clusters included: `cuOccupancyMaxActiveClusters`), and
+a load above 1.0 does not fit. What a launch needs depends on who waits for whom:
+
+- by default every CTA may wait for any peer's CTAs: all `ranks` grids must be resident at once;
+- a launch with `wait_groups` G splits into G independent groups of one unit (a CTA, or a
+  cluster) per rank, units waiting only within their group (the TP tail: the units of one
+  (band, slot, owner) on every rank). Whatever the scheduler holds, G * (ranks - 1) + 1 resident
+  units contain a whole group, which completes and frees its room; by induction all complete.
+  So that many units, not all G * ranks, must fit.
 
 The kernels are compiled with `KeepCUBIN` (musebench.kernels.compilation), so the cubin is at
 hand; it is loaded into the current context for the query only, then unloaded.
@@ -27,6 +34,16 @@ class LaunchDemand:
     threads: int
     smem_bytes: int = 0
     cluster: int = 1
+    wait_groups: int = 0  # > 0: the units form this many independent wait groups (module doc)
+
+    def needed_ctas(self, ranks: int) -> int:
+        """CTAs that must be resident together for `ranks` copies of this launch to progress."""
+        if self.wait_groups <= 0 or ranks == 1:
+            return ranks * self.ctas
+        units = self.ctas // self.cluster  # this rank's units: wait_groups of them
+        if units != self.wait_groups:
+            raise ValueError(f"{units} units per rank but {self.wait_groups} wait groups")
+        return (self.wait_groups * (ranks - 1) + 1) * self.cluster
 
 
 def _checked(result):
@@ -70,10 +87,10 @@ def resident_ctas(demand: LaunchDemand, sm_count: int) -> int:
 
 
 def group_load(demands: list[LaunchDemand], ranks: int, resident: list[int]) -> float:
-    """Fraction of the GPU that `ranks` copies of the launches occupy (> 1.0: they cannot all run)."""
+    """Fraction of the GPU that `ranks` copies of the launches need at once (> 1.0: they may not progress)."""
     load = 0.0
     for demand, capacity in zip(demands, resident, strict=True):
         if capacity <= 0:
             return float("inf")
-        load += ranks * demand.ctas / capacity
+        load += demand.needed_ctas(ranks) / capacity
     return load

@@ -64,9 +64,11 @@ let a call's pushes start before the previous call completed.
 
 Progress. No CTA waits for a CTA of its own rank (owners poll their own pushes after making
 them); a CTA waits only for the CTA with the same (b, g, d) on another rank, and every CTA pushes
-before it polls, so waits form no cycle provided every rank's grid is resident at once: S *
-ceil(m / tp) * tp CTAs of 512 / S threads, one wave at decode sizes. The launch is not
-cooperative (PDL is kept); nothing enforces residency (the stock's cooperative launch does).
+before it polls, so waits form no cycle. The units of one (b, g, d) on every rank form a wait
+group independent of the others, so a group completes once its tp units are resident, and
+G * (tp - 1) + 1 resident units (G = ceil(m / tp) * tp groups) always hold a whole group: that
+much, not every rank's whole grid, must fit (`kernels.occupancy`; tp 8 on an H200 needs 57
+clusters of 16, the occupancy API grants 58). The launch is not cooperative (PDL is kept).
 Cluster size 16 is non-portable: CuTe DSL 4.8.1 sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 on every kernel it generates (cutlass_dsl `_generate_cuda_kernel_op`, jit_executor), so S = 16
 is launched as a real 16-CTA cluster (sm_90 and sm_100 allow 16 with that attribute).
@@ -979,9 +981,9 @@ class TpTail:
         """This rank's launch for m tokens (grid (S, ceil(m / tp), tp), clusters of S), for the
         co-residency check."""
         variant = self.plan[m]
-        ctas = variant.split * math.ceil(m / self.tp) * self.tp
-        return [LaunchDemand(self._kernels[m], ctas=ctas, threads=ROW_THREADS // variant.split, smem_bytes=SMEM_BYTES,
-                             cluster=variant.split)]
+        owners = math.ceil(m / self.tp) * self.tp  # one unit (S CTAs) per (slot, owner): a wait group
+        return [LaunchDemand(self._kernels[m], ctas=variant.split * owners, threads=ROW_THREADS // variant.split,
+                             smem_bytes=SMEM_BYTES, cluster=variant.split, wait_groups=owners)]
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, token and generation if set."""

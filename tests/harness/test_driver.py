@@ -84,3 +84,19 @@ def test_group_load_adds_each_kernels_share():
     assert group_load([publisher, reduce], 8, [1000, 1000]) == pytest.approx(8 * 8 / 1000 + 8 * 32 / 1000)
     assert group_load([reduce], 32, [512]) > 1.0  # 1024 CTAs on a GPU that holds 512: refused
     assert group_load([reduce], 1, [0]) == float("inf")
+
+
+def test_wait_groups_need_one_whole_group_resident_not_every_grid():
+    from musebench.kernels.occupancy import LaunchDemand, group_load
+
+    # the TP tail at tp 8, m <= 8: 8 owners, clusters of 16, the H200's 58 clusters (928 CTAs)
+    tp_tail = LaunchDemand(None, ctas=16 * 8, threads=32, cluster=16, wait_groups=8)
+    assert tp_tail.needed_ctas(8) == (8 * 7 + 1) * 16
+    assert group_load([tp_tail], 8, [928]) <= 1.0  # 57 clusters of 64 suffice
+    assert group_load([tp_tail], 8, [56 * 16]) > 1.0  # 7 units of every group may hold all 56
+    ungrouped = LaunchDemand(None, ctas=16 * 8, threads=32, cluster=16)
+    assert group_load([ungrouped], 8, [928]) > 1.0  # every grid at once: 1024 CTAs
+    tp16 = LaunchDemand(None, ctas=16 * 16, threads=32, cluster=16, wait_groups=16)
+    assert group_load([tp16], 16, [928]) > 1.0  # tp 16 still refused: 241 clusters
+    with pytest.raises(ValueError):
+        LaunchDemand(None, ctas=16 * 8, threads=32, cluster=16, wait_groups=3).needed_ctas(8)
