@@ -201,7 +201,9 @@ def test_pdl_order_selection_and_memory(arch, metadata, renormalize):
     assert count(ptx, "redux.sync.max.u32") == K
     assert count(ptx, "vote.sync.ballot.b32") == K
     assert count(ptx, "brev.b32") == K and count(ptx, "clz.b32") == K
-    assert count(ptx, "bar.sync") == (3 if metadata else 0)
+    assert count(ptx, "bar.sync") == (4 if metadata else 0)
+    # metadata: per-expert counts and ranks from one match.any in each route warp, no loop over tokens
+    assert count(ptx, "match.any.sync.b32") == int(metadata)
     assert not any(".local" in op for op in ops), "per-lane arrays spilled to local memory"
     assert not any(op.startswith(("ld.shared", "st.shared")) for op in ops) or metadata
 
