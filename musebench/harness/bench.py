@@ -51,7 +51,14 @@ def _check(case: TailCase, outs: list[torch.Tensor], wants: list[torch.Tensor], 
 def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseResult:
     """One timed row: the cute tail of `case` on tp virtual ranks of the current GPU, and the stock
     finalize of rank 0's partial alone (no communication) timed the same way as `stock_us`."""
-    from musebench.harness.driver import RunOptions, bind_tail, co_residency_refusal, device_mailboxes, expected_outputs
+    from musebench.harness.driver import (
+        RunOptions,
+        bind_tail,
+        bytes_moved,
+        co_residency_refusal,
+        device_mailboxes,
+        expected_outputs,
+    )
 
     device = torch.device("cuda", torch.cuda.current_device())
     run_options = RunOptions(backend="cute", launcher="virtual", timeout_s=options.timeout_s, nsm=nsm)
@@ -59,7 +66,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="virtual", transport="local",
         stock="reference", iters=options.calls * options.replays,
-        bytes_moved=case.tp * case.tokens * case.width * 2,
+        bytes_moved=bytes_moved(case),
     )
     try:
         inputs = make_tail_inputs(case)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
-from musebench.harness.driver import RankMailboxes, RunOptions, bind_tail, expected_outputs
+from musebench.harness.driver import RankMailboxes, RunOptions, bind_tail, bytes_moved, expected_outputs
 from musebench.harness.results import CaseResult, Mismatch, RankResult
 from musebench.layout import UnfinalizedMoEOutput
 
@@ -200,7 +200,7 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="torchrun",
         transport=transport, stock="reference", iters=options.calls * options.replays,
-        bytes_moved=case.tp * case.tokens * case.width * 2,
+        bytes_moved=bytes_moved(case),
         stock_path=f"timed vs {STOCK_BASELINE[case.mode]}",
     )
     errors = [r.error for r in ranks if r.error is not None]

@@ -313,7 +313,7 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
         transport=transport, stock=options.stock, iters=options.iters,
-        bytes_moved=_bytes_moved(case),
+        bytes_moved=bytes_moved(case),
     )
     try:
         inputs = inputs if inputs is not None else make_tail_inputs(case)
@@ -367,7 +367,7 @@ def _summarize_errors(errors: Sequence[str]) -> str:
     return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
 
 
-def _bytes_moved(case: TailCase) -> int:
+def bytes_moved(case: TailCase) -> int:
     """Payload bytes one rank stores to peers per call (BF16)."""
     row = case.width * 2
     if case.mode == "ep":
