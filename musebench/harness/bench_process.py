@@ -143,7 +143,9 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
         result.notes.append(f"finalize not timed: {type(error).__name__}: {error}")
         return result
     if collectives is None:
-        result.notes.append("NCCL and SymmetricMemory baselines need one process per GPU (NCCL refuses two ranks on one GPU)")
+        if int(os.environ.get("LOCAL_WORLD_SIZE", case.tp)) > torch.cuda.device_count():
+            result.notes.append("NCCL and SymmetricMemory baselines need one process per GPU "
+                                "(NCCL refuses two ranks on one GPU)")
         return result
     group = collectives.group
     try:
@@ -237,13 +239,18 @@ def run_bench_rank(cases: Sequence[TailCase], run_options: RunOptions, options: 
     """This rank's part of a process bench (process group and mailboxes already set up)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    collectives = None
+    collectives, unavailable = None, None
     if local_world <= torch.cuda.device_count():
-        collectives = _Collectives()
+        try:  # collective: every rank takes the same branch (same host, same GPU count)
+            collectives = _Collectives()
+        except Exception as error:  # the tails are still timed; the row says why the baselines are not
+            unavailable = f"NCCL / SymmetricMemory baselines unavailable: {type(error).__name__}: {error}"
     rows = []
     for index, case in enumerate(cases):
         print(f"rank {rank} started case {index}", flush=True)
         times = _bench_case(case, rank, boxes, run_options, options, collectives)
+        if unavailable is not None:
+            times.notes.append(unavailable)
         print(f"rank {rank} done case {index}", flush=True)
         gathered = [None] * world if rank == 0 else None
         dist.gather_object(times, gathered, dst=0)
