@@ -7,13 +7,14 @@
 #   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu`
 #   records     the one-GPU records: tail --tp 8, tail --tp 4 --launcher torchrun, parity,
 #               bench tail (virtual ranks), routing --tp 8, bench routing
+#   routing     the routing kernel's GPU tests, routing --tp 8 and bench routing
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
 #               tp = GPUs, two processes per GPU, and the fault runs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|records|multi-gpu}
+part=${1:?usage: device-evidence.sh tests|records|routing|multi-gpu}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -71,6 +72,13 @@ case $part in
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"
     run parity 150 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
+    ;;
+  routing)
+    run pytest-routing 300 python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
+      tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py tests/harness/test_routing.py
+    run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
+      --json "$out/$day-$gpu-routing-tp8.json"
+    run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
     ;;
   multi-gpu)
     [ "$gpus" -ge 2 ] || { echo "multi-gpu needs 2+ GPUs, found $gpus"; exit 2; }
