@@ -103,22 +103,30 @@ def env(json_path: str | None) -> None:
 
 
 def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
+    """Run tail and routing jobs with a progress bar and report them; a routing job this machine
+    cannot run is reported as skipped, never as passed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from musebench.harness.jobs import build_report, run_job
+    from musebench.harness.jobs import RoutingJob, build_report, run_job
 
+    def skips(job) -> bool:
+        return isinstance(job, RoutingJob) and job.skip_reason is not None
+
+    skipped = [job for job in jobs if skips(job)]
+    running = [job for job in jobs if not skips(job)]
     rows = []
-    total = sum(len(job.cases) for job in jobs)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=_stderr(), transient=True)
     with progress:
-        task = progress.add_task("cases", total=total)
-        for job in jobs:
+        task = progress.add_task("cases", total=sum(len(job.cases) for job in running))
+        for job in running:
             progress.update(task, description=job.name)
             rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
-    notes = sorted({job.backend_note for job in jobs})
-    notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
-    run = build_report(rows, command=_command_line(), backend_note="; ".join(notes))
+    notes = sorted({job.backend_note for job in running})
+    if any(not isinstance(job, RoutingJob) for job in running):
+        notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
+    run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
+                       skipped=[job.skipped() for job in skipped])
     if _is_reporting_rank():
         _emit(run, title=title, json_path=json_path, junit_path=junit_path)
 
@@ -231,35 +239,7 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
         return
     if not _is_reporting_rank():
         jobs = [job for job in jobs if not isinstance(job, RoutingJob)]
-    _run_parity_jobs(jobs, json_path=json_path, junit_path=junit_path)
-
-
-def _run_parity_jobs(jobs, *, json_path, junit_path) -> None:
-    """`musebench parity`'s run: tail and routing jobs, skipped routing jobs reported as such."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from musebench.harness.jobs import RoutingJob, build_report, run_job
-
-    def skips(job) -> bool:
-        return isinstance(job, RoutingJob) and job.skip_reason is not None
-
-    skipped = [job for job in jobs if skips(job)]
-    running = [job for job in jobs if not skips(job)]
-    rows = []
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=_stderr(), transient=True)
-    with progress:
-        task = progress.add_task("cases", total=sum(len(job.cases) for job in running))
-        for job in running:
-            progress.update(task, description=job.name)
-            rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
-    notes = sorted({job.backend_note for job in running})
-    if any(not isinstance(job, RoutingJob) for job in running):
-        notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
-    run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
-                       skipped=[job.skipped() for job in skipped])
-    if _is_reporting_rank():
-        _emit(run, title="musebench parity", json_path=json_path, junit_path=junit_path)
+    _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
 
 
 @main.group()
@@ -302,13 +282,11 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
         _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    import torch
-
     from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_virtual_tail
     from musebench.harness.driver import RunOptions
-    from musebench.harness.jobs import build_report
+    from musebench.harness.jobs import build_report, gpu_sm_count
 
-    nsm = nsm if nsm is not None else torch.cuda.get_device_properties(0).multi_processor_count
+    nsm = nsm if nsm is not None else gpu_sm_count()
     options = BenchOptions(calls=calls, replays=replays, timeout_s=timeout)
     rows = []
     with _stderr().status("benchmarking") as status:

@@ -31,21 +31,18 @@ class BenchOptions:
     timeout_s: float = 2.0
 
 
-def _check(case: TailCase, outs: list[torch.Tensor], wants: list[torch.Tensor], row: CaseResult) -> None:
+def _check(outs: list[torch.Tensor], wants: list[torch.Tensor], row: CaseResult) -> None:
     """Every rank's output against its own expected bits; ranks the stock gives equal bits must agree."""
+    from musebench.harness.driver import add_rank_counts, check_rank_output, identical_where_stock_is
+
     row.ranks = []
     row.mismatches, row.max_ulp, row.first_mismatch = 0, 0, None
     for rank, out in enumerate(outs):
-        got = out.cpu()
-        count, ulp, first = checks.compare_bits(got, wants[rank], rank=rank)
-        row.ranks.append(RankResult(rank=rank, digest=checks.digest(got), mismatches=count, max_ulp=ulp, first_mismatch=first))
-        row.mismatches += count
-        row.max_ulp = max(row.max_ulp, ulp)
-        row.first_mismatch = row.first_mismatch or first
-    groups: dict[str, set[str]] = {}
-    for rank, result in enumerate(row.ranks):
-        groups.setdefault(checks.digest(wants[rank]), set()).add(result.digest)
-    row.rank_identical = all(len(digests) == 1 for digests in groups.values())
+        result = RankResult(rank=rank)
+        check_rank_output(result, out.cpu(), wants[rank])
+        row.ranks.append(result)
+        add_rank_counts(row, result)
+    row.rank_identical = identical_where_stock_is(row.ranks, wants)
 
 
 def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseResult:
@@ -100,7 +97,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         torch.cuda.synchronize()
         for tail in tails:
             tail.check_fault()
-        _check(case, outs, wants, row)
+        _check(outs, wants, row)
         if not row.passed:
             return row
 
@@ -113,7 +110,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         row.tail_us = _median_replay_us(graph, main, options)
         for tail in tails:
             tail.check_fault()
-        _check(case, outs, wants, row)
+        _check(outs, wants, row)
         row.stock_us = bench_finalize(case, inputs, options)
         row.baselines_us["finalize"] = row.stock_us
     except Exception as error:
@@ -121,7 +118,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
     return row
 
 
-def bench_finalize(case: TailCase, inputs: TailInputs, options: BenchOptions) -> float | None:
+def bench_finalize(case: TailCase, inputs: TailInputs, options: BenchOptions) -> float:
     """Median µs of the stock finalize (`stock.triton_finalize`) of rank 0's input, graph-replayed."""
     from musebench.stock.triton_finalize import triton_finalize
 

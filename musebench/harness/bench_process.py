@@ -22,11 +22,10 @@ SymmetricMemory baselines run only with one process per GPU; the row notes why o
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,8 +34,16 @@ import torch.distributed as dist
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
-from musebench.harness.driver import RankMailboxes, RunOptions, bind_tail, bytes_moved, expected_outputs
-from musebench.harness.results import CaseResult, Mismatch, RankResult
+from musebench.harness.driver import (
+    RankMailboxes,
+    RunOptions,
+    add_rank_counts,
+    bind_tail,
+    bytes_moved,
+    check_rank_output,
+    expected_outputs,
+)
+from musebench.harness.results import CaseResult, RankResult
 from musebench.layout import UnfinalizedMoEOutput
 
 
@@ -44,14 +51,13 @@ from musebench.layout import UnfinalizedMoEOutput
 class RankTimes:
     """One rank's medians (µs per call) and its check of the tail's last output."""
 
-    rank: int
+    check: RankResult  # the tail's output vs this rank's stock bits, or the rank's error
     times_us: dict[str, float] = field(default_factory=dict)
-    mismatches: int = 0
-    max_ulp: int = 0
-    first_mismatch: Mismatch | None = None
-    digest: str = ""
-    error: str | None = None
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def rank(self) -> int:
+        return self.check.rank
 
 
 class _Collectives:
@@ -112,7 +118,7 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
                 collectives: _Collectives | None) -> RankTimes:
     from musebench.stock.triton_finalize import triton_finalize
 
-    result = RankTimes(rank=rank)
+    result = RankTimes(check=RankResult(rank=rank))
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(device)
     inputs: TailInputs = make_tail_inputs(case)
@@ -125,10 +131,9 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
         out = checks.poison(torch.empty(m, width, dtype=torch.bfloat16, device=device))
         result.times_us[case.kernel] = time_path(lambda: tail.run(unfinalized, out), stream, options, collective=True)
         tail.check_fault()
-        result.mismatches, result.max_ulp, result.first_mismatch = checks.compare_bits(out.cpu(), want, rank=rank)
-        result.digest = checks.digest(out)
+        check_rank_output(result.check, out.cpu(), want)
     except Exception as error:
-        result.error = f"rank {rank}: {type(error).__name__}: {error}"
+        result.check.error = f"rank {rank}: {type(error).__name__}: {error}"
         return result
 
     def finalize(source: UnfinalizedMoEOutput, into: torch.Tensor) -> None:
@@ -205,14 +210,10 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         bytes_moved=bytes_moved(case),
         stock_path=f"timed vs {STOCK_BASELINE[case.mode]}",
     )
-    errors = [r.error for r in ranks if r.error is not None]
+    errors = [r.check.error for r in ranks if r.check.error is not None]
     for r in sorted(ranks, key=lambda r: r.rank):
-        row.ranks.append(RankResult(rank=r.rank, digest=r.digest, mismatches=r.mismatches, max_ulp=r.max_ulp,
-                                    first_mismatch=r.first_mismatch, tail_us=r.times_us.get(case.kernel),
-                                    error=r.error))
-        row.mismatches += r.mismatches
-        row.max_ulp = max(row.max_ulp, r.max_ulp)
-        row.first_mismatch = row.first_mismatch or r.first_mismatch
+        row.ranks.append(replace(r.check, tail_us=r.times_us.get(case.kernel)))
+        add_rank_counts(row, row.ranks[-1])
         row.notes.extend(note for note in r.notes if note not in row.notes)
     if len(ranks) != case.tp:
         errors.append(f"{case.tp - len(ranks)} rank(s) returned no result")
@@ -221,7 +222,7 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         row.rank_identical = False
         return row
     if case.mode == "ep":  # the EP tail gives every rank the same bits
-        row.rank_identical = len({r.digest for r in ranks}) == 1
+        row.rank_identical = len({r.check.digest for r in ranks}) == 1
     names = dict.fromkeys(name for r in ranks for name in r.times_us)
     worst = {name: max(r.times_us[name] for r in ranks if name in r.times_us) for name in names}
     missing = [name for name in names if any(name not in r.times_us for r in ranks)]
@@ -235,8 +236,12 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
 
 
 def run_bench_rank(cases: Sequence[TailCase], run_options: RunOptions, options: BenchOptions, boxes: RankMailboxes,
-                   transport: str, results_path: Path | None) -> list[CaseResult]:
-    """This rank's part of a process bench (process group and mailboxes already set up)."""
+                   transport: str, results_path: Path | None,
+                   on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """This rank's part of a process bench (process group and mailboxes already set up); rank 0
+    returns the rows, the others []."""
+    from musebench.harness.worker import finish_case
+
     rank, world = dist.get_rank(), dist.get_world_size()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     collectives, unavailable = None, None
@@ -252,21 +257,8 @@ def run_bench_rank(cases: Sequence[TailCase], run_options: RunOptions, options: 
         if unavailable is not None:
             times.notes.append(unavailable)
         print(f"rank {rank} done case {index}", flush=True)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(times, gathered, dst=0)
-        failed = [False]
-        if rank == 0:
-            row = bench_row(case, gathered, transport, options)
+        row = finish_case(times, lambda gathered: bench_row(case, gathered, transport, options), boxes,
+                          results_path, on_case)
+        if row is not None:
             rows.append(row)
-            failed = [not row.passed]
-            if results_path is not None:
-                with open(results_path, "a") as out:
-                    out.write(json.dumps(row.to_dict()) + "\n")
-        dist.broadcast_object_list(failed, src=0)
-        if failed[0]:
-            torch.cuda.synchronize()
-            dist.barrier()
-            boxes.reset()
-            torch.cuda.synchronize()
-            dist.barrier()
     return rows

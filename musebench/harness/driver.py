@@ -101,9 +101,11 @@ class RankMailboxes:
             if box is not None:
                 lamport.rearm(box.own)
                 box.stage.zero_()
-        for box in (self.device_ep, self.device_tp_route, self.device_tp_token):
-            if box is not None:
-                box.reset()
+        device_boxes = [b for b in (self.device_ep, self.device_tp_route, self.device_tp_token) if b is not None]
+        for box in device_boxes:
+            box.reset()
+        if device_boxes:  # re-armed before the caller's barrier lets a peer write again
+            torch.cuda.synchronize()
 
     def close(self) -> None:
         for box in (self.ep, self.tp_route, self.tp_token):
@@ -338,26 +340,40 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
         if row.error is not None:
             errors.append(row.error)
             continue
-        row.digest = checks.digest(outcome.output)
-        row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(outcome.output, wants[rank], rank=rank)
+        check_rank_output(row, outcome.output, wants[rank])
         row.tail_us = statistics.median(outcome.times_us) if outcome.times_us else None
-        result.mismatches += row.mismatches
-        result.max_ulp = max(result.max_ulp, row.max_ulp)
-        if row.first_mismatch is not None and result.first_mismatch is None:
-            result.first_mismatch = row.first_mismatch
+        add_rank_counts(result, row)
         if len(set(outcome.digests)) > 1:
             result.deterministic = False
-    # ranks the stock gives the same bits must agree with each other
-    groups: dict[str, set[str]] = {}
-    for row in result.ranks:
-        if row.error is None:
-            groups.setdefault(checks.digest(wants[row.rank]), set()).add(row.digest)
-    result.rank_identical = all(len(digests) == 1 for digests in groups.values()) and not errors
+    result.rank_identical = identical_where_stock_is(result.ranks, wants) and not errors
     if errors:
         result.error = _summarize_errors(errors)
     times = [row.tail_us for row in result.ranks if row.tail_us is not None]
     result.tail_us = max(times) if times else None
     return result
+
+
+def check_rank_output(row: RankResult, output: torch.Tensor, want: torch.Tensor) -> None:
+    """Fill `row` (digest, mismatches, max ULP, first mismatch) from one rank's output vs its stock bits."""
+    row.digest = checks.digest(output)
+    row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(output, want, rank=row.rank)
+
+
+def add_rank_counts(result: CaseResult, row: RankResult) -> None:
+    """Add one rank's mismatch counts to its case's row (the first mismatch is the lowest rank's)."""
+    result.mismatches += row.mismatches
+    result.max_ulp = max(result.max_ulp, row.max_ulp)
+    if row.first_mismatch is not None and result.first_mismatch is None:
+        result.first_mismatch = row.first_mismatch
+
+
+def identical_where_stock_is(ranks: Sequence[RankResult], wants: Sequence[torch.Tensor]) -> bool:
+    """Ranks the stock gives the same bits agree with each other (ranks that errored aside)."""
+    groups: dict[str, set[str]] = {}
+    for row in ranks:
+        if row.error is None:
+            groups.setdefault(checks.digest(wants[row.rank]), set()).add(row.digest)
+    return all(len(digests) == 1 for digests in groups.values())
 
 
 def _summarize_errors(errors: Sequence[str]) -> str:

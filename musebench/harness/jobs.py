@@ -71,7 +71,8 @@ def _gpu_name() -> str | None:
         return None
 
 
-def _gpu_sm_count() -> int:
+def gpu_sm_count() -> int:
+    """The current GPU's SM count: what the TP stock's dispatch is checked for on a GPU run."""
     import torch
 
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -179,7 +180,7 @@ def make_tail_job(
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
                        norms=tuple(norms), inputs=tuple(inputs), seeds=tuple(seeds))
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
-        nsm = _gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
+        nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
                          stock=stock, nsm=nsm, transport=transport, faults=faults)
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)

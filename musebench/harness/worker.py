@@ -90,11 +90,7 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
         if bench is not None:
             from musebench.harness.bench_process import run_bench_rank
 
-            rows = run_bench_rank(cases, options, bench, boxes, transport, results_path)
-            for row in rows:
-                if on_case is not None:
-                    on_case(row)
-            cases = []
+            return run_bench_rank(cases, options, bench, boxes, transport, results_path, on_case)
         for index, case in enumerate(cases):
             inputs = make_tail_inputs(case)
             tail, bind_error = None, None
@@ -109,27 +105,39 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
             else:
                 outcome = RankOutcome(rank=rank, error=bind_error)
             print(f"rank {rank} done case {index}", flush=True)
-            gathered = [None] * world if rank == 0 else None
-            dist.gather_object(outcome, gathered, dst=0)
-            failed = [False]
-            if rank == 0:
-                row = evaluate_case(case, gathered, options, transport, inputs)
+            row = finish_case(outcome, lambda gathered: evaluate_case(case, gathered, options, transport, inputs),
+                              boxes, results_path, on_case)
+            if row is not None:
                 rows.append(row)
-                failed = [not row.passed]
-                if results_path is not None:
-                    with open(results_path, "a") as out:
-                        out.write(json.dumps(row.to_dict()) + "\n")
-                if on_case is not None:
-                    on_case(row)
-            dist.broadcast_object_list(failed, src=0)
-            if failed[0]:
-                dist.barrier()  # nobody is still reading before the words are re-armed
-                boxes.reset()
-                dist.barrier()
     finally:
         boxes.close()
-    dist.destroy_process_group()
+        dist.destroy_process_group()
     return rows
+
+
+def finish_case(outcome, evaluate: Callable[[list], CaseResult], boxes: RankMailboxes, results_path: Path | None,
+                on_case: Callable[[CaseResult], None] | None) -> CaseResult | None:
+    """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
+    the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
+    get None); if the row failed every rank re-arms its mailboxes between two barriers."""
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(outcome, gathered, dst=0)
+    row, failed = None, [False]
+    if rank == 0:
+        row = evaluate(gathered)
+        failed = [not row.passed]
+        if results_path is not None:
+            with open(results_path, "a") as out:
+                out.write(json.dumps(row.to_dict()) + "\n")
+        if on_case is not None:
+            on_case(row)
+    dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        dist.barrier()  # nobody is still reading before the words are re-armed
+        boxes.reset()
+        dist.barrier()
+    return row
 
 
 def main(argv: Sequence[str]) -> int:

@@ -209,7 +209,8 @@ class _RoutingKernel:
         self.renormalize = renormalize
         self.enable_pdl = enable_pdl
         self.division_eps = division_eps
-        # ids of every route, the tiles of each warp, each expert's first tile (int32 words).
+        # ids of every route, the tiles of each warp, each expert's first tile, each route warp's
+        # count of every expert (int32 words).
         self.smem_bytes = (ROUTES_MAX + MAX_TOKENS + NUM_EXPERTS + ROUTE_WARPS * NUM_EXPERTS) * WORD_BYTES if metadata else 0
 
     @cute.jit

@@ -9,17 +9,17 @@ from musebench.harness.bench import BenchOptions
 from musebench.harness.bench_process import RankTimes, bench_row
 from musebench.harness.cases import TailCase
 from musebench.harness.driver import RunOptions
-from musebench.harness.results import CaseResult, Mismatch
+from musebench.harness.results import CaseResult, Mismatch, RankResult
 
 CASE = TailCase(mode="ep", tp=2, tokens=4)
 OPTIONS = BenchOptions(calls=5, replays=5)
 
 
 def _ranks(**overrides) -> list[RankTimes]:
-    ranks = [RankTimes(rank=r, times_us={"ep_tail": 4.0 + r, "finalize": 3.0, "finalize+nccl": 20.0 - r},
-                       digest="same") for r in range(2)]
+    ranks = [RankTimes(check=RankResult(rank=r, digest="same"),
+                       times_us={"ep_tail": 4.0 + r, "finalize": 3.0, "finalize+nccl": 20.0 - r}) for r in range(2)]
     for name, value in overrides.items():
-        setattr(ranks[1], name, value)
+        setattr(ranks[1].check, name, value)
     return ranks
 
 

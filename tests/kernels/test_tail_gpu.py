@@ -26,6 +26,7 @@ from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
 from musebench.stock.ep import ep_tail_reference  # noqa: E402
+from tests._bits import assert_raw_bits_equal  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -95,16 +96,7 @@ def _reference(inputs, case: TailCase) -> torch.Tensor:
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    g, w = got.view(torch.int16), want.view(torch.int16)
-    both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
-    differ = (g != w) & ~both_nan
-    if bool(differ.any()):
-        where = tuple(differ.nonzero()[0].tolist())
-        ulp = int(nx.ulp_distance(got[differ], want[differ]).max())
-        raise AssertionError(
-            f"{what}: {int(differ.sum())} words differ; first at {where}: got {int(g[where]) & 0xFFFF:#06x}, "
-            f"want {int(w[where]) & 0xFFFF:#06x}; max ULP {ulp}; poison left: {int((g == POISON_BITS).sum())}"
-        )
+    assert_raw_bits_equal(got, want, what, poison_bits=POISON_BITS)
 
 
 def _assert_clean(group: VirtualGroup, calls: int) -> None:
