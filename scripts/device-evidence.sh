@@ -4,7 +4,9 @@
 # (../shared/device/stage, then call 1 `bash .dsl/p1/stash.sh`), as calls 2, 3, ...:
 #   source .dsl/p2/env.sh && MUSEBENCH_GIT_COMMIT=<hash> bash scripts/device-evidence.sh PART
 # (pass the commit from this machine: the device copy has no .git). PART:
-#   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu`
+#   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu` outside
+#               tests/kernels (harness, launcher, stock, CLI)
+#   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels)
 #   records     the one-GPU records: tail --tp 8, tail --tp 4 --launcher torchrun, parity,
 #               bench tail (virtual ranks), routing --tp 8, bench routing
 #   routing     the routing kernel's GPU tests, routing --tp 8 and bench routing
@@ -14,7 +16,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|records|routing|multi-gpu}
+part=${1:?usage: device-evidence.sh tests|kernels|records|routing|multi-gpu}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -53,16 +55,23 @@ strays() {  # processes of a finished launch must be gone
   echo "   stray musebench processes: ${left:-0}" | tee -a "$log"
   [ "${left:-0}" -eq 0 ] || status=1
 }
+gpu_tests() {  # gpu_tests NAME SECONDS PATHS...: pytest -m gpu with JUnit; one stuck test fails alone
+  local name=$1 limit=$2; shift 2
+  local per_test=()  # pytest-timeout, where installed: a stuck test fails and the summary is still written
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT:-240}")
+  run "$name" "$limit" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
+    "${per_test[@]}" --durations 15 --junitxml "$out/$name.xml" "$@"
+}
 case $part in
   tests)
     run gpus 30 nvidia-smi
     run topology 30 nvidia-smi topo -m
     run p2p 60 python3 -c "import torch; n = torch.cuda.device_count(); print('gpus', n); [print(i, [torch.cuda.can_device_access_peer(i, j) if i != j else '-' for j in range(n)]) for i in range(n)]"
     run env 120 musebench env --json "$out/$day-$gpu-env.json"
-    # KEEP=all also runs tests/kernels/test_tail_gpu.py (265 EP kernel tests, about 2.5 minutes)
-    skip=(--ignore tests/kernels/test_tail_gpu.py); [ "${KEEP:-}" = all ] && skip=()
-    run pytest-gpu "${PYTEST_LIMIT:-480}" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
-      "${skip[@]}" --junitxml "$out/pytest-gpu.xml"
+    gpu_tests pytest-gpu "${PYTEST_LIMIT:-480}" --ignore tests/kernels
+    ;;
+  kernels)
+    gpu_tests pytest-gpu-kernels "${PYTEST_LIMIT:-540}" tests/kernels
     ;;
   records)
     run tail-tp8 130 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"
@@ -74,8 +83,7 @@ case $part in
     run parity 150 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
     ;;
   routing)
-    run pytest-routing 300 python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
-      tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py tests/harness/test_routing.py
+    gpu_tests pytest-routing 300 tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py tests/harness/test_routing.py
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"

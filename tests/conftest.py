@@ -18,6 +18,16 @@ def _cuda_available() -> bool:
         return False
 
 
+def pytest_configure(config):
+    """Under xdist, each worker's torch gets its share of the cores: 16 workers each running 16
+    intra-op threads starve the CPU, and the GPU tests' host work (inputs, launches) with it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return

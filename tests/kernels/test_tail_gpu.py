@@ -27,12 +27,14 @@ from musebench.kernels import tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
 from musebench.stock.ep import ep_tail_reference  # noqa: E402
 from tests._bits import assert_raw_bits_equal  # noqa: E402
+from tests._streams import hold_current_stream  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 WIDTH, TOP_K, CAPACITY = 4096, 8, 8
 POISON_BITS = 0x7FA5  # a BF16 NaN the conversion never produces (cvt.rn gives 0x7FFF for NaN)
 SHORT_TIMEOUT_NS = 200_000_000
+HOLD_NS = 1_000_000_000  # the live ranks start together: none times out on a rank still being launched
 
 
 class VirtualGroup:
@@ -63,9 +65,11 @@ class VirtualGroup:
         self.streams = [torch.cuda.Stream() for _ in range(tp)]
         torch.cuda.synchronize()
 
-    def launch(self, per_rank, outs, *, skip: tuple[int, ...] = ()) -> None:
-        """Every rank's call on its own stream, forked from and joined back to the current one."""
+    def launch(self, per_rank, outs, *, skip: tuple[int, ...] = (), hold_ns: int = 0) -> None:
+        """Every rank's call on its own stream, forked from and joined back to the current one;
+        `hold_ns` holds the current stream first, so that every rank starts at once."""
         origin = torch.cuda.current_stream()
+        hold_current_stream(hold_ns)
         for rank in range(self.tp):
             if rank in skip:
                 continue
@@ -176,7 +180,7 @@ def test_missing_rank_records_a_fault_instead_of_hanging(tp, missing):
     group = VirtualGroup(tp, inputs.norm_weight, weight_dtype="bf16", before=True, timeout_ns=SHORT_TIMEOUT_NS)
     outs = [_poisoned(m) for _ in range(tp)]
     started = time.monotonic()
-    group.launch([_on_gpu(u) for u in inputs.per_rank], outs, skip=(missing,))
+    group.launch([_on_gpu(u) for u in inputs.per_rank], outs, skip=(missing,), hold_ns=HOLD_NS)
     torch.cuda.synchronize()
     waited = time.monotonic() - started
     assert waited < 30.0, f"the bounded wait took {waited:.1f}s"
