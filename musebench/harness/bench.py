@@ -10,6 +10,11 @@ On one GPU the tp ranks share the SMs: the number is the time of one collective 
 whole group (every rank's kernels), not one rank's time on its own GPU; the process bench
 (`bench_process`, one process per GPU) gives that. `stock_us` is the stock finalize of one rank's
 partial alone, timed the same way (the brief's aim: a tail per rank no slower than it).
+
+Per kernel (`kernels_us`, EP rows): the publishers alone, graph-replayed the same way (their
+slots stay published, so every mailbox is re-armed before the tail is timed, and the tail's
+check after its replays shows the group intact), and the reduction's exposed time, the call
+minus the publisher. The TP tail is one kernel: its row's `tail_us`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ import torch
 from musebench.harness import checks
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.results import CaseResult, RankResult
+
+
+# The EP reduction is timed only behind its publisher (alone it would wait on slots nobody fills):
+# its exposed time is the call's median minus the publisher's.
+REDUCE_EXPOSED = "reduce (call - publisher)"
 
 
 @dataclass(frozen=True)
@@ -80,17 +90,20 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         streams = [torch.cuda.Stream(device) for _ in range(case.tp)]
         main = torch.cuda.Stream(device)
 
-        def one_call() -> None:
+        def group_call(launch) -> None:
             fork = torch.cuda.Event()
             fork.record(main)
             for rank in range(case.tp):
                 streams[rank].wait_event(fork)
                 with torch.cuda.stream(streams[rank]):
-                    tails[rank].run(unfinalized[rank], outs[rank])
+                    launch(rank)
             for rank in range(case.tp):
                 join = torch.cuda.Event()
                 join.record(streams[rank])
                 main.wait_event(join)
+
+        def one_call() -> None:
+            group_call(lambda rank: tails[rank].run(unfinalized[rank], outs[rank]))
 
         with torch.cuda.stream(main):
             one_call()
@@ -101,6 +114,17 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         if not row.passed:
             return row
 
+        if case.mode == "ep":
+            # The publishers alone; their slots stay published, so every mailbox is re-armed after.
+            publishers = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(publishers, stream=main):
+                for _ in range(options.calls):
+                    group_call(lambda rank: tails[rank].run_publisher(unfinalized[rank], outs[rank]))
+            row.kernels_us["publisher"] = _median_replay_us(publishers, main, options)
+            torch.cuda.synchronize()
+            for box in boxes:
+                box.reset()
+
         for out in outs:
             checks.poison(out)
         graph = torch.cuda.CUDAGraph()
@@ -108,6 +132,8 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
             for _ in range(options.calls):
                 one_call()
         row.tail_us = _median_replay_us(graph, main, options)
+        if "publisher" in row.kernels_us:
+            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us["publisher"]
         for tail in tails:
             tail.check_fault()
         _check(outs, wants, row)

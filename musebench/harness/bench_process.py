@@ -12,7 +12,9 @@ back-to-back calls on the rank's stream, and rank 0 reports the max over ranks o
 - TP, `nccl+finalize` / `symm_mem+finalize`: the all-reduce of the BF16 K-partial rows, then the
   finalize (the norm needs the full rows, so the reduction comes first).
 The row's `stock_us` is the NCCL path (what a user runs without musebench) and `ratio` is
-tail / stock. Baseline outputs are not checked bitwise: their sums run in another order.
+tail / stock. EP rows also time the `publisher` alone (then every rank re-arms its mailboxes
+between two barriers) and give the reduction's exposed time, the tail minus the publisher, both
+max over ranks, in `kernels_us`. Baseline outputs are not checked bitwise: their sums run in another order.
 
 Replay protocol (per path and replay): a host barrier, one untimed call (a collective: once it
 returns on a rank, every peer has reached the same call, so launch skew is not timed), the start
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from musebench.harness import checks
-from musebench.harness.bench import BenchOptions
+from musebench.harness.bench import REDUCE_EXPOSED, BenchOptions
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.driver import (
     RankMailboxes,
@@ -135,6 +137,15 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
     except Exception as error:
         result.check.error = f"rank {rank}: {type(error).__name__}: {error}"
         return result
+    if case.mode == "ep":
+        try:  # the publisher alone; its slots stay published, so every rank re-arms after
+            result.times_us[PUBLISHER] = time_path(lambda: tail.run_publisher(unfinalized, out), stream, options,
+                                                   collective=False)
+        except Exception as error:
+            result.notes.append(f"publisher not timed: {type(error).__name__}: {error}")
+        dist.barrier()  # no peer still publishing into this rank's mailbox
+        boxes.reset()
+        dist.barrier()
 
     def finalize(source: UnfinalizedMoEOutput, into: torch.Tensor) -> None:
         triton_finalize(source, norm_weight, into, eps=case.eps, gain_center=case.gain_center,
@@ -199,6 +210,7 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
 
 
 STOCK_BASELINE = {"ep": "finalize+nccl", "tp": "nccl+finalize"}
+PUBLISHER = "publisher"
 
 
 def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, options: BenchOptions) -> CaseResult:
@@ -230,6 +242,10 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         row.notes.append(f"{name}: timed on some ranks only")
         worst.pop(name)
     row.tail_us = worst.pop(case.kernel, None)
+    if PUBLISHER in worst:
+        row.kernels_us[PUBLISHER] = worst.pop(PUBLISHER)
+        if row.tail_us is not None:
+            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
     row.stock_us = worst.get(STOCK_BASELINE[case.mode])
     row.baselines_us = worst
     return row

@@ -201,6 +201,9 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     baselines = list(dict.fromkeys(name for case in report.cases for name in case.baselines_us))
     for name in baselines:
         table.add_column(f"{name} µs", justify="right")
+    parts = list(dict.fromkeys(name for case in report.cases for name in case.kernels_us))
+    for name in parts:
+        table.add_column(f"{name} µs", justify="right")
 
     for case in report.cases:
         passed = case.passed
@@ -227,6 +230,7 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
             Text(_format_ratio(case.ratio)),
         ]
         row += [Text(_format_us(case.baselines_us.get(name))) for name in baselines]
+        row += [Text(_format_us(case.kernels_us.get(name))) for name in parts]
         table.add_row(*row, style=None if passed else "red")
 
     if report.cases or not report.skipped:

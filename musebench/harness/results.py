@@ -8,15 +8,17 @@ file written with the same `SCHEMA_VERSION` major.
 
 Schema history: 1.0 the cases; 1.1 adds the top-level `skipped` list (a 1.0 file reads with none,
 and a 1.0 reader, which reads top-level fields by name, ignores it) and, on rows, `baselines_us`
-(other paths timed in the same bench run) and `notes` (a 1.0 file reads with neither).
+(other paths timed in the same bench run) and `notes` (a 1.0 file reads with neither); 1.2 adds,
+on rows, `kernels_us` (the tail's own kernels timed apart). Readers ignore row fields they do
+not know, so a file of a later minor reads with an earlier one.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 
 
 @dataclass
@@ -73,6 +75,9 @@ class CaseResult:
     # "finalize", "finalize+nccl"; `stock_us` is the one the ratio compares against
     baselines_us: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not timed and why
+    # benches: the tail's kernels apart (name -> µs per call, max over ranks), e.g. the EP
+    # "publisher" alone and "reduce (call - publisher)"; `tail_us` is the whole call
+    kernels_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -97,7 +102,8 @@ class CaseResult:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CaseResult:
-        data = {k: v for k, v in data.items() if k not in ("passed", "ratio")}
+        known = {f.name for f in fields(cls)}
+        data = {k: v for k, v in data.items() if k in known}
         ranks = [_rank_from_dict(r) for r in data.pop("ranks", [])]
         first = data.pop("first_mismatch", None)
         return cls(**data, ranks=ranks, first_mismatch=_mismatch_from_dict(first))

@@ -692,6 +692,21 @@ class EpTail:
         m = out.shape[0]
         if m == 0:
             return
+        stream = self._launch_publisher(unfinalized, out)
+        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+
+    def run_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
+        """The publisher alone, for `musebench bench tail`'s per-kernel median (arguments as `run`;
+        `out` only gives m and is not written). It leaves this rank's partials published in
+        every peer's mailbox, which a later reduction would read as landed: every rank resets its
+        mailboxes (`DeviceMailbox.reset`, between two barriers) before the group's next `run`."""
+        if out.shape[0] != 0:
+            self._launch_publisher(unfinalized, out)
+
+    def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> cuda.CUstream:
+        """Check `run`'s arguments (ValueError before anything launches), launch the publisher on
+        the current stream and return that stream."""
+        m = out.shape[0]
         rows, weights, index = unfinalized.gemm2_permuted, unfinalized.route_weights, unfinalized.expanded_idx_to_permuted_idx
         if m > self.capacity:
             raise ValueError(f"{m} tokens exceed the mailbox capacity {self.capacity}")
@@ -716,7 +731,7 @@ class EpTail:
             Int32(rows.shape[0]),
             stream,
         )
-        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+        return stream
 
     def launch_demands(self, m: int) -> list[LaunchDemand]:
         """This rank's launches for m tokens (publisher, reduction), for the co-residency check."""

@@ -26,6 +26,8 @@ def test_two_processes_time_the_tail_and_the_stock_paths(mode, job_id):
     for row in rows:
         assert row.passed, (row.key, row.error, row.first_mismatch, row.notes)
         assert row.tail_us > 0 and row.baselines_us["finalize"] > 0
+        if mode == "ep":  # the publisher alone, and the group re-armed after it (the next row passes)
+            assert 0 < row.kernels_us["publisher"] and "reduce (call - publisher)" in row.kernels_us
         if own_gpus:
             assert row.transport == "unicast" and row.stock_us > 0, row.notes
         else:

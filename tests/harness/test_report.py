@@ -133,6 +133,23 @@ def test_skipped_runs_round_trip_and_a_1_0_file_reads_with_none(tmp_path):
     assert read_json(path).skipped == []
 
 
+def test_kernel_medians_round_trip_and_rows_of_other_minors_read(tmp_path):
+    case = replace(make_case(), kernels_us={"publisher": 2.5, "reduce (call - publisher)": 3.25})
+    report = make_report([case])
+    path = tmp_path / "report.json"
+    write_json(report, path)
+    assert read_json(path) == report
+    data = json.loads(path.read_text())
+    del data["cases"][0]["kernels_us"]  # a 1.1 row
+    data["schema_version"] = "1.1"
+    path.write_text(json.dumps(data))
+    assert read_json(path).cases[0].kernels_us == {}
+    data["cases"][0]["a_later_field"] = 1  # a row of a later 1.x
+    data["schema_version"] = "1.9"
+    path.write_text(json.dumps(data))
+    assert read_json(path).cases[0].tail_us == case.tail_us
+
+
 def test_a_skipped_run_is_no_pass_and_no_failure():
     assert not make_report([]).passed  # nothing run, nothing skipped: no evidence
     assert RunReport(command="run", skipped=[SKIPPED_ROUTING]).passed
