@@ -20,6 +20,7 @@ minus the publisher. The TP tail is one kernel: its row's `tail_us`.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from musebench.harness.results import CaseResult, RankResult
 # The EP reduction is timed only behind its publisher (alone it would wait on slots nobody fills):
 # its exposed time is the call's median minus the publisher's.
 REDUCE_EXPOSED = "reduce (call - publisher)"
+SINGLE_LAUNCH = "single launch"  # the EP tail as one kernel (publisher and reduction per token in one CTA)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,20 @@ def _check(outs: list[torch.Tensor], wants: list[torch.Tensor], row: CaseResult)
         row.ranks.append(result)
         add_rank_counts(row, result)
     row.rank_identical = identical_where_stock_is(row.ranks, wants)
+
+
+def _eager_and_checked(call: Callable[[], None], stream: torch.cuda.Stream, tails, outs: list[torch.Tensor],
+                       wants: list[torch.Tensor], row: CaseResult) -> None:
+    """One eager `call` on `stream` into poisoned outputs (compiling and loading what it needs
+    before any capture), then every rank's fault record and bits into `row`."""
+    for out in outs:
+        checks.poison(out)
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.synchronize()
+    for tail in tails:
+        tail.check_fault()
+    _check(outs, wants, row)
 
 
 def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseResult:
@@ -105,33 +121,21 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         def one_call() -> None:
             group_call(lambda rank: tails[rank].run(unfinalized[rank], outs[rank]))
 
-        with torch.cuda.stream(main):
-            one_call()
-        torch.cuda.synchronize()
-        for tail in tails:
-            tail.check_fault()
-        _check(outs, wants, row)
+        _eager_and_checked(one_call, main, tails, outs, wants, row)
         if not row.passed:
             return row
 
         if case.mode == "ep":
             # The publishers alone; their slots stay published, so every mailbox is re-armed after.
-            publishers = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(publishers, stream=main):
-                for _ in range(options.calls):
-                    group_call(lambda rank: tails[rank].run_publisher(unfinalized[rank], outs[rank]))
-            row.kernels_us["publisher"] = _median_replay_us(publishers, main, options)
+            row.kernels_us["publisher"] = graph_median_us(
+                lambda: group_call(lambda rank: tails[rank].run_publisher(unfinalized[rank], outs[rank])), main, options)
             torch.cuda.synchronize()
             for box in boxes:
                 box.reset()
 
         for out in outs:
             checks.poison(out)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=main):
-            for _ in range(options.calls):
-                one_call()
-        row.tail_us = _median_replay_us(graph, main, options)
+        row.tail_us = graph_median_us(one_call, main, options)
         if "publisher" in row.kernels_us:
             row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us["publisher"]
         for tail in tails:
@@ -139,9 +143,46 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         _check(outs, wants, row)
         row.stock_us = bench_finalize(case, inputs, options)
         row.baselines_us["finalize"] = row.stock_us
+        if case.mode == "ep" and row.passed:
+            _time_single_launch(case, inputs, boxes, wants, row, options, run_options, group_call, outs, main)
     except Exception as error:
         row.error = f"{type(error).__name__}: {error}"
     return row
+
+
+def _time_single_launch(case, inputs, boxes, wants, row: CaseResult, options: BenchOptions, run_options,
+                        group_call, outs, main) -> None:
+    """The EP tail as one kernel per rank over the same (re-armed) mailboxes: its median as
+    `kernels_us[SINGLE_LAUNCH]`, its outputs checked like the row's (a difference fails the row)."""
+    from musebench.harness.driver import bind_tail
+
+    for box in boxes:
+        box.reset()
+    device = outs[0].device
+    singles = [bind_tail(case, r, boxes[r], inputs, run_options, single_launch=True) for r in range(case.tp)]
+    unfinalized = [u.to(device) for u in inputs.per_rank]
+
+    def one_call() -> None:
+        group_call(lambda rank: singles[rank].run(unfinalized[rank], outs[rank]))
+
+    checked = CaseResult(kernel=row.kernel, mode=row.mode, tp=row.tp, tokens=row.tokens, weight_dtype=row.weight_dtype,
+                         norm=row.norm, inputs=row.inputs)
+    _eager_and_checked(one_call, main, singles, outs, wants, checked)
+    if checked.passed:
+        for out in outs:
+            checks.poison(out)
+        row.kernels_us[SINGLE_LAUNCH] = graph_median_us(one_call, main, options)
+        for single in singles:
+            single.check_fault()
+        _check(outs, wants, checked)
+    for box in boxes:
+        box.reset()
+    if not checked.passed:
+        first = checked.first_mismatch
+        row.mismatches, row.max_ulp, row.first_mismatch = checked.mismatches, checked.max_ulp, first
+        row.rank_identical = checked.rank_identical
+        row.error = (f"the single-launch EP tail differs from the stock: {checked.mismatches} words"
+                     + (f", first on rank {first.rank} at {first.index}" if first is not None else ""))
 
 
 def bench_finalize(case: TailCase, inputs: TailInputs, options: BenchOptions) -> float:
@@ -161,11 +202,7 @@ def bench_finalize(case: TailCase, inputs: TailInputs, options: BenchOptions) ->
     with torch.cuda.stream(main):
         call()  # compile outside capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=main):
-        for _ in range(options.calls):
-            call()
-    return _median_replay_us(graph, main, options)
+    return graph_median_us(call, main, options)
 
 
 def bench_empty_kernel(options: BenchOptions) -> float:
@@ -176,11 +213,17 @@ def bench_empty_kernel(options: BenchOptions) -> float:
     with torch.cuda.stream(main):
         scratch.add_(0)  # warm the kernel before capture
     torch.cuda.synchronize()
+    return graph_median_us(lambda: scratch.add_(0), main, options)
+
+
+def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions) -> float:
+    """`call` captured `options.calls` times back to back in one CUDA graph on `stream` (compiled
+    and warmed up before: capture allocates and compiles nothing), replayed: the median µs per call."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=main):
+    with torch.cuda.graph(graph, stream=stream):
         for _ in range(options.calls):
-            scratch.add_(0)
-    return _median_replay_us(graph, main, options)
+            call()
+    return _median_replay_us(graph, stream, options)
 
 
 def _median_replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, options: BenchOptions) -> float:

@@ -13,8 +13,9 @@ back-to-back calls on the rank's stream, and rank 0 reports the max over ranks o
   finalize (the norm needs the full rows, so the reduction comes first).
 The row's `stock_us` is the NCCL path (what a user runs without musebench) and `ratio` is
 tail / stock. EP rows also time the `publisher` alone (then every rank re-arms its mailboxes
-between two barriers) and give the reduction's exposed time, the tail minus the publisher, both
-max over ranks, in `kernels_us`. Baseline outputs are not checked bitwise: their sums run in another order.
+between two barriers), give the reduction's exposed time, the tail minus the publisher, and time
+the `single launch` EP tail (one kernel) over the same re-armed mailboxes, checked against the
+same bits; all max over ranks, in `kernels_us`. Baseline outputs are not checked bitwise: their sums run in another order.
 
 Replay protocol (per path and replay): a host barrier, one untimed call (a collective: once it
 returns on a rank, every peer has reached the same call, so launch skew is not timed), the start
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from musebench.harness import checks
-from musebench.harness.bench import REDUCE_EXPOSED, BenchOptions
+from musebench.harness.bench import REDUCE_EXPOSED, SINGLE_LAUNCH, BenchOptions
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.driver import (
     RankMailboxes,
@@ -146,6 +147,8 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
         dist.barrier()  # no peer still publishing into this rank's mailbox
         boxes.reset()
         dist.barrier()
+        # a difference is this rank's error, but the collective paths below still run on every rank
+        _time_single_launch(case, rank, boxes, inputs, unfinalized, want, run_options, options, stream, result)
 
     def finalize(source: UnfinalizedMoEOutput, into: torch.Tensor) -> None:
         triton_finalize(source, norm_weight, into, eps=case.eps, gain_center=case.gain_center,
@@ -211,6 +214,35 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
 
 STOCK_BASELINE = {"ep": "finalize+nccl", "tp": "nccl+finalize"}
 PUBLISHER = "publisher"
+KERNEL_TIMES = (PUBLISHER, SINGLE_LAUNCH)  # rows' kernels_us, not baselines
+
+
+def _time_single_launch(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs,
+                        unfinalized: UnfinalizedMoEOutput, want: torch.Tensor, run_options: RunOptions,
+                        options: BenchOptions, stream: torch.cuda.Stream, result: RankTimes) -> None:
+    """Collective: the EP tail as one kernel over this rank's re-armed mailboxes, timed like the
+    tail and checked against the same bits (a difference is the rank's error); every rank
+    re-arms again after it."""
+    device = unfinalized.gemm2_permuted.device
+    out = checks.poison(torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device))
+    try:
+        single = bind_tail(case, rank, boxes, inputs, run_options, single_launch=True)
+        dist.barrier()  # every rank compiled and warmed up before any spins on a peer
+        result.times_us[SINGLE_LAUNCH] = time_path(lambda: single.run(unfinalized, out), stream, options,
+                                                   collective=True)
+        single.check_fault()
+        check = RankResult(rank=rank)
+        check_rank_output(check, out.cpu(), want)
+        if check.mismatches:
+            first = check.first_mismatch
+            result.check.error = (f"rank {rank}: the single-launch EP tail differs from the stock: {check.mismatches} "
+                                  f"words, first at {first.index if first is not None else '?'}")
+    except Exception as error:
+        result.notes.append(f"single launch not timed: {type(error).__name__}: {error}")
+        result.times_us.pop(SINGLE_LAUNCH, None)
+    dist.barrier()
+    boxes.reset()
+    dist.barrier()
 
 
 def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, options: BenchOptions) -> CaseResult:
@@ -242,10 +274,11 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         row.notes.append(f"{name}: timed on some ranks only")
         worst.pop(name)
     row.tail_us = worst.pop(case.kernel, None)
-    if PUBLISHER in worst:
-        row.kernels_us[PUBLISHER] = worst.pop(PUBLISHER)
-        if row.tail_us is not None:
-            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
+    for name in KERNEL_TIMES:
+        if name in worst:
+            row.kernels_us[name] = worst.pop(name)
+    if PUBLISHER in row.kernels_us and row.tail_us is not None:
+        row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
     row.stock_us = worst.get(STOCK_BASELINE[case.mode])
     row.baselines_us = worst
     return row

@@ -1,4 +1,4 @@
-"""EP MoE tail in CuTe DSL: finalize + post-expert RMSNorm + Lamport all-reduce, two kernels.
+"""EP MoE tail in CuTe DSL: finalize + post-expert RMSNorm + Lamport all-reduce, two kernels (or one).
 
 What it computes (bit for bit, docs/contract.md §1; torch reference `musebench.stock.ep`): per rank
 the BF16 partial of each token, the sum over the token's local routes of the route-weighted,
@@ -21,6 +21,14 @@ Phases, one CUDA stream per rank, two launches per call:
    mailbox with `ld.volatile.global.v4.u32` until no BF16 half is the sentinel 0x8000, adds them
    from +0.0 in rank order (`add.rn.f32`), stores `cvt.rn.bf16x2.f32` of the sum (no scrub),
    and re-arms exactly the 16 * tp bytes it read.
+
+Single launch (`single_launch=True`, one kernel per call, same bits): the publisher's grid (m,)
+also reduces. Thread 0 of each CTA reads NEXT_STAGE once (it changes during the grid), shares it
+through shared memory and counts the CTA in with `atom.acq_rel.gpu` on the second stage word;
+the last CTA to arrive advances NEXT_STAGE and zeroes the count (every CTA read the generation
+before arriving). After publishing, each thread runs `_EpReduceKernel.reduce_fragment` for its
+own columns of its CTA's token, trip by trip, under one timer: the same polls, rank-order sums,
+re-arms and fault record, inlined.
 
 Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
 The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
@@ -89,6 +97,7 @@ FRAGMENT = 8  # BF16 elements per 16-byte fragment
 FRAGMENT_WORDS = 4  # 32-bit words per fragment
 BF16_BYTES = 2
 STAGE_WORDS = 2
+GENERATION_SLOT_BYTES = 16  # the single launch's shared generation word, padded to its alignment
 STAGE_WORD_BYTES = 4
 
 # Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
@@ -134,7 +143,9 @@ def peer_order(rank: int, tp: int) -> tuple[int, ...]:
 
 
 class _EpPublisherKernel:
-    """Per-rank partial of the EP tail, published to every rank's mailbox (grid (m,))."""
+    """Per-rank partial of the EP tail, published to every rank's mailbox (grid (m,)); with
+    `single_launch` the whole tail: each CTA then reduces its own token (`_EpReduceKernel`'s
+    fragments, inlined) after publishing, and advances the generation itself."""
 
     def __init__(
         self,
@@ -151,6 +162,8 @@ class _EpPublisherKernel:
         gain_center: float,
         transport: str,
         enable_pdl: bool,
+        single_launch: bool = False,
+        timeout_ns: int = DEFAULT_TIMEOUT_NS,
     ) -> None:
         _require(threads > 0 and threads % WARP == 0, f"threads must be a positive multiple of {WARP}, got {threads}")
         _require(width > 0 and width % (threads * FRAGMENT) == 0, f"width {width} must be a multiple of {threads * FRAGMENT}")
@@ -176,7 +189,12 @@ class _EpPublisherKernel:
         self.gain_center = float(gain_center)
         self.transport = transport
         self.enable_pdl = bool(enable_pdl)
-        self.smem_bytes = top_k * self.warps * 4
+        self.single_launch = bool(single_launch)
+        # the reduction's fragments (single launch); it validates timeout_ns
+        self.reduction = (_EpReduceKernel(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads,
+                                          enable_pdl=enable_pdl, timeout_ns=timeout_ns) if single_launch else None)
+        # warp sums of every route, then (single launch) the generation, read by thread 0 for the CTA
+        self.smem_bytes = top_k * self.warps * 4 + (GENERATION_SLOT_BYTES if single_launch else 0)
 
     @cute.jit
     def __call__(
@@ -188,11 +206,15 @@ class _EpPublisherKernel:
         stage: cute.Tensor,
         peer_mailboxes: cute.Tensor,
         multicast_base: Int64,
+        mailbox: cute.Tensor,
+        out: cute.Tensor,
+        fault: cute.Tensor,
         m: Int32,
         num_rows: Int32,
         stream: cuda.CUstream,
     ) -> None:
-        self.kernel(rows, route_weights, permuted_idx, norm_weight, stage, peer_mailboxes, multicast_base, num_rows).launch(
+        self.kernel(rows, route_weights, permuted_idx, norm_weight, stage, peer_mailboxes, multicast_base, mailbox, out,
+                    fault, num_rows).launch(
             grid=(m, 1, 1),
             block=(self.threads, 1, 1),
             smem=self.smem_bytes,
@@ -210,8 +232,12 @@ class _EpPublisherKernel:
         stage: cute.Tensor,
         peer_mailboxes: cute.Tensor,
         multicast_base: Int64,
+        mailbox: cute.Tensor,
+        out: cute.Tensor,
+        fault: cute.Tensor,
         num_rows: Int32,
     ) -> None:
+        # mailbox, out and fault (this rank's) are read only by the single launch
         token, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -240,6 +266,21 @@ class _EpPublisherKernel:
         smem = cutlass.memory.SmemAllocator()
         # One set of warp slots per route: no second barrier needed between routes.
         warp_sums = smem.allocate_tensor(Float32, cute.make_layout(self.top_k * self.warps), byte_alignment=16)
+        stage_base = Int64(stage.iterator.toint())
+        if cutlass.const_expr(self.single_launch):
+            # NEXT_STAGE changes during this grid (the last CTA to arrive advances it), so thread 0
+            # alone reads it, before its arrival (acq_rel: the last arrival's store comes after
+            # every CTA's read), and hands it to its CTA through shared memory.
+            generation_slot = smem.allocate_tensor(Int32, cute.make_layout(GENERATION_SLOT_BYTES // 4), byte_alignment=16)
+            if tidx == 0:
+                current = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+                generation_slot[0] = current
+                grid_m, _, _ = cute.arch.grid_dim()
+                arrived = ptx.atom_add_acq_rel_gpu_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, cutlass.Uint32(1))
+                if arrived == cutlass.Uint32(grid_m - 1):
+                    ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (current + 1) % LAMPORT_GENERATIONS)
+                    ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, Int32(0))
+            cute.arch.barrier()
         acc = cute.make_rmem_tensor(cute.make_layout(values), Float32)
         acc.fill(Float32(0.0))
         rows_base = Int64(rows.iterator.toint())
@@ -294,8 +335,10 @@ class _EpPublisherKernel:
                 high = acc[trip + self.trips * (2 * j + 1)]
                 payload.append(ptx.scrub_negative_zero_u32(ptx.cvt_rn_bf16x2_f32(high, low)))
 
-        stage_base = Int64(stage.iterator.toint())
-        generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+        if cutlass.const_expr(self.single_launch):
+            generation = Int32(generation_slot[0])
+        else:
+            generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
         slot_bytes = ((Int64(generation) * self.tp + self.rank) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
         if cutlass.const_expr(self.transport == "multicast"):
             for trip in cutlass.range_constexpr(self.trips):
@@ -311,8 +354,18 @@ class _EpPublisherKernel:
                     w = payload[trip * FRAGMENT_WORDS : (trip + 1) * FRAGMENT_WORDS]
                     ptx.st_relaxed_sys_global_v4_u32(peer_base + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
 
-        if token == 0 and tidx == 0:
-            ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
+        if cutlass.const_expr(self.single_launch):
+            # This CTA's token, every fragment in turn, under one timer.
+            started = ptx.read_globaltimer_u64()
+            mailbox_base = Int64(mailbox.iterator.toint())
+            out_base = Int64(out.iterator.toint())
+            fault_base = Int64(fault.iterator.toint())
+            for trip in cutlass.range_constexpr(self.trips):
+                column = Int64(tidx + trip * self.threads) * FRAGMENT
+                self.reduction.reduce_fragment(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
+        else:
+            if token == 0 and tidx == 0:
+                ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -368,10 +421,7 @@ class _EpReduceKernel:
         token, part, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         column = Int64(part * self.threads + tidx) * FRAGMENT
-        slot_stride = Int64(self.capacity * self.width * BF16_BYTES)
         stage_base = Int64(stage.iterator.toint())
-        fault_base = Int64(fault.iterator.toint())
-        out_address = Int64(out.iterator.toint()) + (Int64(token) * self.width + column) * BF16_BYTES
 
         # Everything the publisher writes (slots, ACTIVE_STAGE) is read after this point.
         if cutlass.const_expr(self.enable_pdl):
@@ -383,13 +433,29 @@ class _EpReduceKernel:
         if token == 0 and part == 0 and tidx == 0:
             ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (generation + 1) % LAMPORT_GENERATIONS)
 
+        started = ptx.read_globaltimer_u64()
+        self.reduce_fragment(Int64(mailbox.iterator.toint()), Int64(out.iterator.toint()), Int64(fault.iterator.toint()),
+                             generation, Int32(token), column, started)
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def reduce_fragment(self, mailbox_base: Int64, out_base: Int64, fault_base: Int64, generation: Int32,
+                        token: Int32, column: Int64, started: Int64) -> None:
+        """One thread's fragment (token, columns column .. column + 7) of the reduction, inlined
+        into the reduce kernel and the single-launch tail: poll the tp slots of `generation` in
+        this rank's mailbox until no half is the sentinel, or record the fault once `timeout_ns`
+        has passed since `started`; sum from +0.0 in rank order, store the BF16 result to
+        out[token] and re-arm exactly the tp fragments read (a timed-out fragment: no output,
+        nothing re-armed)."""
+        slot_stride = Int64(self.capacity * self.width * BF16_BYTES)
+        out_address = out_base + (Int64(token) * self.width + column) * BF16_BYTES
         first_slot = (
-            Int64(mailbox.iterator.toint())
+            mailbox_base
             + ((Int64(generation) * self.tp) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
             + column * BF16_BYTES
         )
         landed = cute.make_rmem_tensor(cute.make_layout(self.tp * FRAGMENT_WORDS), cutlass.Uint32)
-        started = ptx.read_globaltimer_u64()
         pending = cutlass.Uint32(1)
         polling = Int32(1)
         while polling != 0:
@@ -417,7 +483,7 @@ class _EpReduceKernel:
             previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
             if previous == Int32(FAULT_CLEAR):
                 ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
-                ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + Int32(token))
+                ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + token)
                 ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
         else:
             total = []
@@ -430,11 +496,6 @@ class _EpReduceKernel:
                     total[2 * j + 1] = ptx.add_rn_f32(total[2 * j + 1], ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(word)))
             result = [ptx.cvt_rn_bf16x2_f32(total[2 * j + 1], total[2 * j]) for j in range(FRAGMENT_WORDS)]
             ptx.st_global_v4_u32(out_address, result[0], result[1], result[2], result[3])
-
-        if cutlass.const_expr(self.enable_pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-
-        if pending == 0:
             # Re-arm exactly what this thread consumed; peers write it again three calls later.
             sentinel = cutlass.Uint32(SENTINEL_BF16X2)
             for source in cutlass.range_constexpr(self.tp):
@@ -462,16 +523,20 @@ def compile_publisher(
     gain_center: float,
     transport: str,
     enable_pdl: bool,
+    single_launch: bool = False,
+    timeout_ns: int = DEFAULT_TIMEOUT_NS,
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
-    """The compiled EP publisher for these compile-time values (cached; never during capture).
+    """The compiled EP publisher for these compile-time values (cached; never during capture);
+    `single_launch`: the whole tail in one kernel (its polls bounded by `timeout_ns`).
 
     `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the
     PTX there (`compiled.artifacts.PTX`). Both are part of the cache key.
     """
+    timeout_ns = int(timeout_ns) if single_launch else DEFAULT_TIMEOUT_NS  # the publisher alone never waits
     key = (width, top_k, tp, rank, capacity, threads, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
-           transport, bool(enable_pdl), arch, ptx_dir)
+           transport, bool(enable_pdl), bool(single_launch), timeout_ns, arch, ptx_dir)
     compiled = _PUBLISHERS.get(key)
     if compiled is not None:
         return compiled
@@ -479,7 +544,7 @@ def compile_publisher(
     kernel = _EpPublisherKernel(
         width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
         weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-        transport=transport, enable_pdl=enable_pdl,
+        transport=transport, enable_pdl=enable_pdl, single_launch=single_launch, timeout_ns=timeout_ns,
     )
     weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
     peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
@@ -492,6 +557,9 @@ def compile_publisher(
         make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
         peers,
         Int64(0),
+        make_fake_compact_tensor(Int16, (LAMPORT_GENERATIONS * tp * capacity * width,), assumed_align=16),
+        fake_flat(BFloat16, width, 16),
+        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
         Int32(1),
         Int32(1),
         cuda.CUstream(0),
@@ -584,7 +652,10 @@ class EpTail:
     Construction compiles (not during capture) and launches each kernel once on scratch buffers
     (`warm_up`: lazy module loading must not happen behind a spinning peer). `run` is collective
     (every rank, same m, calls in the same order, never overlapping on one rank),
-    graph-capturable and allocates nothing.
+    graph-capturable and allocates nothing. `single_launch=True` runs the whole tail as one
+    kernel (publisher and reduction per token in one CTA), bitwise the same; every rank of a
+    group must choose the same. Its stage words are NEXT_STAGE and an arrival count (0 between
+    calls) instead of ACTIVE_STAGE.
     """
 
     def __init__(
@@ -609,6 +680,7 @@ class EpTail:
         enable_pdl: bool = True,
         timeout_ns: int = DEFAULT_TIMEOUT_NS,
         warm_up: bool = True,
+        single_launch: bool = False,
     ) -> None:
         transport = "multicast" if multicast_address is not None else "unicast"
         _require((peer_mailboxes is None) != (multicast_address is None), "give exactly one of peer_mailboxes and multicast_address")
@@ -624,12 +696,13 @@ class EpTail:
         self.weight_dtype = weight_dtype
         self.transport = transport
         self.fault = fault
+        self.single_launch = bool(single_launch)
         self._publisher = compile_publisher(
             width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
             weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-            transport=transport, enable_pdl=enable_pdl,
+            transport=transport, enable_pdl=enable_pdl, single_launch=single_launch, timeout_ns=timeout_ns,
         )
-        self._reduce = compile_reduce(
+        self._reduce = None if single_launch else compile_reduce(
             width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
         )
         # The fixed buffers are exported once; run converts only the per-call tensors.
@@ -649,15 +722,17 @@ class EpTail:
         CUDA loads modules lazily by default, and a kernel's first launch may wait for the device
         to go idle. Behind a peer's spinning reduction (virtual ranks sharing one GPU) that wait
         lasts until the peer times out, so the first launch happens here, touching no peer. The
-        scratch mailbox holds +0.0 everywhere, so the reduction finds every slot landed. The
-        multicast publisher is not warmed up (it can only store to a multicast address); it runs
-        one GPU per rank, where a first-launch wait only delays.
+        scratch mailbox holds +0.0 everywhere, so the reduction finds every slot landed (the single
+        launch publishes +0.0 into it, then finds the same). The multicast publisher is not warmed
+        up (it can only store to a multicast address); it runs one GPU per rank, where a
+        first-launch wait only delays.
         """
         scratch_box = torch.zeros(mailbox_shape(self.tp, self.capacity, self.width), dtype=torch.int16, device=device)
         stage = torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device)
         fault = torch.full((FAULT_WORDS,), FAULT_CLEAR, dtype=torch.int32, device=device)
         out = torch.empty(1, self.width, dtype=torch.bfloat16, device=device)
         stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+        scratch = (cute_view(scratch_box.view(-1), 16), cute_flat(out, 16, self.width), cute_view(fault, 16))
         if self.transport == "unicast":
             peers = torch.full((self.tp,), scratch_box.data_ptr(), dtype=torch.int64, device=device)
             rows = torch.zeros(1, self.width, dtype=torch.bfloat16, device=device)
@@ -666,10 +741,10 @@ class EpTail:
             self._publisher(
                 cute_flat(rows, 16, self.width), cute_flat(weights, weights.element_size(), self.top_k),
                 cute_flat(index, 4, self.top_k), self._gamma, cute_view(stage, 8), cute_view(peers, 8), Int64(0),
-                Int32(1), Int32(1), stream,
+                *scratch, Int32(1), Int32(1), stream,
             )
-        self._reduce(cute_view(scratch_box.view(-1), 16), cute_flat(out, 16, self.width), cute_view(stage, 8),
-                     cute_view(fault, 16), Int32(1), stream)
+        if self._reduce is not None:
+            self._reduce(scratch[0], scratch[1], cute_view(stage, 8), scratch[2], Int32(1), stream)
         torch.cuda.current_stream(device).synchronize()
         if int(fault[FAULT_RANK]) != FAULT_CLEAR:
             raise RuntimeError("EP tail warm-up: the reduction timed out on a scratch mailbox with every slot landed")
@@ -692,20 +767,24 @@ class EpTail:
         m = out.shape[0]
         if m == 0:
             return
-        stream = self._launch_publisher(unfinalized, out)
-        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+        stream, out_view = self._launch_publisher(unfinalized, out)
+        if self._reduce is not None:
+            self._reduce(self._mailbox, out_view, self._stage, self._fault, Int32(m), stream)
 
     def run_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
         """The publisher alone, for `musebench bench tail`'s per-kernel median (arguments as `run`;
         `out` only gives m and is not written). It leaves this rank's partials published in
         every peer's mailbox, which a later reduction would read as landed: every rank resets its
-        mailboxes (`DeviceMailbox.reset`, between two barriers) before the group's next `run`."""
+        mailboxes (`DeviceMailbox.reset`, between two barriers) before the group's next `run`.
+        ValueError for a single-launch tail (its publisher is the whole tail)."""
+        if self.single_launch:
+            raise ValueError("a single-launch EP tail has no separate publisher")
         if out.shape[0] != 0:
             self._launch_publisher(unfinalized, out)
 
-    def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> cuda.CUstream:
+    def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> tuple[cuda.CUstream, cute.Tensor]:
         """Check `run`'s arguments (ValueError before anything launches), launch the publisher on
-        the current stream and return that stream."""
+        the current stream; return that stream and `out` as the kernels take it."""
         m = out.shape[0]
         rows, weights, index = unfinalized.gemm2_permuted, unfinalized.route_weights, unfinalized.expanded_idx_to_permuted_idx
         if m > self.capacity:
@@ -719,6 +798,7 @@ class EpTail:
         if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.shape[1] != self.width or not rows.is_contiguous():
             raise ValueError(f"gemm2_permuted must be contiguous bfloat16 [rows, {self.width}]")
         stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+        out_view = cute_flat(out, 16, self.width)
         self._publisher(
             cute_flat(rows, 16, self.width),
             cute_flat(weights, weights.element_size(), self.top_k),
@@ -727,19 +807,24 @@ class EpTail:
             self._stage,
             self._peers,
             self._multicast,
+            self._mailbox,
+            out_view,
+            self._fault,
             Int32(m),
             Int32(rows.shape[0]),
             stream,
         )
-        return stream
+        return stream, out_view
 
     def launch_demands(self, m: int) -> list[LaunchDemand]:
-        """This rank's launches for m tokens (publisher, reduction), for the co-residency check."""
+        """This rank's launches for m tokens (publisher, reduction; or the single launch), for the
+        co-residency check."""
         threads = self._threads
-        return [
-            LaunchDemand(self._publisher, ctas=m, threads=threads, smem_bytes=self.top_k * (threads // WARP) * 4),
-            LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads),
-        ]
+        smem_bytes = self.top_k * (threads // WARP) * 4 + (GENERATION_SLOT_BYTES if self.single_launch else 0)
+        publisher = LaunchDemand(self._publisher, ctas=m, threads=threads, smem_bytes=smem_bytes)
+        if self._reduce is None:
+            return [publisher]
+        return [publisher, LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads)]
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, slot and generation if set."""

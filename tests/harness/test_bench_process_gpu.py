@@ -28,6 +28,7 @@ def test_two_processes_time_the_tail_and_the_stock_paths(mode, job_id):
         assert row.tail_us > 0 and row.baselines_us["finalize"] > 0
         if mode == "ep":  # the publisher alone, and the group re-armed after it (the next row passes)
             assert 0 < row.kernels_us["publisher"] and "reduce (call - publisher)" in row.kernels_us
+            assert row.kernels_us["single launch"] > 0, row.notes  # timed, and its bits checked
         if own_gpus:
             assert row.transport == "unicast" and row.stock_us > 0, row.notes
         else:

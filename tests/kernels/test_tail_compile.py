@@ -50,11 +50,13 @@ def _rank(tp: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def publisher_ptx(arch: str, tp: int, weight_dtype: str, before: bool, transport: str, pdl: bool) -> str:
+def publisher_ptx(arch: str, tp: int, weight_dtype: str, before: bool, transport: str, pdl: bool,
+                  single_launch: bool = False) -> str:
     compiled = tail.compile_publisher(
         width=WIDTH, top_k=TOP_K, tp=tp, rank=_rank(tp), capacity=CAPACITY, threads=THREADS,
         weight_before_norm=before, weight_dtype=weight_dtype, eps=1e-8, gain_center=1.0,
-        transport=transport, enable_pdl=pdl, arch=arch, ptx_dir=_DUMP,
+        transport=transport, enable_pdl=pdl, single_launch=single_launch, timeout_ns=1_000_000_000,
+        arch=arch, ptx_dir=_DUMP,
     )
     return _ptx_text(compiled)
 
@@ -338,6 +340,57 @@ def test_reduce_ptx(arch, tp, pdl):
     assert len(rearm) == tp
 
 
+# ---------------------------------------------------------------------------------------------
+# Single launch: the publisher, then its token's reduction in the same CTA.
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "nopdl"])
+@pytest.mark.parametrize("transport", ["unicast", "multicast"])
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_launch_ptx(arch, tp, transport, pdl):
+    ptx = publisher_ptx(arch, tp, "bf16", True, transport, pdl, single_launch=True)
+    alone = publisher_ptx(arch, tp, "bf16", True, transport, pdl)
+    ops = opcodes(ptx)
+    assert count(ptx, "griddepcontrol.wait") == count(ptx, "griddepcontrol.launch_dependents") == int(pdl)
+
+    # The publisher's arithmetic and stores are unchanged.
+    for opcode in ("fma.rn.f32", "mul.rn.f32", "rsqrt.approx.ftz.f32", "multimem.st.relaxed.sys.global.v4.bf16x2",
+                   "st.relaxed.sys.global.v4.u32"):
+        assert count(ptx, opcode) == count(alone, opcode), opcode
+    assert_rounding_is_explicit(ptx, approximate={"rsqrt.approx.ftz.f32"})
+
+    # The generation: thread 0 reads NEXT_STAGE once, arrives once (acq_rel), and shares it
+    # through shared memory behind one more barrier than the routes need.
+    assert count(ptx, "ld.volatile.global.u32") == 1
+    assert count(ptx, "atom.acq_rel.gpu.global.add.u32") == 1
+    assert count(ptx, "bar.sync") == count(alone, "bar.sync") + 1
+
+    # Its token's reduction, fragment by fragment: a bounded poll of the tp slots per trip,
+    # tp adds from +0.0 per element in rank order, a fault CAS and tp re-arm stores per trip.
+    assert_bounded_polling(ptx)
+    polling = [body for body in loops(ptx) if any("ld.volatile" in line for line in body)]
+    assert len(polling) == TRIPS
+    assert all(sum(1 for line in body if line.startswith("ld.volatile.global.v4.u32")) == tp for body in polling)
+    assert count(ptx, "add.rn.f32") == count(alone, "add.rn.f32") + TRIPS * 8 * tp
+    assert count(ptx, "cvt.rn.bf16x2.f32") == count(alone, "cvt.rn.bf16x2.f32") + TRIPS * 4
+    assert count(ptx, "atom.relaxed.gpu.global.cas.b32") == TRIPS
+    origins = Origins(ptx)
+    rearm = [line for line in instructions(ptx) if line.startswith("st.global.v4.u32")
+             and all(origins.value(reg.strip()) == SENTINEL_I32 & 0xFFFFFFFF for reg in _operands(line)[1].strip("{}").split(","))]
+    assert len(rearm) == TRIPS * tp
+    slot_bytes = CAPACITY * WIDTH * 2
+    sums = [chain for chain in chains(ptx, "add.rn.f32", link=1)
+            if len(chain) == tp and origins.value(chain[0][1]) == 0
+            and all(args[2] in origins.half for args in chain)]
+    assert len(sums) == TRIPS * 8
+    for chain in sums:
+        placed = [origins.element(args[2], through_mul=False) for args in chain]
+        assert [offset % (tp * slot_bytes) // slot_bytes for _, offset, _ in placed] == list(range(tp)), \
+            "ranks must be added in order"
+    assert not any(op.startswith("div.") for op in ops)
+
+
 def test_every_loop_that_polls_reads_the_timer_in_a_broken_example():
     """The loop check itself: a volatile poll without %globaltimer is caught."""
     bad = "$L__BB0_1:\n ld.volatile.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];\n @%p1 bra $L__BB0_1;\n"
@@ -348,6 +401,12 @@ def test_every_loop_that_polls_reads_the_timer_in_a_broken_example():
 
 
 def test_compile_cache_is_keyed_by_every_knob():
+    knobs = dict(tp=2, rank=0, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+                 transport="unicast", enable_pdl=True, arch="sm_90a")
+    publisher = tail.compile_publisher(**knobs)
+    assert tail.compile_publisher(**knobs, timeout_ns=5) is publisher  # the publisher alone never waits
+    single = tail.compile_publisher(**knobs, single_launch=True)
+    assert single is not publisher and tail.compile_publisher(**knobs, single_launch=True, timeout_ns=5) is not single
     a = tail.compile_reduce(tp=2, rank=0, capacity=4, enable_pdl=True, arch="sm_90a")
     assert tail.compile_reduce(tp=2, rank=0, capacity=4, enable_pdl=True, arch="sm_90a") is a
     assert tail.compile_reduce(tp=2, rank=1, capacity=4, enable_pdl=True, arch="sm_90a") is not a

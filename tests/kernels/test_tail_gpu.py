@@ -7,9 +7,11 @@ before anything waits, so the reductions overlap the publishers as on a real gro
 
 Expected values: `musebench.stock.ep.ep_tail_reference` on the same inputs with the GPU's own
 approximations (`hardware_approximations()`: the rsqrt bits). Outputs are poisoned first; the
-comparison is on raw bits (two NaNs of different payloads count as equal).
+comparison is on raw bits (-0.0 and NaN payloads count). The single-launch tail
+(`single_launch=True`) is held to the same reference, its stage words to its own layout.
 
-Last run: H200, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130: 265 passed in 157 s.
+Last run: H200, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 15f3cc4: 265
+passed in 97 s (before the single-launch tests existed).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ class VirtualGroup:
 
     def __init__(self, tp: int, norm_weight: torch.Tensor, *, weight_dtype: str, before: bool,
                  timeout_ns: int = tail.DEFAULT_TIMEOUT_NS, enable_pdl: bool = True, eps: float = 1e-8,
-                 gain_center: float = 1.0):
+                 gain_center: float = 1.0, single_launch: bool = False):
         device = torch.device("cuda")
         self.tp = tp
+        self.single_launch = single_launch
         self.mailboxes = [
             torch.full(tail.mailbox_shape(tp, CAPACITY, WIDTH), tail.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
             for _ in range(tp)
@@ -58,7 +61,7 @@ class VirtualGroup:
                 rank=rank, tp=tp, capacity=CAPACITY, mailbox=self.mailboxes[rank], stage=self.stages[rank],
                 fault=self.faults[rank], norm_weight=self.norm_weight, peer_mailboxes=self.peers,
                 weight_before_norm=before, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-                enable_pdl=enable_pdl, timeout_ns=timeout_ns,
+                enable_pdl=enable_pdl, timeout_ns=timeout_ns, single_launch=single_launch,
             )
             for rank in range(tp)
         ]
@@ -108,7 +111,8 @@ def _assert_clean(group: VirtualGroup, calls: int) -> None:
     assert group.fault_records() == [None] * group.tp, group.fault_records()
     for rank, box in enumerate(group.mailboxes):
         assert bool((box == tail.SENTINEL_BF16_BITS).all()), f"rank {rank}: mailbox not re-armed"
-    expected = [calls % tail.LAMPORT_GENERATIONS, (calls - 1) % tail.LAMPORT_GENERATIONS]
+    # two launches: NEXT_STAGE and ACTIVE_STAGE; one launch: NEXT_STAGE and its arrival count, back to 0
+    expected = [calls % tail.LAMPORT_GENERATIONS, 0 if group.single_launch else (calls - 1) % tail.LAMPORT_GENERATIONS]
     for rank, stage in enumerate(group.stages):
         assert stage.tolist() == expected, f"rank {rank}: stage words {stage.tolist()} after {calls} calls"
 
@@ -117,22 +121,30 @@ def _assert_clean(group: VirtualGroup, calls: int) -> None:
 # token count of decode; both route-weight dtypes and norm orders; random rows and the adversarial
 # family (-0.0 rows, subnormals, +-2^24 beside 1, overflowing squares, zero and tiny weights).
 PARITY = [
-    pytest.param(tp, m, dtype, norm, family, id=f"tp{tp}-m{m}-{dtype}-{norm}-{family}")
+    pytest.param(tp, m, dtype, norm, family, False, id=f"tp{tp}-m{m}-{dtype}-{norm}-{family}")
     for tp in (2, 3, 4, 8)
     for m in range(1, 9)
+    for dtype in ("bf16", "fp32")
+    for norm in ("before", "after")
+    for family in ("random", "adversarial")
+] + [  # the single launch: fewer token counts, the same regimes
+    pytest.param(tp, m, dtype, norm, family, True, id=f"single-launch-tp{tp}-m{m}-{dtype}-{norm}-{family}")
+    for tp in (2, 3, 8)
+    for m in (1, 5, 8)
     for dtype in ("bf16", "fp32")
     for norm in ("before", "after")
     for family in ("random", "adversarial")
 ]
 
 
-@pytest.mark.parametrize("tp, m, weight_dtype, norm, family", PARITY)
-def test_ep_tail_is_bitwise_the_reference(tp, m, weight_dtype, norm, family):
+@pytest.mark.parametrize("tp, m, weight_dtype, norm, family, single_launch", PARITY)
+def test_ep_tail_is_bitwise_the_reference(tp, m, weight_dtype, norm, family, single_launch):
     case = TailCase(mode="ep", tp=tp, tokens=m, weight_dtype=weight_dtype, norm=norm, inputs=family, seed=0)
     first = make_tail_inputs(case)
-    group = VirtualGroup(tp, first.norm_weight, weight_dtype=weight_dtype, before=case.weight_before_norm)
-    # Two calls back to back: the second reads generation 1 and relies on the first's re-arm.
-    for call, seed in enumerate((0, 1)):
+    group = VirtualGroup(tp, first.norm_weight, weight_dtype=weight_dtype, before=case.weight_before_norm,
+                         single_launch=single_launch)
+    # Three calls back to back: every generation once, each relying on the re-arms before it.
+    for call, seed in enumerate((0, 1, 2)):
         inputs = make_tail_inputs(case.with_seed(seed))
         inputs = type(inputs)(inputs.per_rank, first.norm_weight)  # gamma is bound to the group
         outs = [_poisoned(m) for _ in range(tp)]
@@ -144,15 +156,18 @@ def test_ep_tail_is_bitwise_the_reference(tp, m, weight_dtype, norm, family):
         _assert_clean(group, call + 1)
 
 
+@pytest.mark.parametrize("single_launch", [False, True], ids=["two-launches", "single-launch"])
 @pytest.mark.parametrize("enable_pdl", [True, False], ids=["pdl", "nopdl"])
-def test_many_calls_rotate_generations(enable_pdl):
+def test_many_calls_rotate_generations(enable_pdl, single_launch):
     case = TailCase(mode="ep", tp=3, tokens=5, weight_dtype="fp32", norm="before", inputs="random")
     gamma = make_tail_inputs(case).norm_weight
-    group = VirtualGroup(3, gamma, weight_dtype="fp32", before=True, enable_pdl=enable_pdl)
+    group = VirtualGroup(3, gamma, weight_dtype="fp32", before=True, enable_pdl=enable_pdl, single_launch=single_launch)
     for call in range(10):
+        m = 1 + call % CAPACITY  # the grid changes with m; the generation (and the arrival count) runs on
+        case = TailCase(mode="ep", tp=3, tokens=m, weight_dtype="fp32", norm="before", inputs="random")
         inputs = make_tail_inputs(case.with_seed(100 + call))
         inputs = type(inputs)(inputs.per_rank, gamma)
-        outs = [_poisoned(5) for _ in range(3)]
+        outs = [_poisoned(m) for _ in range(3)]
         group.launch([_on_gpu(u) for u in inputs.per_rank], outs)
         torch.cuda.synchronize()
         want = _reference(inputs, case)
@@ -172,12 +187,14 @@ def test_empty_batch_launches_nothing():
     assert group.fault_records() == [None, None]
 
 
+@pytest.mark.parametrize("single_launch", [False, True], ids=["two-launches", "single-launch"])
 @pytest.mark.parametrize("tp, missing", [(2, 1), (3, 1), (8, 0)])
-def test_missing_rank_records_a_fault_instead_of_hanging(tp, missing):
+def test_missing_rank_records_a_fault_instead_of_hanging(tp, missing, single_launch):
     m = 3
     case = TailCase(mode="ep", tp=tp, tokens=m)
     inputs = make_tail_inputs(case)
-    group = VirtualGroup(tp, inputs.norm_weight, weight_dtype="bf16", before=True, timeout_ns=SHORT_TIMEOUT_NS)
+    group = VirtualGroup(tp, inputs.norm_weight, weight_dtype="bf16", before=True, timeout_ns=SHORT_TIMEOUT_NS,
+                         single_launch=single_launch)
     outs = [_poisoned(m) for _ in range(tp)]
     started = time.monotonic()
     group.launch([_on_gpu(u) for u in inputs.per_rank], outs, skip=(missing,), hold_ns=HOLD_NS)
@@ -195,14 +212,17 @@ def test_missing_rank_records_a_fault_instead_of_hanging(tp, missing):
         assert bool((outs[rank].view(torch.int16) == POISON_BITS).all()), f"rank {rank} wrote output without rank {missing}"
         with pytest.raises(RuntimeError, match=f"rank {rank} timed out waiting for rank {missing}"):
             group.tails[rank].check_fault()
+        if single_launch:  # the generation advanced anyway and the arrival count is back to 0
+            assert group.stages[rank].tolist() == [1, 0]
 
 
+@pytest.mark.parametrize("single_launch", [False, True], ids=["two-launches", "single-launch"])
 @pytest.mark.parametrize("tp", [2, 3, 8])
-def test_graph_of_back_to_back_calls_replays_bitwise(tp):
+def test_graph_of_back_to_back_calls_replays_bitwise(tp, single_launch):
     calls, replays, m = 10, 100, 4
     case = TailCase(mode="ep", tp=tp, tokens=m, weight_dtype="bf16", norm="before", inputs="random")
     gamma = make_tail_inputs(case).norm_weight
-    group = VirtualGroup(tp, gamma, weight_dtype="bf16", before=True)
+    group = VirtualGroup(tp, gamma, weight_dtype="bf16", before=True, single_launch=single_launch)
 
     # Static input buffers, sized for the most rows a rank can hold (every route local).
     rows = [torch.zeros(m * TOP_K, WIDTH, dtype=torch.bfloat16, device="cuda") for _ in range(tp)]
