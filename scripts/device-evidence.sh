@@ -28,7 +28,7 @@ run() {  # run NAME SECONDS COMMAND...: append to the log, remember a failure, k
   local name=$1 limit=$2; shift 2
   local started=$SECONDS
   echo "== $name: $*" | tee -a "$log"
-  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  timeout -s "${RUN_SIGNAL:-TERM}" -k 20 "$limit" "$@" >> "$log" 2>&1
   local code=$?
   [ $code -eq 0 ] || { echo "   $name failed with code $code (see $part.log)" | tee -a "$log"; status=1; }
   echo "   $name took $((SECONDS - started)) s" | tee -a "$log"
@@ -59,7 +59,8 @@ gpu_tests() {  # gpu_tests NAME SECONDS PATHS...: pytest -m gpu with JUnit; one 
   local name=$1 limit=$2; shift 2
   local per_test=()  # pytest-timeout, where installed: a stuck test fails and the summary is still written
   python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "${TEST_TIMEOUT:-240}")
-  run "$name" "$limit" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
+  # SIGINT at the limit: pytest stops its workers and still writes the summary and the JUnit file
+  RUN_SIGNAL=INT run "$name" "$limit" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
     "${per_test[@]}" --durations 15 --junitxml "$out/$name.xml" "$@"
 }
 case $part in
