@@ -167,11 +167,13 @@ def _is_reporting_rank() -> bool:
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
 @click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default="auto", show_default=True)
+@click.option("--ep-launch", type=click.Choice(["two", "single"]), default="two", show_default=True,
+              help="The cute EP tail as two kernels (publisher, reduction) or one (rows: ep_tail_single).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
 def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
-         timeout, nsm, transport, json_path, junit_path, inject) -> None:
+         timeout, nsm, transport, ep_launch, json_path, junit_path, inject) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
     from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.driver import Faults
@@ -189,6 +191,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
             timeout_s=timeout, stock=stock, nsm=nsm, transport=transport, faults=Faults.parse(inject),
+            ep_launch=ep_launch,
         )
     except ValueError as error:
         _usage_error(str(error))

@@ -7,8 +7,8 @@
 #   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu` outside
 #               tests/kernels (harness, launcher, stock, CLI)
 #   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels)
-#   records     the one-GPU records: tail --tp 8, tail --tp 4 --launcher torchrun, parity,
-#               bench tail (virtual ranks), routing --tp 8, bench routing
+#   records     the one-GPU records: tail --tp 8 (and its EP tail as one kernel), tail --tp 4
+#               --launcher torchrun, parity, bench tail (virtual ranks), routing --tp 8, bench routing
 #   routing     the routing kernel's GPU tests, routing --tp 8 and bench routing
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
 #               tp = GPUs, two processes per GPU, and the fault runs (a killed and a silent rank)
@@ -77,6 +77,8 @@ case $part in
   records)
     run tail-tp8 130 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"
     run tail-tp4-torchrun 120 musebench tail --tp 4 --launcher torchrun --json "$out/$day-$gpu-tail-tp4-torchrun.json"
+    run tail-tp8-single 120 musebench tail --tp 8 --mode ep --ep-launch single --inputs random,adversarial \
+      --json "$out/$day-$gpu-tail-tp8-single-launch.json"
     run bench-tail 200 musebench bench tail --tp 2,4,8 --tokens 1,2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
@@ -94,8 +96,11 @@ case $part in
     run tail-own-gpu 150 musebench tail --tp "$gpus" --launcher torchrun --inputs random,adversarial \
       --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun.json"
     strays
-    run bench-own-gpu 150 musebench bench tail --tp "$gpus" --launcher torchrun --weights bf16,fp32 \
+    run bench-own-gpu 200 musebench bench tail --tp "$gpus" --launcher torchrun --weights bf16,fp32 \
       --json "$out/$day-${gpus}x$gpu-bench-tail-tp$gpus-torchrun.json"
+    strays
+    run tail-own-gpu-single 120 musebench tail --tp "$gpus" --launcher torchrun --mode ep --ep-launch single \
+      --inputs random,adversarial --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun-single-launch.json"
     strays
     run tail-two-per-gpu 120 musebench tail --tp $((2 * gpus)) --launcher torchrun --inputs random,adversarial \
       --tokens 1,2,8 --json "$out/$day-${gpus}x$gpu-tail-tp$((2 * gpus))-torchrun.json"

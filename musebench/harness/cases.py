@@ -26,6 +26,7 @@ MODES = ("ep", "tp")
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NORM_ORDERS = ("before", "after")
 INPUT_FAMILIES = ("random", "adversarial")
+EP_LAUNCHES = ("two", "single")  # the cute EP tail: publisher + reduction, or one kernel
 
 
 @dataclass(frozen=True)

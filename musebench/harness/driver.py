@@ -73,6 +73,7 @@ class RunOptions:
     nsm: int = DEFAULT_NSM
     transport: str = "auto"  # requested: auto | unicast | multicast (multicast: GB200 racks only)
     faults: Faults = field(default_factory=Faults)
+    ep_launch: str = "two"  # the cute EP tail: "two" kernels (publisher, reduction) or a "single" one
 
 
 @dataclass
@@ -196,7 +197,8 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
             rank=rank, tp=case.tp, capacity=box.capacity, mailbox=box.words, stage=box.stage, fault=box.fault,
             norm_weight=inputs.norm_weight.to(box.words.device), peer_mailboxes=box.peer_table,
             weight_before_norm=case.weight_before_norm, weight_dtype=case.weight_dtype, eps=case.eps,
-            gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9), single_launch=single_launch,
+            gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9),
+            single_launch=single_launch or options.ep_launch == "single",
         )
     if options.backend != "cpu":
         raise ValueError(f"unknown backend {options.backend!r}")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from musebench.harness.cases import TailCase, tail_cases
+from musebench.harness.cases import EP_LAUNCHES, TailCase, tail_cases
 from musebench.harness.driver import DEFAULT_NSM, Faults, RunOptions
 from musebench.harness.results import CaseResult, RunReport, SkippedRun
 from musebench.harness.scenario import (
@@ -108,6 +108,7 @@ def resolve_backend(requested: str) -> tuple[str, str]:
 
 
 TRANSPORTS = ("auto", "unicast", "multicast")
+SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the EP tail run as one kernel (--ep-launch single)
 
 
 def check_transport(transport: str, backend: str, launcher: str) -> None:
@@ -147,6 +148,7 @@ def make_tail_job(
     transport: str = "auto",
     faults: Faults = Faults(),
     check_machine: bool = True,
+    ep_launch: str = "two",
 ) -> TailJob:
     """Validate everything and build the job; ValueError names the first bad value.
 
@@ -159,6 +161,8 @@ def make_tail_job(
     validate_tokens(tuple(tokens), capacity)
     if launcher not in ("virtual", "torchrun"):
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
+    if ep_launch not in EP_LAUNCHES:
+        raise ValueError(f"ep_launch must be one of {', '.join(EP_LAUNCHES)}, got {ep_launch!r}")
     if stock != "reference":
         raise ValueError(f"stock {stock!r} needs its package and a GPU; on this build use --stock reference")
     if iters < 1 or warmup < 0:
@@ -172,6 +176,9 @@ def make_tail_job(
     if check_machine:
         resolved, note = resolve_backend(backend)
         check_transport(transport, resolved, launcher)
+        if ep_launch == "single" and resolved != "cute":
+            raise ValueError(f"the single-launch EP tail is a cute kernel; the {resolved} backend has only one EP tail "
+                             "(--ep-launch two)")
         if resolved == "cute" and launcher == "virtual" and faults.hang_rank is not None:
             raise ValueError("a hung virtual rank cannot be stopped on the GPU; inject hang with --launcher torchrun "
                              "or --backend cpu")
@@ -182,7 +189,7 @@ def make_tail_job(
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
         nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm, transport=transport, faults=faults)
+                         stock=stock, nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch)
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
 
 
@@ -293,7 +300,7 @@ def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, over
                 weights=run.weights, norms=run.norm, inputs=run.inputs, seeds=run.seeds,
                 launcher=overrides.get("launcher") or run.launcher, backend=backend,
                 transport=overrides.get("transport") or run.transport, iters=run.iters, warmup=run.warmup,
-                timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine,
+                timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine, ep_launch=run.ep_launch,
             ))
     return jobs
 
@@ -305,11 +312,25 @@ def run_job(job: TailJob | RoutingJob, on_case: Callable[[CaseResult], None] | N
     from musebench.harness import launch
     from musebench.harness.driver import run_virtual
 
+    if job.options.ep_launch == "single":  # its rows are told apart from the two launches'
+        inner = on_case
+
+        def on_case(row: CaseResult) -> None:
+            if row.kernel == "ep_tail":
+                row.kernel = SINGLE_LAUNCH_KERNEL
+            if inner is not None:
+                inner(row)
     if job.options.launcher == "virtual":
-        return run_virtual(job.cases, job.options, on_case)
-    if launch.in_torchrun_job():
-        return launch.run_in_job(job.cases, job.options, on_case)
-    return launch.run_torchrun(job.cases, job.options, on_case)
+        rows = run_virtual(job.cases, job.options, on_case)
+    elif launch.in_torchrun_job():
+        rows = launch.run_in_job(job.cases, job.options, on_case)
+    else:
+        rows = launch.run_torchrun(job.cases, job.options, on_case)
+    if job.options.ep_launch == "single":
+        for row in rows:
+            if row.kernel == "ep_tail":
+                row.kernel = SINGLE_LAUNCH_KERNEL
+    return rows
 
 
 def _run_routing_job(job: RoutingJob, on_case: Callable[[CaseResult], None] | None) -> list[CaseResult]:

@@ -20,6 +20,7 @@ a single value):
     norm      ["before","after"]
     launcher  "virtual" | "torchrun"
     transport "auto" | "unicast" | "multicast"
+    ep_launch "two" | "single"   the cute EP tail as two kernels (default) or one
     iters, warmup  int;  timeout  float seconds;  nsm  int
 
     kernel = "routing" (`musebench routing`'s options; defaults in `_ROUTING_DEFAULTS`: tp 8,
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from musebench import config
-from musebench.harness.cases import INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
+from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
 from musebench.routing_metadata import TILE_N_MAX
 
 MIN_TP, MAX_TP = 2, 32
@@ -72,6 +73,7 @@ _SCALAR_KEYS = {
     "launcher": str,
     "backend": str,
     "transport": str,
+    "ep_launch": str,
     "iters": int,
     "warmup": int,
     "timeout": (int, float),
@@ -82,11 +84,12 @@ _CHOICES = {
     "launcher": ("virtual", "torchrun"),
     "backend": ("auto", "cpu", "cute"),
     "transport": ("auto", "unicast", "multicast"),
+    "ep_launch": EP_LAUNCHES,
 }
 _COMMON_KEYS = frozenset({"name", "kernel", "tp", "inputs", "seeds", "backend"})
 _KERNEL_KEYS = {
     "tail": _COMMON_KEYS | {"modes", "tokens", "capacity", "weights", "norm", "launcher", "transport", "iters",
-                            "warmup", "timeout", "nsm"},
+                            "warmup", "timeout", "nsm", "ep_launch"},
     "routing": _COMMON_KEYS | {"tokens", "tile", "renormalize"},
 }
 _TAIL_DEFAULTS: dict[str, Any] = {
@@ -102,6 +105,7 @@ _TAIL_DEFAULTS: dict[str, Any] = {
     "launcher": "virtual",
     "backend": "auto",
     "transport": "auto",
+    "ep_launch": "two",
     "iters": 3,
     "warmup": 1,
     "timeout": 10.0,
@@ -145,6 +149,7 @@ class ScenarioRun:
     warmup: int
     timeout: float
     nsm: int | None
+    ep_launch: str = "two"
 
 
 @dataclass(frozen=True)
@@ -244,7 +249,7 @@ def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], sourc
         tp=values["tp"], tokens=values["tokens"], capacity=values["capacity"], weights=values["weights"],
         norm=values["norm"], inputs=values["inputs"], seeds=values["seeds"], launcher=values["launcher"],
         backend=values["backend"], transport=values["transport"], iters=values["iters"], warmup=values["warmup"], timeout=float(values["timeout"]),
-        nsm=values.get("nsm"),
+        nsm=values.get("nsm"), ep_launch=values["ep_launch"],
     )
 
 

@@ -1,4 +1,4 @@
-"""Routing jobs: where they run, where they are skipped (and say why), where they are refused."""
+"""Routing jobs: where they run, where they are skipped (and say why), where they are refused; the\nEP tail's launch choice of tail jobs."""
 
 from __future__ import annotations
 
@@ -136,3 +136,40 @@ def test_a_routing_job_passes_on_this_gpu():
         pytest.skip(job.skip_reason)
     rows = jobs.run_job(job)
     assert len(rows) == len(job.cases) and all(row.passed for row in rows), [row.error for row in rows]
+
+
+def _tail_job(**overrides) -> jobs.TailJob:
+    fields = dict(name="tail (tp=2)", tp=2, modes=("ep", "tp"), tokens=(1,), capacity=8, weights=("bf16",),
+                  norms=("before",), inputs=("random",), seeds=(0,), launcher="virtual", backend="cpu", iters=1,
+                  warmup=0, timeout_s=1.0)
+    fields.update(overrides)
+    return jobs.make_tail_job(**fields)
+
+
+def test_the_single_launch_ep_tail_needs_the_cute_backend(no_gpu):
+    with pytest.raises(ValueError, match="ep_launch must be one of two, single"):
+        _tail_job(ep_launch="one")
+    with pytest.raises(ValueError, match="single-launch EP tail is a cute kernel"):
+        _tail_job(ep_launch="single")
+    assert _tail_job(ep_launch="single", backend="cute", nsm=132, check_machine=False).options.ep_launch == "single"
+
+
+def test_single_launch_rows_are_told_apart(gpu_with_dsl, monkeypatch):
+    from musebench.harness import driver
+
+    monkeypatch.setattr(jobs, "check_transport", lambda *args: None)
+    monkeypatch.setattr(jobs, "gpu_sm_count", lambda: 132)
+    seen = []
+
+    def fake_run_virtual(cases, options, on_case):
+        assert options.ep_launch == "single"
+        rows = [CaseResult(kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype="bf16",
+                           norm="before", inputs="random", seed=0, backend="cute", launcher="virtual",
+                           transport="local", stock="reference") for case in cases]
+        for row in rows:
+            on_case(row)
+        return rows
+
+    monkeypatch.setattr(driver, "run_virtual", fake_run_virtual)
+    rows = jobs.run_job(_tail_job(backend="cute", ep_launch="single"), on_case=lambda row: seen.append(row.kernel))
+    assert [row.kernel for row in rows] == seen == ["ep_tail_single", "tp_tail"]

@@ -82,6 +82,8 @@ def test_defaults_kernel_routing_makes_every_run_routing(tmp_path):
         ('kernel = "routing"\nbackend = "triton"', "run 1: backend 'triton' is not one of auto, cpu, cute"),
         ('kernel = "attention"', "run 1: kernel 'attention' is not one of tail, routing"),
         ('kernel = "routing"\ncolour = "red"', "run 1: unknown key 'colour'"),
+        ('ep_launch = "three"', "run 1: ep_launch 'three' is not one of two, single"),
+        ('kernel = "routing"\nep_launch = "single"', "run 1: key 'ep_launch' belongs to tail runs"),
     ],
 )
 def test_defects_name_file_run_and_key(tmp_path, run_text, message):
@@ -104,3 +106,8 @@ def test_the_projects_scenario_files_load():
     nightly = load_scenario("scenarios/gb200-nightly.toml")
     assert any(isinstance(run, RoutingScenarioRun) for run in nightly)
     assert all(isinstance(run, ScenarioRun) for run in load_scenario("scenarios/gpu-ep.toml"))
+
+
+def test_a_tail_run_picks_its_ep_launch(tmp_path):
+    two, single = _load(tmp_path, '[[run]]\ntp = [2]\n[[run]]\ntp = [2]\nep_launch = "single"\n')
+    assert (two.ep_launch, single.ep_launch) == ("two", "single")
