@@ -6,7 +6,8 @@
 # (pass the commit from this machine: the device copy has no .git). PART:
 #   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu` outside
 #               tests/kernels (harness, launcher, stock, CLI)
-#   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels)
+#   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels); paths given
+#               after the part replace tests/kernels
 #   records     the one-GPU records: tail --tp 8 (and its EP tail as one kernel), tail --tp 4
 #               --launcher torchrun, parity, bench tail (virtual ranks), routing --tp 8, bench routing
 #   routing     the routing kernel's GPU tests, routing --tp 8 and bench routing
@@ -71,8 +72,9 @@ case $part in
     run env 120 musebench env --json "$out/$day-$gpu-env.json"
     gpu_tests pytest-gpu "${PYTEST_LIMIT:-480}" --ignore tests/kernels
     ;;
-  kernels)
-    gpu_tests pytest-gpu-kernels "${PYTEST_LIMIT:-540}" tests/kernels
+  kernels)  # optional paths after the part narrow it (default: all of tests/kernels)
+    shift
+    gpu_tests pytest-gpu-kernels "${PYTEST_LIMIT:-540}" "${@:-tests/kernels}"
     ;;
   records)
     run tail-tp8 130 musebench tail --tp 8 --inputs random,adversarial --json "$out/$day-$gpu-tail-tp8.json"

@@ -48,3 +48,17 @@ def test_co_residency_is_checked_before_launching():
     fits, runs in the parity test above)."""
     row = run_virtual([TailCase(mode="tp", tp=32, tokens=8)], RunOptions(**CUTE))[0]
     assert not row.passed and "cannot all be resident" in row.error and "--launcher torchrun" in row.error
+
+
+def test_the_single_launch_ep_tail_passes_and_its_faults_are_caught():
+    """`--ep-launch single`: the same parity, a flipped bit and a silent rank caught the same way."""
+    single = dict(CUTE, ep_launch="single")
+    cases = [TailCase(mode="ep", tp=3, tokens=m, weight_dtype=w, norm=n, inputs=family)
+             for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
+    for row in run_virtual(cases, RunOptions(**single)):
+        assert row.passed, (row.key, row.error, row.first_mismatch)
+    flipped = run_virtual([TailCase(mode="ep", tp=2, tokens=2)], RunOptions(**single, faults=Faults(flip_rank=1)))[0]
+    assert flipped.mismatches == 1 and flipped.first_mismatch.rank == 1
+    silent = run_virtual([TailCase(mode="ep", tp=4, tokens=2)], RunOptions(**single, faults=Faults(silent_rank=2)))[0]
+    assert not silent.passed and "never published" in silent.error
+    assert any("waiting for rank 2" in (r.error or "") for r in silent.ranks)

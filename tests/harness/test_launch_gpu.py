@@ -34,3 +34,13 @@ def test_a_process_killed_mid_run_ends_the_job(job_id):
     rows = launch.run_torchrun([TailCase(mode="ep", tp=4, tokens=2)],
                                RunOptions(**{**CUTE, "timeout_s": 1.0}, faults=Faults(exit_rank=2)))
     assert not rows[0].passed and "rank 2 exited with code 17" in rows[0].error
+
+
+def test_the_single_launch_ep_tail_across_processes(job_id):
+    cases = [TailCase(mode="ep", tp=4, tokens=m, weight_dtype=w, norm=n, inputs=family)
+             for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
+    for row in launch.run_torchrun(cases, RunOptions(**CUTE, ep_launch="single")):
+        assert row.passed, (row.key, row.error, row.first_mismatch)
+    silent = launch.run_torchrun([TailCase(mode="ep", tp=4, tokens=2)],
+                                 RunOptions(**{**CUTE, "timeout_s": 1.0}, ep_launch="single", faults=Faults(silent_rank=3)))
+    assert not silent[0].passed and "rank 3" in silent[0].error
