@@ -88,7 +88,8 @@ case $part in
     run parity 150 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
     ;;
   routing)
-    gpu_tests pytest-routing 300 tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py tests/harness/test_routing.py
+    gpu_tests pytest-routing 300 tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py \
+      tests/stock/test_triton_metadata.py tests/harness/test_routing.py
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"

@@ -130,7 +130,9 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
 
 
 def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseResult]:
-    """Graph-timed rows: the kernel alone, with metadata (rank 0's range), and the Triton stock.
+    """Graph-timed rows: the kernel alone, with metadata (rank 0's range), the Triton stock, and
+    the Triton stock followed by a separate metadata pass (`stock.triton_metadata`): the path
+    without musebench's fused metadata. `stock_us` of every row is the Triton stock alone.
 
     Outputs are poisoned before each variant and checked after its replays: ids and weights
     against the reference with the hardware's approximations, the metadata's live words against
@@ -138,6 +140,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
     """
     from musebench.kernels.routing import metadata_size, prepare, route
     from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
+    from musebench.stock.triton_metadata import triton_metadata
     from musebench.stock.triton_routing import triton_routing
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -159,6 +162,10 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
         "routing+metadata": lambda: route(logits, bias, ids, weights, ROUTE_SCALE, metadata=metadata,
                                           local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
         "triton stock": lambda: triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
+        "triton stock+metadata": lambda: (
+            triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
+            triton_metadata(ids, metadata, local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
+        ),
     }
     rows = []
     stream = torch.cuda.Stream(device)
@@ -181,7 +188,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
             row.tail_us = _median_replay_us(graph, stream, options)
             checked = RankResult(rank=0)
             pairs = [(ids, want_ids), (weights, want_weights)]
-            if name == "routing+metadata":
+            if name.endswith("+metadata"):
                 pairs.append((metadata, want_metadata))
             for got, want in pairs:
                 _compare(got, want, 0, checked)
@@ -190,7 +197,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
         except Exception as error:
             row.error = f"{type(error).__name__}: {error}"
         rows.append(row)
-    stock = rows[-1].tail_us
+    stock = next(row.tail_us for row in rows if row.kernel == "triton stock")
     for row in rows:
         row.stock_us = stock
     return rows

@@ -39,3 +39,17 @@ def test_routing_case_passes_on_every_rank(renormalize, inputs):
     for tokens in (1, 5, 8):
         row = run_routing_case(RoutingCase(tp=8, tokens=tokens, tile_n=8, renormalize=renormalize, inputs=inputs))
         assert row.passed, (row.error, row.first_mismatch)
+
+
+@pytest.mark.gpu
+def test_bench_routing_rows_are_timed_and_checked():
+    """Every variant, the Triton stock followed by its separate metadata pass included, is timed
+    and its outputs (metadata too where it writes them) checked against the reference."""
+    from musebench.harness.bench import BenchOptions
+    from musebench.harness.routing import bench_routing
+
+    rows = bench_routing(2, 8, BenchOptions(calls=3, replays=3))
+    assert [row.kernel for row in rows] == ["routing", "routing+metadata", "triton stock", "triton stock+metadata"]
+    for row in rows:
+        assert row.passed and row.tail_us > 0, (row.kernel, row.error, row.first_mismatch)
+        assert row.stock_us == rows[2].tail_us
