@@ -10,7 +10,8 @@
 #               after the part replace tests/kernels
 #   records     the one-GPU records: tail --tp 8 (and its EP tail as one kernel), tail --tp 4
 #               --launcher torchrun, parity, bench tail (virtual ranks), routing --tp 8, bench routing
-#   routing     the routing kernel's GPU tests, routing --tp 8 and bench routing
+#   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
+#               durations of scripts/profile-routing.py
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
 #               tp = GPUs, two processes per GPU, and the fault runs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
@@ -93,6 +94,12 @@ case $part in
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
+    # kernel durations (Nsight Compute, where it reads the counters): inside the GPU vs the whole call
+    if command -v ncu > /dev/null; then
+      run ncu-routing 180 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/profile-routing.py
+    else
+      echo "== ncu-routing: no ncu on this machine" | tee -a "$log"
+    fi
     ;;
   multi-gpu)
     [ "$gpus" -ge 2 ] || { echo "multi-gpu needs 2+ GPUs, found $gpus"; exit 2; }
