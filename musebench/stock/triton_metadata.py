@@ -21,8 +21,9 @@ Algorithm (b <= 8 tokens, so at most 64 routes and at most 8 routes of one exper
 Words past the live ones are not written.
 
 Triton is imported inside the functions: this module imports on a CPU-only host. Bit-equality with
-the reference is checked by tests/stock/test_triton_metadata.py (the twin on CPU, the kernel on a
-GPU).
+the reference is checked by tests/stock/test_triton_metadata.py: the twin on CPU, the kernel in
+Triton's CPU interpreter where Triton imports (2026-11-29, Triton 3.6: 240 cases exact, dead
+words and a guard untouched), and compiled on a GPU (not yet run).
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ def _kernel() -> Any:
         MAX_ROUTES: tl.constexpr,
         MAX_TILES: tl.constexpr,
         ROW_BLOCK: tl.constexpr,
+        MAX_ROWS: tl.constexpr,
     ):
         routes = tl.arange(0, MAX_ROUTES)
         live = routes < num_routes
@@ -157,7 +159,7 @@ def _kernel() -> Any:
         owner = experts[:, None] - local_expert_offset + j[None, :] * 0
         tl.store(out_ptr + cta_to_expert_offset + tile, owner, mask=valid)
         tl.store(out_ptr + cta_row_limit_offset + tile, limit, mask=valid)
-        for start in range(0, padded, ROW_BLOCK):
+        for start in tl.static_range(0, MAX_ROWS, ROW_BLOCK):  # the layout's bound on padded, masked to it
             rows = start + tl.arange(0, ROW_BLOCK)
             tl.store(out_ptr + permuted_to_token_offset + rows, tl.full([ROW_BLOCK], -1, tl.int32), mask=rows < padded)
         tl.debug_barrier()  # the padding fill is ordered before the routed rows (bar.sync)
@@ -179,6 +181,6 @@ def triton_metadata(ids: torch.Tensor, out: torch.Tensor, *, local_expert_offset
         offsets["expanded_to_permuted"], offsets["cta_to_expert"], offsets["cta_row_limit"],
         offsets["permuted_to_token"],
         TOP_K=config.TOP_K, NUM_EXPERTS=config.NUM_EXPERTS, MAX_ROUTES=MAX_ROUTES, MAX_TILES=MAX_TILES_PER_EXPERT,
-        ROW_BLOCK=ROW_BLOCK, num_warps=NUM_WARPS,
+        ROW_BLOCK=ROW_BLOCK, MAX_ROWS=layout.max_padded_rows(), num_warps=NUM_WARPS,
     )
     return out

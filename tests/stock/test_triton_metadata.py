@@ -1,10 +1,17 @@
 """The separate metadata pass (the bench's stock path for metadata) against the reference.
 
-On CPU its torch twin, step for step; on a GPU the Triton kernel itself. Both must give the live
-words of `pack_metadata(routing_metadata_reference(...))` and leave every other word untouched.
+On CPU its torch twin, step for step, and, where Triton imports, the kernel in Triton's
+interpreter (run so on 2026-11-29 with Triton 3.6: 240 cases exact); on a GPU the kernel
+compiled. Each must give the live words of `pack_metadata(routing_metadata_reference(...))` and
+leave every other word untouched.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +86,31 @@ def test_bad_arguments_are_refused():
         metadata_pass_torch(ids, out, local_expert_offset=250, num_local_experts=8, tile_n=8)
     with pytest.raises(ValueError, match="tile_n"):
         metadata_pass_torch(ids, out, local_expert_offset=0, num_local_experts=8, tile_n=0)
+
+
+INTERPRETED = [(1, 8, "rank0of8"), (8, 1, "all"), (8, 256, "narrow"), (5, 3, "rank5of8")]
+
+
+def check_interpreted() -> None:
+    """The Triton kernel on CPU tensors; run in a process started with TRITON_INTERPRET=1 (Triton
+    reads it when it is first imported)."""
+    from musebench.stock.triton_metadata import triton_metadata
+
+    for b, tile_n, ranges in INTERPRETED:
+        offset, count = _range(ranges)
+        for seed in (0, 1):
+            for clustered in (False, True):
+                _check_pass(triton_metadata, _ids(b, seed, clustered=clustered), tile_n, offset, count)
+
+
+def test_the_triton_pass_in_its_interpreter_is_the_reference():
+    """Where Triton imports (not in CI): the kernel itself, in Triton's CPU interpreter."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", "import tests.stock.test_triton_metadata as t; t.check_interpreted()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.gpu
