@@ -17,10 +17,8 @@ from __future__ import annotations
 import torch
 
 from musebench import config
-from musebench.harness.routing import ROUTE_SCALE, RoutingCase, local_experts, make_routing_inputs
-from musebench.kernels.routing import metadata_size, prepare, route
-from musebench.stock.triton_metadata import triton_metadata
-from musebench.stock.triton_routing import triton_routing
+from musebench.harness.routing import RoutingCase, local_experts, make_routing_inputs, routing_paths
+from musebench.kernels.routing import metadata_size, prepare
 
 LAUNCHES = 3  # per path and batch, after one warm-up launch
 TILE_N = 8
@@ -35,16 +33,8 @@ def main() -> None:
         ids = torch.empty(tokens, config.TOP_K, dtype=torch.int32, device=device)
         weights = torch.empty(tokens, config.TOP_K, dtype=torch.float32, device=device)
         metadata = torch.empty(metadata_size(TILE_N), dtype=torch.int32, device=device)
-        paths = {
-            "routing": lambda: route(logits, bias, ids, weights, ROUTE_SCALE),
-            "routing+metadata": lambda: route(logits, bias, ids, weights, ROUTE_SCALE, metadata=metadata,
-                                              local_expert_offset=offset, num_local_experts=count, tile_n=TILE_N),
-            "triton stock": lambda: triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
-            "triton stock+metadata": lambda: (
-                triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
-                triton_metadata(ids, metadata, local_expert_offset=offset, num_local_experts=count, tile_n=TILE_N),
-            ),
-        }
+        paths = routing_paths(logits, bias, ids, weights, metadata, local_expert_offset=offset,
+                              num_local_experts=count, tile_n=TILE_N)
         for name, call in paths.items():
             call()  # compiles and loads outside the profiled launches' count
             torch.cuda.synchronize()

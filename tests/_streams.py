@@ -14,3 +14,20 @@ def hold_current_stream(ns: int) -> None:
     loading, a loaded CPU) cannot make a live rank look missing to a short device timeout."""
     if ns > 0:
         torch.cuda._sleep(ns * _CYCLES_PER_NS)
+
+
+def launch_ranks(tails, streams: list[torch.cuda.Stream], per_rank, outs, *, skip: tuple[int, ...] = (),
+                 hold_ns: int = 0) -> None:
+    """Every virtual rank's `tails[rank].run(per_rank[rank], outs[rank])` on its own stream, forked
+    from and joined back to the current one; ranks in `skip` never launch; `hold_ns` holds the
+    current stream first (`hold_current_stream`), so that every rank starts at once."""
+    origin = torch.cuda.current_stream()
+    hold_current_stream(hold_ns)
+    for rank, tail in enumerate(tails):
+        if rank in skip:
+            continue
+        streams[rank].wait_stream(origin)
+        with torch.cuda.stream(streams[rank]):
+            tail.run(per_rank[rank], outs[rank])
+    for stream in streams:
+        origin.wait_stream(stream)

@@ -32,6 +32,7 @@ from musebench.harness.results import CaseResult, RankResult
 
 # The EP reduction is timed only behind its publisher (alone it would wait on slots nobody fills):
 # its exposed time is the call's median minus the publisher's.
+PUBLISHER = "publisher"  # the EP publishers alone
 REDUCE_EXPOSED = "reduce (call - publisher)"
 SINGLE_LAUNCH = "single launch"  # the EP tail as one kernel (publisher and reduction per token in one CTA)
 
@@ -127,7 +128,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
 
         if case.mode == "ep":
             # The publishers alone; their slots stay published, so every mailbox is re-armed after.
-            row.kernels_us["publisher"] = graph_median_us(
+            row.kernels_us[PUBLISHER] = graph_median_us(
                 lambda: group_call(lambda rank: tails[rank].run_publisher(unfinalized[rank], outs[rank])), main, options)
             torch.cuda.synchronize()
             for box in boxes:
@@ -136,21 +137,22 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         for out in outs:
             checks.poison(out)
         row.tail_us = graph_median_us(one_call, main, options)
-        if "publisher" in row.kernels_us:
-            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us["publisher"]
+        if PUBLISHER in row.kernels_us:
+            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
         for tail in tails:
             tail.check_fault()
         _check(outs, wants, row)
         row.stock_us = bench_finalize(case, inputs, options)
         row.baselines_us["finalize"] = row.stock_us
         if case.mode == "ep" and row.passed:
-            _time_single_launch(case, inputs, boxes, wants, row, options, run_options, group_call, outs, main)
+            _time_single_launch(case, inputs, unfinalized, boxes, wants, row, options, run_options, group_call, outs,
+                                main)
     except Exception as error:
         row.error = f"{type(error).__name__}: {error}"
     return row
 
 
-def _time_single_launch(case, inputs, boxes, wants, row: CaseResult, options: BenchOptions, run_options,
+def _time_single_launch(case, inputs, unfinalized, boxes, wants, row: CaseResult, options: BenchOptions, run_options,
                         group_call, outs, main) -> None:
     """The EP tail as one kernel per rank over the same (re-armed) mailboxes: its median as
     `kernels_us[SINGLE_LAUNCH]`, its outputs checked like the row's (a difference fails the row)."""
@@ -158,9 +160,7 @@ def _time_single_launch(case, inputs, boxes, wants, row: CaseResult, options: Be
 
     for box in boxes:
         box.reset()
-    device = outs[0].device
     singles = [bind_tail(case, r, boxes[r], inputs, run_options, single_launch=True) for r in range(case.tp)]
-    unfinalized = [u.to(device) for u in inputs.per_rank]
 
     def one_call() -> None:
         group_call(lambda rank: singles[rank].run(unfinalized[rank], outs[rank]))

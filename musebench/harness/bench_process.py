@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from musebench.harness import checks
-from musebench.harness.bench import REDUCE_EXPOSED, SINGLE_LAUNCH, BenchOptions
+from musebench.harness.bench import PUBLISHER, REDUCE_EXPOSED, SINGLE_LAUNCH, BenchOptions
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.driver import (
     RankMailboxes,
@@ -213,7 +213,6 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
 
 
 STOCK_BASELINE = {"ep": "finalize+nccl", "tp": "nccl+finalize"}
-PUBLISHER = "publisher"
 KERNEL_TIMES = (PUBLISHER, SINGLE_LAUNCH)  # rows' kernels_us, not baselines
 
 

@@ -312,11 +312,21 @@ def expected_outputs(case: TailCase, inputs: TailInputs, options: RunOptions) ->
     return [tp_rank_output(out, path, rank).cpu() for rank in range(case.tp)], path.describe()
 
 
+SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the cute EP tail run as one kernel (--ep-launch single)
+
+
+def row_kernel(case: TailCase, options: RunOptions) -> str:
+    """The kernel a case's row names: the single-launch EP tail's rows apart from the two launches'."""
+    if case.mode == "ep" and options.backend == "cute" and options.ep_launch == "single":
+        return SINGLE_LAUNCH_KERNEL
+    return case.kernel
+
+
 def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
                   inputs: TailInputs | None = None) -> CaseResult:
     """Check every rank's outcome against the stock; the case's row."""
     result = CaseResult(
-        kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
+        kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
         transport=transport, stock=options.stock, iters=options.iters,
         bytes_moved=bytes_moved(case),

@@ -108,7 +108,6 @@ def resolve_backend(requested: str) -> tuple[str, str]:
 
 
 TRANSPORTS = ("auto", "unicast", "multicast")
-SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the EP tail run as one kernel (--ep-launch single)
 
 
 def check_transport(transport: str, backend: str, launcher: str) -> None:
@@ -312,25 +311,11 @@ def run_job(job: TailJob | RoutingJob, on_case: Callable[[CaseResult], None] | N
     from musebench.harness import launch
     from musebench.harness.driver import run_virtual
 
-    if job.options.ep_launch == "single":  # its rows are told apart from the two launches'
-        inner = on_case
-
-        def on_case(row: CaseResult) -> None:
-            if row.kernel == "ep_tail":
-                row.kernel = SINGLE_LAUNCH_KERNEL
-            if inner is not None:
-                inner(row)
     if job.options.launcher == "virtual":
-        rows = run_virtual(job.cases, job.options, on_case)
-    elif launch.in_torchrun_job():
-        rows = launch.run_in_job(job.cases, job.options, on_case)
-    else:
-        rows = launch.run_torchrun(job.cases, job.options, on_case)
-    if job.options.ep_launch == "single":
-        for row in rows:
-            if row.kernel == "ep_tail":
-                row.kernel = SINGLE_LAUNCH_KERNEL
-    return rows
+        return run_virtual(job.cases, job.options, on_case)
+    if launch.in_torchrun_job():
+        return launch.run_in_job(job.cases, job.options, on_case)
+    return launch.run_torchrun(job.cases, job.options, on_case)
 
 
 def _run_routing_job(job: RoutingJob, on_case: Callable[[CaseResult], None] | None) -> list[CaseResult]:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase
-from musebench.harness.driver import Faults, RunOptions
+from musebench.harness.driver import Faults, RunOptions, row_kernel
 from musebench.harness.results import CaseResult
 
 STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
@@ -204,7 +204,7 @@ def _cleanup_shm(job: str) -> None:
 
 def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
     return CaseResult(
-        kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
+        kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
         transport="ipc" if options.backend == "cute" else "shm", stock=options.stock, error=reason,
         rank_identical=False,

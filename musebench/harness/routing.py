@@ -14,6 +14,7 @@ graph, median of 30 replays), the kernel alone, the kernel with metadata, and th
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from musebench import config
 from musebench import numerics as nx
 from musebench.harness import checks
-from musebench.harness.bench import BenchOptions, _median_replay_us
+from musebench.harness.bench import BenchOptions, graph_median_us
 from musebench.harness.cases import expert_owner
 from musebench.harness.results import CaseResult, RankResult
 
@@ -129,6 +130,30 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
     return result
 
 
+def routing_paths(logits: torch.Tensor, bias: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  metadata: torch.Tensor, *, local_expert_offset: int, num_local_experts: int,
+                  tile_n: int) -> dict[str, Callable[[], object]]:
+    """The routing paths `bench routing` times (and scripts/profile-routing.py profiles), by name,
+    each writing `ids` and `weights` (those ending in "+metadata" also `metadata`): musebench's
+    kernel alone and with metadata, the Triton stock, and the Triton stock followed by the
+    separate metadata pass. Call `kernels.routing.prepare()` first."""
+    from musebench.kernels.routing import route
+    from musebench.stock.triton_metadata import triton_metadata
+    from musebench.stock.triton_routing import triton_routing
+
+    local = dict(local_expert_offset=local_expert_offset, num_local_experts=num_local_experts, tile_n=tile_n)
+
+    def stock() -> None:
+        triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights)
+
+    return {
+        "routing": lambda: route(logits, bias, ids, weights, ROUTE_SCALE),
+        "routing+metadata": lambda: route(logits, bias, ids, weights, ROUTE_SCALE, metadata=metadata, **local),
+        "triton stock": stock,
+        "triton stock+metadata": lambda: (stock(), triton_metadata(ids, metadata, **local)),
+    }
+
+
 def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseResult]:
     """Graph-timed rows: the kernel alone, with metadata (rank 0's range), the Triton stock, and
     the Triton stock followed by a separate metadata pass (`stock.triton_metadata`): the path
@@ -138,10 +163,8 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
     against the reference with the hardware's approximations, the metadata's live words against
     `pack_metadata(routing_metadata_reference(...))`, so every timed row carries its #wrong.
     """
-    from musebench.kernels.routing import metadata_size, prepare, route
+    from musebench.kernels.routing import metadata_size, prepare
     from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
-    from musebench.stock.triton_metadata import triton_metadata
-    from musebench.stock.triton_routing import triton_routing
 
     device = torch.device("cuda", torch.cuda.current_device())
     case = RoutingCase(tp=8, tokens=tokens, tile_n=tile_n)
@@ -157,16 +180,8 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
         tile_n=tile_n, fill=POISON_WORD,
     )
     prepare()
-    variants = {
-        "routing": lambda: route(logits, bias, ids, weights, ROUTE_SCALE),
-        "routing+metadata": lambda: route(logits, bias, ids, weights, ROUTE_SCALE, metadata=metadata,
-                                          local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
-        "triton stock": lambda: triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
-        "triton stock+metadata": lambda: (
-            triton_routing(logits, bias, route_scale=ROUTE_SCALE, ids=ids, weights=weights),
-            triton_metadata(ids, metadata, local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
-        ),
-    }
+    variants = routing_paths(logits, bias, ids, weights, metadata, local_expert_offset=offset,
+                             num_local_experts=count, tile_n=tile_n)
     rows = []
     stream = torch.cuda.Stream(device)
     for name, call in variants.items():
@@ -181,11 +196,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
             with torch.cuda.stream(stream):
                 call()  # compiles / warms outside capture
             stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(options.calls):
-                    call()
-            row.tail_us = _median_replay_us(graph, stream, options)
+            row.tail_us = graph_median_us(call, stream, options)
             checked = RankResult(rank=0)
             pairs = [(ids, want_ids), (weights, want_weights)]
             if name.endswith("+metadata"):

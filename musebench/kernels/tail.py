@@ -118,6 +118,12 @@ _CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
 _TORCH_WEIGHT_TYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def publisher_smem_bytes(top_k: int, threads: int, single_launch: bool) -> int:
+    """The publisher's dynamic shared memory: the warp sums of every route, then (single launch)
+    the generation thread 0 reads for its CTA."""
+    return top_k * (threads // WARP) * 4 + (GENERATION_SLOT_BYTES if single_launch else 0)
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -193,8 +199,7 @@ class _EpPublisherKernel:
         # the reduction's fragments (single launch); it validates timeout_ns
         self.reduction = (_EpReduceKernel(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads,
                                           enable_pdl=enable_pdl, timeout_ns=timeout_ns) if single_launch else None)
-        # warp sums of every route, then (single launch) the generation, read by thread 0 for the CTA
-        self.smem_bytes = top_k * self.warps * 4 + (GENERATION_SLOT_BYTES if single_launch else 0)
+        self.smem_bytes = publisher_smem_bytes(top_k, threads, single_launch)
 
     @cute.jit
     def __call__(
@@ -820,8 +825,8 @@ class EpTail:
         """This rank's launches for m tokens (publisher, reduction; or the single launch), for the
         co-residency check."""
         threads = self._threads
-        smem_bytes = self.top_k * (threads // WARP) * 4 + (GENERATION_SLOT_BYTES if self.single_launch else 0)
-        publisher = LaunchDemand(self._publisher, ctas=m, threads=threads, smem_bytes=smem_bytes)
+        publisher = LaunchDemand(self._publisher, ctas=m, threads=threads,
+                                 smem_bytes=publisher_smem_bytes(self.top_k, threads, self.single_launch))
         if self._reduce is None:
             return [publisher]
         return [publisher, LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads)]

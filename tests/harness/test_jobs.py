@@ -154,22 +154,13 @@ def test_the_single_launch_ep_tail_needs_the_cute_backend(no_gpu):
     assert _tail_job(ep_launch="single", backend="cute", nsm=132, check_machine=False).options.ep_launch == "single"
 
 
-def test_single_launch_rows_are_told_apart(gpu_with_dsl, monkeypatch):
-    from musebench.harness import driver
+def test_single_launch_rows_are_told_apart():
+    from musebench.harness import launch
+    from musebench.harness.cases import TailCase
+    from musebench.harness.driver import RunOptions, row_kernel
 
-    monkeypatch.setattr(jobs, "check_transport", lambda *args: None)
-    monkeypatch.setattr(jobs, "gpu_sm_count", lambda: 132)
-    seen = []
-
-    def fake_run_virtual(cases, options, on_case):
-        assert options.ep_launch == "single"
-        rows = [CaseResult(kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype="bf16",
-                           norm="before", inputs="random", seed=0, backend="cute", launcher="virtual",
-                           transport="local", stock="reference") for case in cases]
-        for row in rows:
-            on_case(row)
-        return rows
-
-    monkeypatch.setattr(driver, "run_virtual", fake_run_virtual)
-    rows = jobs.run_job(_tail_job(backend="cute", ep_launch="single"), on_case=lambda row: seen.append(row.kernel))
-    assert [row.kernel for row in rows] == seen == ["ep_tail_single", "tp_tail"]
+    cases = [TailCase(mode="ep", tp=2, tokens=1), TailCase(mode="tp", tp=2, tokens=1)]
+    single = RunOptions(backend="cute", ep_launch="single")
+    assert [row_kernel(case, single) for case in cases] == ["ep_tail_single", "tp_tail"]
+    assert [row_kernel(case, RunOptions(backend="cute")) for case in cases] == ["ep_tail", "tp_tail"]
+    assert [launch._error_row(case, single, "x").kernel for case in cases] == ["ep_tail_single", "tp_tail"]

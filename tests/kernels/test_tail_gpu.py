@@ -29,7 +29,7 @@ from musebench.kernels import tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
 from musebench.stock.ep import ep_tail_reference  # noqa: E402
 from tests._bits import assert_raw_bits_equal  # noqa: E402
-from tests._streams import hold_current_stream  # noqa: E402
+from tests._streams import launch_ranks  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -69,19 +69,7 @@ class VirtualGroup:
         torch.cuda.synchronize()
 
     def launch(self, per_rank, outs, *, skip: tuple[int, ...] = (), hold_ns: int = 0) -> None:
-        """Every rank's call on its own stream, forked from and joined back to the current one;
-        `hold_ns` holds the current stream first, so that every rank starts at once."""
-        origin = torch.cuda.current_stream()
-        hold_current_stream(hold_ns)
-        for rank in range(self.tp):
-            if rank in skip:
-                continue
-            stream = self.streams[rank]
-            stream.wait_stream(origin)
-            with torch.cuda.stream(stream):
-                self.tails[rank].run(per_rank[rank], outs[rank])
-        for rank in range(self.tp):
-            origin.wait_stream(self.streams[rank])
+        launch_ranks(self.tails, self.streams, per_rank, outs, skip=skip, hold_ns=hold_ns)
 
     def fault_records(self) -> list[tail.EpFault | None]:
         return [tail.decode_fault(f.tolist(), CAPACITY) for f in self.faults]
