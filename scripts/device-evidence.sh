@@ -9,7 +9,9 @@
 #   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels); paths given
 #               after the part replace tests/kernels
 #   records     the one-GPU records: tail --tp 8 (and its EP tail as one kernel), tail --tp 4
-#               --launcher torchrun, parity, bench tail (virtual ranks), routing --tp 8, bench routing
+#               --launcher torchrun, routing --tp 8
+#   bench       bench tail (virtual ranks) and bench routing
+#   parity      musebench parity scenarios/parity.toml
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
@@ -18,7 +20,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|kernels|records|routing|multi-gpu}
+part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -82,11 +84,15 @@ case $part in
     run tail-tp4-torchrun 120 musebench tail --tp 4 --launcher torchrun --json "$out/$day-$gpu-tail-tp4-torchrun.json"
     run tail-tp8-single 120 musebench tail --tp 8 --mode ep --ep-launch single --inputs random,adversarial \
       --json "$out/$day-$gpu-tail-tp8-single-launch.json"
-    run bench-tail 200 musebench bench tail --tp 2,4,8 --tokens 1,2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
-    run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
     run routing 60 musebench routing --tp 8 --tile 8,64 --inputs random,adversarial --seeds 2 \
       --json "$out/$day-$gpu-routing-tp8.json"
-    run parity 150 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
+    ;;
+  bench)
+    run bench-tail 300 musebench bench tail --tp 2,4,8 --tokens 1,2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
+    run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
+    ;;
+  parity)
+    run parity 400 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"
     ;;
   routing)
     gpu_tests pytest-routing 300 tests/kernels/test_routing_gpu.py tests/stock/test_triton_routing.py \

@@ -166,7 +166,8 @@ def _time_single_launch(case, inputs, unfinalized, boxes, wants, row: CaseResult
         group_call(lambda rank: singles[rank].run(unfinalized[rank], outs[rank]))
 
     checked = CaseResult(kernel=row.kernel, mode=row.mode, tp=row.tp, tokens=row.tokens, weight_dtype=row.weight_dtype,
-                         norm=row.norm, inputs=row.inputs)
+                         norm=row.norm, inputs=row.inputs, seed=row.seed, backend=row.backend, launcher=row.launcher,
+                         transport=row.transport, stock=row.stock)
     _eager_and_checked(one_call, main, singles, outs, wants, checked)
     if checked.passed:
         for out in outs:
