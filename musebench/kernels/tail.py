@@ -54,15 +54,18 @@ therefore launches both kernels once on scratch buffers at construction.
 Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher variant (tp 32:
 0.5 s), 0.1-0.3 s per reduction; SASS (nvdisasm 13.5) of the tp 8 publisher, sm_90a and sm_100a:
 520 FFMA, 512 FMUL, 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2. H200, 2026-11-29, CuTe DSL
-4.8.1 (cu13 libs), torch 2.11+cu130: `pytest tests/kernels/test_tail_gpu.py` 265 passed, bitwise
-equal to the reference (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and
-adversarial rows), the missing-rank fault and 100 graph replays of 10 calls. Timing (`musebench
-bench tail`, records/2026-11-29-h200-bench-tail-ep.json): one collective call of the whole group of
-virtual ranks sharing the GPU (every rank's publisher and reduction plus the per-call fork/join of
-tp streams; CUDA graph of 20 calls, median of 30 replays; empty launch by the same method 1.22
-µs): tp 2: 6.6-8.1 µs, tp 4: 7.6-9.3 µs, tp 8: 11.6-13.4 µs over m = 1, 2, 4, 8 and both weight
-dtypes. This is not one rank's time on its own GPU (that needs the process launcher on distinct
-GPUs).
+4.8.1 (cu13 libs), torch 2.11+cu130, commit 06837f0: `pytest -m gpu tests/kernels` 689 passed
+(records/2026-11-29-h200-pytest-gpu-kernels.xml), both EP forms bitwise equal to the reference
+(tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and adversarial rows), the
+missing-rank fault and graph replays. Timing, CUDA graph of 20 calls, median of 30 replays:
+- one rank per H200, tp 2 (`bench tail --launcher torchrun`,
+  records/2026-11-29-2xh200-bench-tail-tp2-torchrun.json, m 1..8): the two-launch tail 4.9-6.1 µs
+  (publisher alone 3.8-4.9), the single launch 6.2-7.3 µs, the stock finalize alone 3.1-3.2 µs,
+  finalize + NCCL all-reduce 9.9-10.4 µs;
+- virtual ranks sharing one H200 (records/2026-11-29-h200-bench-tail-virtual.json; one call of the
+  whole group, fork/join of tp streams included): tp 2: 7.0-8.2 µs, tp 4: 7.7-9.0, tp 8: 11.0-13.2.
+The single launch is slower than the two launches everywhere measured, so two launches stay the
+default.
 """
 
 from __future__ import annotations
