@@ -8,7 +8,8 @@ bounded wait that runs out fills it, the kernel module decodes it and the host r
 
 Transports here:
 - `local`: virtual ranks in one process on one GPU; the table holds plain device pointers;
-- `ipc`: processes sharing GPUs; CUDA IPC handles gathered over the process group;
+- `ipc`: processes sharing GPUs; CUDA IPC handles gathered over the process group (peers on
+  another GPU opened on this rank's device);
 - `unicast`: one process per GPU; torch SymmetricMemory peer pointers.
 Multicast objects are never created here: NVLink multicast is for GB200 racks, compile-tested
 only.
@@ -61,16 +62,18 @@ def local_device_group(tp: int, slots: int, capacity: int, width: int, device: t
 
 def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, device: torch.device,
                      group=None) -> DeviceMailbox:
-    """This process's mailbox among `tp` processes sharing one GPU (transport `ipc`), collective.
+    """This process's mailbox among `tp` processes sharing GPUs (transport `ipc`), collective.
 
-    Each rank allocates and arms its own words, exports a CUDA IPC handle (torch's own tensor
-    reduction, which keeps the exporter's storage referenced), gathers every rank's handle over the
-    process group and opens the peers' in this process; the table holds the mapped addresses.
-    torch SymmetricMemory refuses ranks on one device ("detected allocations from overlapping
-    devices"), hence IPC here. Peers on another GPU of the host (more processes than GPUs) are
-    mapped the same way; torch opens a handle in the exporter's device context, so this rank's
-    device is then granted peer access to that GPU explicitly (a store through the mapping from
-    a kernel without it is an illegal address, seen on two H200s).
+    Each rank allocates and arms its own words and gathers every rank's export over the process
+    group: torch's CUDA IPC reduction of the tensor (which keeps the exporter's storage referenced)
+    and the raw handle of the allocation holding it (`IpcExport`). A peer on this GPU is opened
+    through torch (measured: 4 and 8 processes on one H200). torch opens a handle in the
+    exporter's device context, and a kernel of this GPU storing through such a mapping of another
+    GPU's words faulted with an illegal address on two H200s, peer access granted or not (tp 4
+    over two GPUs, 2026-11-29); a peer on another GPU is therefore opened on this rank's device
+    with lazy peer access (`IpcMapping`), as NCCL's P2P transport opens its peers.
+    MUSEBENCH_IPC_OPEN=this-device opens every peer that way (a diagnostic, and how one GPU tests
+    that path). The table holds the mapped addresses.
     """
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
@@ -78,17 +81,122 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     shape = lamport.mailbox_shape(slots, capacity, width)
     words = torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
     torch.cuda.synchronize(device)  # armed before any peer can map and write it
-    handles: list[object] = [None] * tp
-    dist.all_gather_object(handles, reduce_tensor(words), group=group)
-    peers = [words if peer == rank else rebuild(*args) for peer, (rebuild, args) in enumerate(handles)]
-    for other in sorted({p.device.index for p in peers} - {words.device.index}):
-        enable_peer_access(words.device.index, other)
-    table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=device)
+    exports: list[object] = [None] * tp
+    dist.all_gather_object(exports, (reduce_tensor(words), export_words(words)), group=group)
+    here = words.device.index
+    every_peer_here = ipc_open_mode() == "this-device"
+    opened = IpcMapping(here)
+    through_torch: list[torch.Tensor] = []
+    addresses = []
+    for peer, ((rebuild, args), export) in enumerate(exports):
+        if peer == rank:
+            addresses.append(words.data_ptr())
+        elif export.device == here and not every_peer_here:
+            through_torch.append(rebuild(*args))
+            addresses.append(through_torch[-1].data_ptr())
+        else:
+            if export.device != here:
+                enable_peer_access(here, export.device)
+            addresses.append(opened.open(export))
+    table = torch.tensor(addresses, dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
                         stage=torch.zeros(2, dtype=torch.int32, device=device),
                         fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc",
-                        keepalive=peers)
+                        keepalive=(through_torch, opened))
     return box
+
+
+IPC_OPEN_MODES = ("auto", "this-device")
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def ipc_open_mode() -> str:
+    """MUSEBENCH_IPC_OPEN: `auto` (peers on this GPU through torch, others opened on this device)
+    or `this-device` (every peer opened on this device)."""
+    import os
+
+    mode = os.environ.get("MUSEBENCH_IPC_OPEN", "auto")
+    if mode not in IPC_OPEN_MODES:
+        raise ValueError(f"MUSEBENCH_IPC_OPEN must be one of {', '.join(IPC_OPEN_MODES)}, got {mode!r}")
+    return mode
+
+
+@dataclass(frozen=True)
+class IpcExport:
+    """One rank's words as another process opens them: the CUDA IPC handle of the allocation that
+    holds them, their byte offset in it and the GPU they live on."""
+
+    device: int
+    handle: bytes  # cudaIpcMemHandle_t
+    offset: int
+
+
+def _check_cuda(error, call: str) -> None:
+    if int(error) != 0:
+        raise RuntimeError(f"{call} failed: {error}")
+
+
+def export_words(words: torch.Tensor) -> IpcExport:
+    """The raw IPC export of `words` (a torch CUDA tensor of the caching allocator; expandable
+    segments cannot be exported this way, and the error says so)."""
+    import ctypes
+
+    from cuda.bindings import driver, runtime
+
+    error, base, _ = driver.cuMemGetAddressRange(words.data_ptr())
+    _check_cuda(error, "cuMemGetAddressRange")
+    error, handle = runtime.cudaIpcGetMemHandle(int(base))
+    _check_cuda(error, "cudaIpcGetMemHandle (PYTORCH_CUDA_ALLOC_CONF=expandable_segments cannot be exported)")
+    return IpcExport(device=words.device.index, handle=ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES),
+                     offset=words.data_ptr() - int(base))
+
+
+class IpcMapping:
+    """Peers' words opened on one device of this process (cudaIpcOpenMemHandle with lazy peer
+    access); `close` (or collection) releases every mapping."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.bases: list[int] = []
+
+    def open(self, export: IpcExport) -> int:
+        """The address, usable by kernels on this device, of the exported words."""
+        import ctypes
+
+        from cuda.bindings import runtime
+
+        handle = runtime.cudaIpcMemHandle_t()
+        ctypes.memmove(handle.getPtr(), export.handle, IPC_HANDLE_BYTES)
+        current = torch.cuda.current_device()
+        try:
+            (error,) = runtime.cudaSetDevice(self.device)
+            _check_cuda(error, f"cudaSetDevice({self.device})")
+            error, base = runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+            _check_cuda(error, f"cudaIpcOpenMemHandle (GPU {export.device}'s words on GPU {self.device})")
+        finally:
+            torch.cuda.set_device(current)
+        self.bases.append(int(base))
+        return int(base) + export.offset
+
+    def close(self) -> None:
+        if not self.bases:
+            return
+        from cuda.bindings import runtime
+
+        current = torch.cuda.current_device()
+        try:
+            runtime.cudaSetDevice(self.device)
+            for base in self.bases:
+                runtime.cudaIpcCloseMemHandle(base)
+        finally:
+            self.bases = []
+            torch.cuda.set_device(current)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: CUDA may be gone; the driver unmaps at exit
+            pass
 
 
 def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, device: torch.device,

@@ -74,3 +74,144 @@ def test_a_pair_without_peer_access_or_a_failed_grant_is_an_error(monkeypatch):
     with pytest.raises(RuntimeError, match="failed"):
         device.enable_peer_access(0, 1)
     assert restored == [0]
+
+
+def test_the_ipc_open_mode_is_auto_unless_set_and_a_bad_value_is_refused(monkeypatch):
+    monkeypatch.delenv("MUSEBENCH_IPC_OPEN", raising=False)
+    assert device.ipc_open_mode() == "auto"
+    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "this-device")
+    assert device.ipc_open_mode() == "this-device"
+    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "exporter")
+    with pytest.raises(ValueError, match="MUSEBENCH_IPC_OPEN"):
+        device.ipc_open_mode()
+
+
+class _Handle:
+    """A stand-in for cudaIpcMemHandle_t: 64 bytes at a real address."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        self.buffer = ctypes.create_string_buffer(device.IPC_HANDLE_BYTES)
+
+    def getPtr(self) -> int:
+        import ctypes
+
+        return ctypes.addressof(self.buffer)
+
+
+class _IpcRuntime(_Runtime):
+    """cuda.bindings.runtime and .driver for the raw IPC export and open, recording the calls."""
+
+    def __init__(self) -> None:
+        super().__init__("ok")
+        self.cudaIpcMemLazyEnablePeerAccess = 1
+        self.cudaIpcMemHandle_t = _Handle
+        self.opened: list[bytes] = []
+
+    def cudaSetDevice(self, index):
+        self.calls.append(("set", index))
+        return (0,)
+
+    def cuMemGetAddressRange(self, address):
+        self.calls.append(("range", address))
+        return (0, 0x7000, 1 << 20)
+
+    def cudaIpcGetMemHandle(self, base):
+        self.calls.append(("export", base))
+        handle = _Handle()
+        handle.buffer.raw = bytes(range(device.IPC_HANDLE_BYTES))
+        return (0, handle)
+
+    def cudaIpcOpenMemHandle(self, handle, flags):
+        import ctypes
+
+        self.opened.append(ctypes.string_at(handle.getPtr(), device.IPC_HANDLE_BYTES))
+        self.calls.append(("open", flags))
+        return (0, 0x9000 + 0x1000 * len(self.opened))
+
+    def cudaIpcCloseMemHandle(self, base):
+        self.calls.append(("close", base))
+        return (0,)
+
+
+def _patch_ipc(monkeypatch) -> tuple[_IpcRuntime, list[int]]:
+    import cuda.bindings
+
+    runtime = _IpcRuntime()
+    restored = _patch(monkeypatch, runtime, can_access=True)
+    monkeypatch.setattr(cuda.bindings, "driver", runtime, raising=False)
+    monkeypatch.setitem(__import__("sys").modules, "cuda.bindings.driver", runtime)
+    return runtime, restored
+
+
+def test_an_export_names_the_allocation_and_the_words_offset_in_it(monkeypatch):
+    runtime, _ = _patch_ipc(monkeypatch)
+    words = types.SimpleNamespace(data_ptr=lambda: 0x7000 + 4096, device=types.SimpleNamespace(index=1))
+    export = device.export_words(words)
+    assert export == device.IpcExport(device=1, handle=bytes(range(64)), offset=4096)
+    assert runtime.calls == [("range", 0x7000 + 4096), ("export", 0x7000)]
+
+
+def test_a_peer_is_opened_on_this_device_with_lazy_peer_access_and_closed_once(monkeypatch):
+    runtime, restored = _patch_ipc(monkeypatch)
+    mapping = device.IpcMapping(1)
+    export = device.IpcExport(device=0, handle=bytes(range(64)), offset=4096)
+    assert mapping.open(export) == 0xA000 + 4096
+    assert runtime.opened == [bytes(range(64))]
+    assert runtime.calls == [("set", 1), ("open", 1)]
+    assert restored == [0]  # torch's device restored
+    mapping.close()
+    mapping.close()
+    assert runtime.calls[-2:] == [("set", 1), ("close", 0xA000)]
+
+
+@pytest.mark.parametrize("mode", ["auto", "this-device"])
+def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypatch, mode):
+    """ipc_device_group's choice per peer, on stand-ins: rank 1 of 4, ranks 0 and 1 on this GPU
+    (CPU tensors stand in: device index None), ranks 2 and 3 on GPU 1."""
+    import torch.distributed as dist
+    import torch.multiprocessing.reductions as reductions
+
+    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", mode)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    here = None
+    peer_words = {0: torch.zeros(4, dtype=torch.int16)}
+    rebuilt: list[int] = []
+
+    def rebuild(peer):
+        rebuilt.append(peer)
+        return peer_words[peer]
+
+    monkeypatch.setattr(reductions, "reduce_tensor", lambda words: (rebuild, (1,)))
+    exports = [((rebuild, (0,)), device.IpcExport(here, b"0" * 64, 0)),
+               None,  # this rank's own, filled by the gather
+               ((rebuild, (2,)), device.IpcExport(1, b"2" * 64, 8)),
+               ((rebuild, (3,)), device.IpcExport(1, b"3" * 64, 16))]
+
+    def gather(out, mine, group=None):
+        out[:] = exports
+        out[1] = mine
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(device, "export_words", lambda words: device.IpcExport(here, b"1" * 64, 0))
+    granted: list[tuple] = []
+    monkeypatch.setattr(device, "enable_peer_access", lambda a, b: granted.append((a, b)))
+    opened: list[bytes] = []
+
+    def open_here(self, export):
+        opened.append(export.handle[:1])
+        return 0x1000 * len(opened) + export.offset
+
+    monkeypatch.setattr(device.IpcMapping, "open", open_here)
+    monkeypatch.setattr(device.IpcMapping, "close", lambda self: None)
+    box = device.ipc_device_group(1, 4, 3, 2, 8, torch.device("cpu"))
+    table = box.peer_table.tolist()
+    assert table[1] == box.words.data_ptr()
+    assert granted == [(here, 1), (here, 1)]  # every peer on another GPU
+    if mode == "auto":
+        assert rebuilt == [0] and opened == [b"2", b"3"]
+        assert table[0] == peer_words[0].data_ptr() and table[2:] == [0x1000 + 8, 0x2000 + 16]
+    else:
+        assert rebuilt == [] and opened == [b"0", b"2", b"3"]
+        assert table[0] == 0x1000 and table[2:] == [0x2000 + 8, 0x3000 + 16]

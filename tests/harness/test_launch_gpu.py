@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from musebench.harness import launch
 from musebench.harness.cases import TailCase
@@ -20,6 +21,30 @@ def test_processes_sharing_a_gpu_match_the_stock(mode, tp, job_id):
              for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
     rows = launch.run_torchrun(cases, RunOptions(**CUTE))
     for row in rows:
+        assert row.passed, (row.key, row.error, row.first_mismatch)
+        assert row.transport == "ipc"
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_peers_opened_on_this_device_match_the_stock(mode, job_id, monkeypatch):
+    """The raw CUDA IPC open (`IpcMapping`, how peers on another GPU are mapped) for every peer."""
+    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "this-device")
+    cases = [TailCase(mode=mode, tp=4, tokens=m, weight_dtype="bf16", norm="before", inputs="adversarial")
+             for m in (1, 8)]
+    for row in launch.run_torchrun(cases, RunOptions(**CUTE)):
+        assert row.passed, (row.key, row.error, row.first_mismatch)
+        assert row.transport == "ipc"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_two_processes_per_gpu_match_the_stock(mode, job_id):
+    """Processes on several GPUs, two per GPU: peers on this GPU through torch, the others opened
+    on this device (on two H200s without it: an illegal address)."""
+    tp = 2 * torch.cuda.device_count()
+    cases = [TailCase(mode=mode, tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
+             for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
+    for row in launch.run_torchrun(cases, RunOptions(**CUTE)):
         assert row.passed, (row.key, row.error, row.first_mismatch)
         assert row.transport == "ipc"
 
