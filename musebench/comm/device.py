@@ -64,9 +64,9 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
                      group=None) -> DeviceMailbox:
     """This process's mailbox among `tp` processes sharing GPUs (transport `ipc`), collective.
 
-    Each rank allocates and arms its own words and gathers every rank's export over the process
-    group: torch's CUDA IPC reduction of the tensor (which keeps the exporter's storage referenced)
-    and the raw handle of the allocation holding it (`IpcExport`). A peer on this GPU is opened
+    Each rank allocates and arms its own words and gathers every rank's GPU and torch's CUDA IPC
+    reduction of the tensor (which keeps the exporter's storage referenced) over the process group,
+    then, where some peer is opened raw, the raw handle of the allocation holding it (`IpcExport`). A peer on this GPU is opened
     through torch (measured: 4 and 8 processes on one H200). torch opens a handle in the
     exporter's device context, and a kernel of this GPU storing through such a mapping of another
     GPU's words faulted with an illegal address on two H200s, peer access granted or not (tp 4
@@ -81,23 +81,27 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     shape = lamport.mailbox_shape(slots, capacity, width)
     words = torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
     torch.cuda.synchronize(device)  # armed before any peer can map and write it
-    exports: list[object] = [None] * tp
-    dist.all_gather_object(exports, (reduce_tensor(words), export_words(words)), group=group)
     here = words.device.index
+    shared: list[object] = [None] * tp
+    dist.all_gather_object(shared, (here, reduce_tensor(words)), group=group)
+    devices = [peer_device for peer_device, _ in shared]
     every_peer_here = ipc_open_mode() == "this-device"
+    exports: list[object] = [None] * tp
+    if every_peer_here or len(set(devices)) > 1:  # the same answer on every rank: a collective
+        dist.all_gather_object(exports, export_words(words), group=group)
     opened = IpcMapping(here)
     through_torch: list[torch.Tensor] = []
     addresses = []
-    for peer, ((rebuild, args), export) in enumerate(exports):
+    for peer, (peer_device, (rebuild, args)) in enumerate(shared):
         if peer == rank:
             addresses.append(words.data_ptr())
-        elif export.device == here and not every_peer_here:
+        elif peer_device == here and not every_peer_here:
             through_torch.append(rebuild(*args))
             addresses.append(through_torch[-1].data_ptr())
         else:
-            if export.device != here:
-                enable_peer_access(here, export.device)
-            addresses.append(opened.open(export))
+            if peer_device != here:
+                enable_peer_access(here, peer_device)
+            addresses.append(opened.open(exports[peer]))
     table = torch.tensor(addresses, dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
                         stage=torch.zeros(2, dtype=torch.int32, device=device),

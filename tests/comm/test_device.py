@@ -167,16 +167,18 @@ def test_a_peer_is_opened_on_this_device_with_lazy_peer_access_and_closed_once(m
 
 
 @pytest.mark.parametrize("mode", ["auto", "this-device"])
-def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypatch, mode):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypatch, mode, gpus):
     """ipc_device_group's choice per peer, on stand-ins: rank 1 of 4, ranks 0 and 1 on this GPU
-    (CPU tensors stand in: device index None), ranks 2 and 3 on GPU 1."""
+    (CPU tensors stand in: device index None), ranks 2 and 3 on GPU 1 (gpus 2) or on this one."""
     import torch.distributed as dist
     import torch.multiprocessing.reductions as reductions
 
     monkeypatch.setenv("MUSEBENCH_IPC_OPEN", mode)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     here = None
-    peer_words = {0: torch.zeros(4, dtype=torch.int16)}
+    other = 1 if gpus == 2 else here
+    peer_words = {peer: torch.zeros(4, dtype=torch.int16) for peer in (0, 2, 3)}
     rebuilt: list[int] = []
 
     def rebuild(peer):
@@ -184,13 +186,14 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
         return peer_words[peer]
 
     monkeypatch.setattr(reductions, "reduce_tensor", lambda words: (rebuild, (1,)))
-    exports = [((rebuild, (0,)), device.IpcExport(here, b"0" * 64, 0)),
-               None,  # this rank's own, filled by the gather
-               ((rebuild, (2,)), device.IpcExport(1, b"2" * 64, 8)),
-               ((rebuild, (3,)), device.IpcExport(1, b"3" * 64, 16))]
+    shared = [(here, (rebuild, (0,))), None, (other, (rebuild, (2,))), (other, (rebuild, (3,)))]
+    exports = [device.IpcExport(here, b"0" * 64, 0), None, device.IpcExport(other, b"2" * 64, 8),
+               device.IpcExport(other, b"3" * 64, 16)]
+    gathers: list[str] = []
 
     def gather(out, mine, group=None):
-        out[:] = exports
+        gathers.append("raw" if isinstance(mine, device.IpcExport) else "torch")
+        out[:] = shared if gathers[-1] == "torch" else exports
         out[1] = mine
 
     monkeypatch.setattr(dist, "all_gather_object", gather)
@@ -208,7 +211,12 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
     box = device.ipc_device_group(1, 4, 3, 2, 8, torch.device("cpu"))
     table = box.peer_table.tolist()
     assert table[1] == box.words.data_ptr()
-    assert granted == [(here, 1), (here, 1)]  # every peer on another GPU
+    if gpus == 1 and mode == "auto":  # the layout measured on one GPU: torch alone, no raw export
+        assert gathers == ["torch"] and rebuilt == [0, 2, 3] and opened == [] and granted == []
+        assert table == [peer_words[0].data_ptr(), box.words.data_ptr()] + [peer_words[p].data_ptr() for p in (2, 3)]
+        return
+    assert gathers == ["torch", "raw"]
+    assert granted == ([(here, 1), (here, 1)] if gpus == 2 else [])  # every peer on another GPU
     if mode == "auto":
         assert rebuilt == [0] and opened == [b"2", b"3"]
         assert table[0] == peer_words[0].data_ptr() and table[2:] == [0x1000 + 8, 0x2000 + 16]
