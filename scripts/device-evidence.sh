@@ -14,13 +14,15 @@
 #   parity      musebench parity scenarios/parity.toml
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
-#   multi-gpu   one process per GPU (needs 2+ GPUs): tail and bench tail --launcher torchrun at
-#               tp = GPUs, two processes per GPU, and the fault runs (a killed and a silent rank)
+#   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
+#               --launcher torchrun at tp = GPUs
+#   multi-gpu-shared  two processes per GPU (their GPU tests, tail and bench tail at tp = 2 x GPUs)
+#               and the fault runs at tp = GPUs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu}
+part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -118,6 +120,10 @@ case $part in
     run tail-own-gpu-single 120 musebench tail --tp "$gpus" --launcher torchrun --mode ep --ep-launch single \
       --inputs random,adversarial --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun-single-launch.json"
     strays
+    ;;
+  multi-gpu-shared)
+    [ "$gpus" -ge 2 ] || { echo "multi-gpu-shared needs 2+ GPUs, found $gpus"; exit 2; }
+    gpu_tests pytest-two-per-gpu 150 tests/harness/test_launch_gpu.py -k "two_processes_per_gpu or opened_on_this_device"
     run tail-two-per-gpu 120 musebench tail --tp $((2 * gpus)) --launcher torchrun --inputs random,adversarial \
       --tokens 1,2,8 --json "$out/$day-${gpus}x$gpu-tail-tp$((2 * gpus))-torchrun.json"
     strays
