@@ -10,7 +10,8 @@
 #               after the part replace tests/kernels
 #   records     the one-GPU records: tail --tp 8 (and its EP tail as one kernel), tail --tp 4
 #               --launcher torchrun, routing --tp 8
-#   bench       bench tail (virtual ranks) and bench routing
+#   bench       bench tail (virtual ranks), bench routing and (ncu) the kernel durations of
+#               scripts/profile-tail.py
 #   parity      musebench parity scenarios/parity.toml
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
@@ -92,6 +93,10 @@ case $part in
   bench)
     run bench-tail 300 musebench bench tail --tp 2,4,8 --tokens 1,2,4,8 --json "$out/$day-$gpu-bench-tail-virtual.json"
     run bench-routing 60 musebench bench routing --json "$out/$day-$gpu-bench-routing.json"
+    # kernel durations (Nsight Compute, where it reads the counters): the EP publisher vs the finalize
+    if command -v ncu > /dev/null; then
+      run ncu-tail 180 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/profile-tail.py
+    fi
     ;;
   parity)
     run parity 400 musebench parity scenarios/parity.toml --json "$out/$day-$gpu-parity.json"

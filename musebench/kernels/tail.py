@@ -790,6 +790,23 @@ class EpTail:
         if out.shape[0] != 0:
             self._launch_publisher(unfinalized, out)
 
+    def run_reduce(self, out: torch.Tensor) -> None:
+        """The reduction alone on the current stream, behind this rank's `run_publisher` of the same
+        m (`run` is the two in a row): for a profiler that serialises kernels, which needs every
+        rank's publisher launched before any reduction that waits for it. ValueError for a
+        single-launch tail or an `out` that is not contiguous BF16 [m <= capacity, width]."""
+        if self.single_launch:
+            raise ValueError("a single-launch EP tail has no separate reduction")
+        m = out.shape[0]
+        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != self.width or not out.is_contiguous() \
+                or m > self.capacity:
+            raise ValueError(f"out must be contiguous bfloat16 [m <= {self.capacity}, {self.width}], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        if m == 0:
+            return
+        stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
+        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+
     def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> tuple[cuda.CUstream, cute.Tensor]:
         """Check `run`'s arguments (ValueError before anything launches), launch the publisher on
         the current stream; return that stream and `out` as the kernels take it."""

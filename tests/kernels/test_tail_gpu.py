@@ -164,6 +164,35 @@ def test_many_calls_rotate_generations(enable_pdl, single_launch):
         _assert_clean(group, call + 1)
 
 
+def test_publishers_then_reductions_apart_equal_the_whole_call():
+    """`run_publisher` on every rank, then `run_reduce` on every rank (how scripts/profile-tail.py
+    launches them for a serialising profiler): the same bits and stage words as `run`, twice."""
+    case = TailCase(mode="ep", tp=2, tokens=8, weight_dtype="bf16", norm="before", inputs="adversarial")
+    first = make_tail_inputs(case)
+    group = VirtualGroup(2, first.norm_weight, weight_dtype="bf16", before=True)
+    for call, seed in enumerate((0, 1)):
+        inputs = make_tail_inputs(case.with_seed(seed))
+        inputs = type(inputs)(inputs.per_rank, first.norm_weight)  # gamma is bound to the group
+        per_rank = [_on_gpu(u) for u in inputs.per_rank]
+        outs = [_poisoned(8) for _ in range(2)]
+        for rank in range(2):
+            with torch.cuda.stream(group.streams[rank]):
+                group.tails[rank].run_publisher(per_rank[rank], outs[rank])
+        for rank in range(2):
+            with torch.cuda.stream(group.streams[rank]):
+                group.tails[rank].run_reduce(outs[rank])
+        torch.cuda.synchronize()
+        want = _reference(inputs, case)
+        for rank in range(2):
+            assert_same_bits(outs[rank], want, f"call {call} rank {rank}")
+        _assert_clean(group, call + 1)
+    with pytest.raises(ValueError, match="out must be"):
+        group.tails[0].run_reduce(torch.empty(CAPACITY + 1, WIDTH, dtype=torch.bfloat16, device="cuda"))
+    single = VirtualGroup(2, first.norm_weight, weight_dtype="bf16", before=True, single_launch=True)
+    with pytest.raises(ValueError, match="no separate reduction"):
+        single.tails[0].run_reduce(_poisoned(1))
+
+
 def test_empty_batch_launches_nothing():
     case = TailCase(mode="ep", tp=2, tokens=0)
     inputs = make_tail_inputs(case)
