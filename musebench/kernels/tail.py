@@ -8,9 +8,11 @@ Phases, one CUDA stream per rank, two launches per call:
 
 1. `_EpPublisherKernel`, grid (m,), 128 threads: thread t owns the 16-byte fragments at columns
    8 * (t + 128 * trip) .. +7. Gamma (+ gain centre) is loaded before `griddepcontrol.wait`
-   (the weights are not produced by the preceding kernel). Per local route: the sum of squares
-   as a chain of 32 `fma.rn.f32` (element-major, trip fastest), a butterfly (xor 16..1,
-   `add.rn.f32`), the warp sums from +0.0 in warp order, `rsqrt.approx.ftz.f32` of
+   (the weights are not produced by the preceding kernel). After the wait every route's index,
+   weight and row fragments are loaded at once (a route of another rank reads gamma's row, unused),
+   then the sums of squares of all local routes, one barrier, then the routes in order. Per local
+   route: the sum of squares as a chain of 32 `fma.rn.f32` (element-major, trip fastest), a
+   butterfly (xor 16..1, `add.rn.f32`), the warp sums from +0.0 in warp order, `rsqrt.approx.ftz.f32` of
    `fma.rn(total, 1/width, eps)`, then `acc = fma.rn(y, w, acc)`. The partial is converted with
    `cvt.rn.bf16x2.f32`, -0.0 is scrubbed to +0.0 and the words are stored to slot
    [stage, rank, token] of every rank's mailbox: `st.relaxed.sys` through the peer table
@@ -53,7 +55,9 @@ therefore launches both kernels once on scratch buffers at construction.
 
 Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher variant (tp 32:
 0.5 s), 0.1-0.3 s per reduction; SASS (nvdisasm 13.5) of the tp 8 publisher, sm_90a and sm_100a:
-520 FFMA, 512 FMUL, 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2. H200, 2026-11-29, CuTe DSL
+520 FFMA, 512 FMUL (768 with the weight before the norm: x * gamma is recomputed after the
+barrier rather than kept, the same operands), 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2;
+ptxas: 255 registers, no spill (tp 2..32, both forms). H200, 2026-11-29, CuTe DSL
 4.8.1 (cu13 libs), torch 2.11+cu130, commit 06837f0: `pytest -m gpu tests/kernels` 689 passed
 (records/2026-11-29-h200-pytest-gpu-kernels.xml), both EP forms bitwise equal to the reference
 (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and adversarial rows), the
@@ -230,6 +234,17 @@ class _EpPublisherKernel:
             use_pdl=self.enable_pdl,
         )
 
+    def _route_value(self, fragments, index: int, gamma: list) -> Float32:
+        """Value `index` (trip + trips * element, CuTe order) of one route's fragments as FP32,
+        times gamma when the weight comes before the norm (trace-time helper, no control flow)."""
+        trip, element = index % self.trips, index // self.trips
+        word = fragments[trip][element // 2]
+        bits = ptx.bf16x2_low_bits(word) if element % 2 == 0 else ptx.bf16x2_high_bits(word)
+        x = ptx.bitcast_u32_to_f32(bits)
+        if self.weight_before_norm:
+            x = ptx.mul_rn_f32(x, gamma[index])
+        return x
+
     @cute.kernel
     def kernel(
         self,
@@ -295,45 +310,61 @@ class _EpPublisherKernel:
         inv_width = Float32(1.0 / self.width)
         eps = Float32(self.eps)
 
+        # Every route's index and weight, then every route's row, before any arithmetic: one
+        # memory latency each instead of a chain of three per route (index, row, weight) with a
+        # barrier between routes. A route of another rank loads gamma's row instead (as wide, and
+        # always there); its values are never used. The arithmetic and its order are unchanged.
+        route_rows = []
+        route_weight = []
         for k in cutlass.range_constexpr(self.top_k):
             route = Int64(token) * self.top_k + k
-            row = Int32(permuted_idx[route])
-            # Uniform over the CTA: every thread reads the same index.
+            route_rows.append(Int32(permuted_idx[route]))
+            route_weight.append(Float32(route_weights[route]))
+        row_words = []  # [route][trip]: the four words of the thread's fragment
+        for k in cutlass.range_constexpr(self.top_k):
+            row = route_rows[k]
+            in_range = cutlass.select_(row < num_rows, rows_base + Int64(row) * (self.width * BF16_BYTES), gamma_base)
+            row_base = cutlass.select_(row >= Int32(0), in_range, gamma_base)
+            fragments = []
+            for trip in cutlass.range_constexpr(self.trips):
+                column = Int64(tidx + trip * self.threads) * FRAGMENT
+                fragments.append(ptx.ld_global_v4_u32(row_base + column * BF16_BYTES))
+            row_words.append(fragments)
+        # The slot's generation, in flight with the rows.
+        if cutlass.const_expr(self.single_launch):
+            generation = Int32(generation_slot[0])
+        else:
+            generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+
+        # Sums of squares, every local route, into its own warp slots; one barrier for all.
+        for k in cutlass.range_constexpr(self.top_k):
+            row = route_rows[k]
+            # Uniform over the CTA: every thread read the same index.
             if row >= Int32(0) and row < num_rows:
-                scaled = []
-                for _ in cutlass.range_constexpr(values):
-                    scaled.append(Float32(0.0))
-                for trip in cutlass.range_constexpr(self.trips):
-                    column = Int64(tidx + trip * self.threads) * FRAGMENT
-                    words = ptx.ld_global_v4_u32(rows_base + (Int64(row) * self.width + column) * BF16_BYTES)
-                    for j in cutlass.range_constexpr(FRAGMENT_WORDS):
-                        for half in cutlass.range_constexpr(2):
-                            bits = ptx.bf16x2_low_bits(words[j]) if half == 0 else ptx.bf16x2_high_bits(words[j])
-                            x = ptx.bitcast_u32_to_f32(bits)
-                            index = trip + self.trips * (2 * j + half)
-                            if cutlass.const_expr(self.weight_before_norm):
-                                x = ptx.mul_rn_f32(x, gamma[index])
-                            scaled[index] = x
                 # Ordered chain from +0.0 in CuTe coordinate order (trip fastest): the contract's.
                 sum_of_squares = Float32(0.0)
                 for index in cutlass.range_constexpr(values):
-                    sum_of_squares = ptx.fma_rn_f32(scaled[index], scaled[index], sum_of_squares)
+                    x = self._route_value(row_words[k], index, gamma)
+                    sum_of_squares = ptx.fma_rn_f32(x, x, sum_of_squares)
                 for offset in (16, 8, 4, 2, 1):
                     partner = cute.arch.shuffle_sync_bfly(sum_of_squares, offset=offset)
                     sum_of_squares = ptx.add_rn_f32(sum_of_squares, partner)
                 if lane == 0:
                     warp_sums[k * self.warps + warp] = sum_of_squares
-                cute.arch.barrier()
+        cute.arch.barrier()
+        for k in cutlass.range_constexpr(self.top_k):
+            row = route_rows[k]
+            if row >= Int32(0) and row < num_rows:
                 total = Float32(0.0)
                 for w in cutlass.range_constexpr(self.warps):
                     total = ptx.add_rn_f32(total, warp_sums[k * self.warps + w])
                 inv_rms = ptx.rsqrt_approx_ftz_f32(ptx.fma_rn_f32(total, inv_width, eps))
-                weight = Float32(route_weights[route])
                 for index in cutlass.range_constexpr(values):
-                    y = ptx.mul_rn_f32(scaled[index], inv_rms)
+                    # The same bits as the chain's x: mul.rn is recomputed, not kept (registers).
+                    y = ptx.mul_rn_f32(self._route_value(row_words[k], index, gamma), inv_rms)
                     if cutlass.const_expr(not self.weight_before_norm):
                         y = ptx.mul_rn_f32(y, gamma[index])
-                    acc[index] = ptx.fma_rn_f32(y, weight, acc[index])
+                    acc[index] = ptx.fma_rn_f32(y, route_weight[k], acc[index])
 
         # Payload words, -0.0 scrubbed: the data write is the release.
         payload = []
@@ -343,10 +374,12 @@ class _EpPublisherKernel:
                 high = acc[trip + self.trips * (2 * j + 1)]
                 payload.append(ptx.scrub_negative_zero_u32(ptx.cvt_rn_bf16x2_f32(high, low)))
 
-        if cutlass.const_expr(self.single_launch):
-            generation = Int32(generation_slot[0])
-        else:
-            generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+        # Every peer's mailbox address in one batch of loads (not one load before each peer's
+        # stores), once the rows' registers are free.
+        peer_bases = []
+        if cutlass.const_expr(self.transport != "multicast"):
+            for step in cutlass.range_constexpr(self.tp):
+                peer_bases.append(Int64(peer_mailboxes[(self.rank + 1 + step) % self.tp]))
         slot_bytes = ((Int64(generation) * self.tp + self.rank) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
         if cutlass.const_expr(self.transport == "multicast"):
             for trip in cutlass.range_constexpr(self.trips):
@@ -355,12 +388,10 @@ class _EpPublisherKernel:
                 ptx.multimem_st_relaxed_sys_global_v4_bf16x2(multicast_base + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
         else:
             for step in cutlass.range_constexpr(self.tp):
-                peer = (self.rank + 1 + step) % self.tp
-                peer_base = Int64(peer_mailboxes[peer])
                 for trip in cutlass.range_constexpr(self.trips):
                     column = Int64(tidx + trip * self.threads) * FRAGMENT
                     w = payload[trip * FRAGMENT_WORDS : (trip + 1) * FRAGMENT_WORDS]
-                    ptx.st_relaxed_sys_global_v4_u32(peer_base + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
+                    ptx.st_relaxed_sys_global_v4_u32(peer_bases[step] + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
 
         if cutlass.const_expr(self.single_launch):
             # This CTA's token, every fragment in turn, under one timer.

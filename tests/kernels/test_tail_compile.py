@@ -256,7 +256,9 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
     assert count(ptx, "rsqrt.approx.ftz.f32") == TOP_K
     assert not any(op.startswith(("div.", "rcp.", "ex2.")) for op in ops)
     assert count(ptx, "fma.rn.f32") == TOP_K * (VALUES + 1 + VALUES)
-    assert count(ptx, "mul.rn.f32") == TOP_K * VALUES * 2  # s*gamma or y*gamma, and s*inv
+    # y*gamma (after) or s*gamma (before: computed for the sum of squares and again for y, the
+    # same operands, so the same bits), and s*inv
+    assert count(ptx, "mul.rn.f32") == TOP_K * VALUES * (3 if before else 2)
     assert count(ptx, "add.rn.f32") == VALUES + TOP_K * (5 + THREADS // 32)  # gamma, butterfly, warp sums
     assert count(ptx, "cvt.rn.bf16x2.f32") == VALUES // 2
 
@@ -286,6 +288,21 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
     # Route accumulation: acc = fma(y, w, acc) from +0.0, 32 values x 8 routes, no other shape.
     accumulate = [args for args in fmas if args[1] != args[2] and args not in inv]
     assert len(accumulate) == TOP_K * VALUES
+    if before:  # every s*gamma twice, with the same two operands
+        products = [(origins.half[args[1]], args[2])  # (row word and half, gamma register)
+                    for args in (_operands(line) for line in instructions(ptx) if line.startswith("mul.rn.f32"))
+                    if args[1] in origins.half]
+        assert len(products) == 2 * TOP_K * VALUES and all(products.count(p) == 2 for p in products)
+
+    # Latency: every load of the rows, indices and weights is issued before the one barrier, then
+    # the arithmetic (not a chain of index, row and weight loads per route).
+    order = opcodes(ptx)
+    barrier = order.index("bar.sync")
+    assert order.count("bar.sync") == 1
+    assert order[:barrier].count("ld.global.v4.u32") == TRIPS + TOP_K * TRIPS  # gamma, then the rows
+    assert "ld.global.v4.u32" not in order[barrier:]
+    first_arithmetic = next(i for i, op in enumerate(order) if op == "fma.rn.f32")
+    assert order[:first_arithmetic].count("ld.global.v4.u32") == TRIPS + TOP_K * TRIPS
 
 
 @pytest.mark.parametrize("arch", ARCHS)
