@@ -17,7 +17,10 @@ Phases of one CTA:
 1. send: this rank's K-partials of the token's 8 routes (16 bytes per thread and route), each
    32-bit word equal to the sentinel scrubbed to 0, stored (`st.relaxed.sys.v4`) to row
    [generation, source = this rank, g * 8 + k] of the owner's route mailbox, the owner's own
-   mailbox included; an index < 0 or >= rows sends +0.0 without reading a row.
+   mailbox included; an index < 0 or >= rows sends +0.0 (its load reads gamma's fragment, unused).
+   All 8 indices, then all 8 fragments, are loaded before the first push; the owner loads the
+   route weights before it polls and the peers' token-mailbox addresses in one batch before it
+   publishes (one memory latency each, not one per route or peer).
 2. sum (owner CTAs, d == rank): poll the 8 * tp incoming vectors in batches of (route, source)
    in the sum's order; x = bf16(rank-order chain from +0.0 of `add.rn`); re-arm what was read.
    Then the stock's arithmetic: g = f32(gamma) + f32(gain_centre); u = x * g (weight before the
@@ -87,7 +90,7 @@ buffers at construction, so no first launch waits behind a spinning peer.
 
 Numbers measured (CPU host, CuTe DSL 4.8.1, 2026-11-29): compile 0.5-1 s per variant at tp <= 8,
 about 4 s at tp 32; ptxas 13.0 (sm_90a -O3): no spills; 96-128 registers at S = 16, 4 and 1
-(512 threads: capped at 128), 160 at S = 2, tp 8. H200, 2026-11-29, commit 06837f0: all 270 of
+(512 threads: capped at 128), 160 at S = 2, tp 8; tp 32: 126 at S = 1, 164-180 otherwise. H200, 2026-11-29, commit 06837f0: all 270 of
 tests/kernels/test_tp_tail_gpu.py passed (records/2026-11-29-h200-pytest-gpu-kernels.xml):
 bitwise per-rank parity on random and adversarial inputs for tp 2, 3, 4, 8, m 1..8, both weight
 dtypes and norm orders (nsm 132: expert-owner S=16/8, token-owner S=16 XP=8, extension), -0.0
@@ -374,7 +377,8 @@ class _TpTailKernel:
         generation = Int32(ptx.ld_volatile_global_u32(stage_base + GENERATION * WORD_BYTES))
 
         if token < m:
-            self.send(rows, permuted_idx, route_peers, token, slot, owner, column, num_rows, row_stride, rank, generation)
+            self.send(rows, permuted_idx, route_peers, Int64(norm_weight.iterator.toint()), token, slot, owner, column,
+                      num_rows, row_stride, rank, generation)
             if owner == rank:
                 self.reduce(
                     route_weights, route_mailbox, token_peers, fault, out, token, slot, band, tidx, column, rank,
@@ -402,6 +406,7 @@ class _TpTailKernel:
         rows: cute.Tensor,
         permuted_idx: cute.Tensor,
         route_peers: cute.Tensor,
+        norm_weight_base: Int64,
         token: Int32,
         slot: Int32,
         owner: Int32,
@@ -415,13 +420,26 @@ class _TpTailKernel:
         rows_base = Int64(rows.iterator.toint())
         first_row = (Int64(generation) * self.tp + Int64(rank)) * self.route_rows + Int64(slot) * TOP_K
         destination = Int64(route_peers[owner]) + (first_row * H_DIM + column) * BF16_BYTES
+        # Every route's index, then every route's fragment, before the first store: one memory
+        # latency each, not an index -> row -> store chain per route. A route this rank has no
+        # row for loads gamma's fragment instead (always there, never sent).
+        fallback = norm_weight_base + column * BF16_BYTES
+        route_rows = []
+        for k in cutlass.range_constexpr(TOP_K):
+            route_rows.append(Int32(permuted_idx[token * TOP_K + k]))
+        loaded = []
+        for k in cutlass.range_constexpr(TOP_K):
+            row = route_rows[k]
+            in_range = cutlass.select_(row < num_rows, rows_base + (Int64(row) * Int64(row_stride) + column) * BF16_BYTES,
+                                       fallback)
+            loaded.append(ptx.ld_global_v4_u32(cutlass.select_(row >= Int32(0), in_range, fallback)))
         payload = cute.make_rmem_tensor(cute.make_layout(FRAGMENT_WORDS), Uint32)
         for k in cutlass.range_constexpr(TOP_K):
-            row = Int32(permuted_idx[token * TOP_K + k])
+            row = route_rows[k]
             payload.fill(Uint32(0))  # a route this rank has no row for contributes +0.0
             # Uniform over the CTA: every thread reads the same index.
             if row >= Int32(0) and row < num_rows:
-                words = ptx.ld_global_v4_u32(rows_base + (Int64(row) * Int64(row_stride) + column) * BF16_BYTES)
+                words = loaded[k]
                 for j in cutlass.range_constexpr(FRAGMENT_WORDS):
                     # A sentinel word would read as "not arrived"; as data it is (-0.0, -0.0),
                     # and +0.0 adds the same into a sum that starts from +0.0.
@@ -466,6 +484,8 @@ class _TpTailKernel:
         """Owner of the token: sum, normalize, combine, keep and publish this band of its row."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
+        # The route weights, loaded while the K-partials are still arriving (not after the norm).
+        weights = [Float32(route_weights[token * TOP_K + k]) for k in range(TOP_K)]
         if cutlass.const_expr(self.split > 1):
             # Cluster peers must have started before their shared memory is written.
             cute.arch.cluster_arrive_relaxed()
@@ -601,7 +621,6 @@ class _TpTailKernel:
             cute.arch.barrier()
 
         # Normalize and combine the 8 routes with the path's chain.
-        weights = [Float32(route_weights[token * TOP_K + k]) for k in range(TOP_K)]
         scales = [inv_rms[k] for k in range(TOP_K)]
         result = []
         for e in cutlass.range_constexpr(VEC):
@@ -633,9 +652,13 @@ class _TpTailKernel:
             out_address = Int64(out.iterator.toint()) + (Int64(token) * H_DIM + column) * BF16_BYTES
             ptx.st_global_v4_u32(out_address, words[0], words[1], words[2], words[3])
             row_offset = (Int64(generation) * self.capacity + Int64(token)) * (self.token_width * BF16_BYTES)
+            # Every peer's mailbox address in one batch of loads, not one before each peer's store
+            # (here, not earlier: at tp 32 and 512 threads the registers would spill).
+            peer_bases = []
             for step in cutlass.range_constexpr(1, self.tp):
-                peer = (rank + step) % self.tp
-                peer_row = Int64(token_peers[peer]) + row_offset
+                peer_bases.append(Int64(token_peers[(rank + step) % self.tp]))
+            for step in cutlass.range_constexpr(1, self.tp):
+                peer_row = peer_bases[step - 1] + row_offset
                 if cutlass.const_expr(self.delivery == SCRUBBED):
                     # The data write is the release; the copy is scrubbed per 32-bit word.
                     copy = [ptx.scrub_sentinel_word_u32(w) for w in words]

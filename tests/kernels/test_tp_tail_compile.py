@@ -146,6 +146,19 @@ def check_variant(ptx: str, tp: int, v: tp_tail.TpVariant, before: bool) -> None
     assert count(ptx, "atom.relaxed.gpu.global.cas.b32") == batches + 1
     assert count(ptx, "atom.acq_rel.gpu.global.add.u32") == 1
 
+    # Latency: the 8 route rows are loaded (gamma's, 16 bytes, first) before the first push, the
+    # route weights before the first poll, and the tp - 1 peer addresses in one batch before the
+    # first publish (not one load per route or peer in front of each store).
+    first_push = ops.index("st.relaxed.sys.global.v4.u32")
+    assert ops[:first_push].count("ld.global.v4.u32") == 1 + K and ops.count("ld.global.v4.u32") == 1 + K
+    first_poll = ops.index("ld.volatile.global.v4.u32")
+    scalar_loads = ("ld.global.b16", "ld.global.b32")  # route indices (b32) and weights (b16 or b32)
+    assert sum(ops[:first_poll].count(op) for op in scalar_loads) == 2 * K == sum(ops.count(op) for op in scalar_loads)
+    pushes = [i for i, op in enumerate(ops) if op == "st.relaxed.sys.global.v4.u32"]
+    first_publish = pushes[K]
+    peer_loads = [i for i, op in enumerate(ops) if op == "ld.global.b64" and pushes[K - 1] < i < first_publish]
+    assert len(peer_loads) >= tp - 1, "every peer's address is loaded before the first publish"
+
     # Transport: 8 pushes, tp - 1 publishes; re-arm exactly the words polled.
     assert count(ptx, "st.relaxed.sys.global.v4.u32") == K + (tp - 1) * copy_vectors
     rearm = [line for line in instructions(ptx) if line.startswith("st.global.v4.u32")
