@@ -29,8 +29,9 @@ also reduces. Thread 0 of each CTA reads NEXT_STAGE once (it changes during the 
 through shared memory and counts the CTA in with `atom.acq_rel.gpu` on the second stage word;
 the last CTA to arrive advances NEXT_STAGE and zeroes the count (every CTA read the generation
 before arriving). After publishing, each thread runs `_EpReduceKernel.reduce_fragment` for its
-own columns of its CTA's token, trip by trip, under one timer: the same polls, rank-order sums,
-re-arms and fault record, inlined.
+own columns of its CTA's token under one timer: the same polls (every trip's in one loop where
+tp * trips <= 32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms
+and fault record, inlined.
 
 Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
 The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
@@ -118,6 +119,9 @@ FAULT_GENERATION = 3
 DEFAULT_WIDTH = 4096
 DEFAULT_TOP_K = 8
 DEFAULT_THREADS = 128
+# The single launch polls all its trips' tp vectors in one loop up to this many 16-byte vectors
+# (4 registers each: 128 at tp 8); beyond, trip by trip.
+SINGLE_LAUNCH_POLL_VECTORS = 32
 DEFAULT_TIMEOUT_NS = 2_000_000_000
 TRANSPORTS = ("unicast", "multicast")
 WEIGHT_DTYPES = ("bf16", "fp32")
@@ -204,8 +208,11 @@ class _EpPublisherKernel:
         self.enable_pdl = bool(enable_pdl)
         self.single_launch = bool(single_launch)
         # the reduction's fragments (single launch); it validates timeout_ns
+        # (its fragments polled together: every trip's where tp * trips vectors fit in registers)
+        together = self.trips if tp * self.trips <= SINGLE_LAUNCH_POLL_VECTORS else 1
         self.reduction = (_EpReduceKernel(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads,
-                                          enable_pdl=enable_pdl, timeout_ns=timeout_ns) if single_launch else None)
+                                          enable_pdl=enable_pdl, timeout_ns=timeout_ns, fragments=together)
+                          if single_launch else None)
         self.smem_bytes = publisher_smem_bytes(top_k, threads, single_launch)
 
     @cute.jit
@@ -399,7 +406,7 @@ class _EpPublisherKernel:
             mailbox_base = Int64(mailbox.iterator.toint())
             out_base = Int64(out.iterator.toint())
             fault_base = Int64(fault.iterator.toint())
-            for trip in cutlass.range_constexpr(self.trips):
+            for trip in cutlass.range_constexpr(0, self.trips, self.reduction.fragments):
                 column = Int64(tidx + trip * self.threads) * FRAGMENT
                 self.reduction.reduce_fragment(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
         else:
@@ -422,9 +429,12 @@ class _EpReduceKernel:
         threads: int = DEFAULT_THREADS,
         enable_pdl: bool,
         timeout_ns: int = DEFAULT_TIMEOUT_NS,
+        fragments: int = 1,
     ) -> None:
         _require(threads > 0 and threads % WARP == 0, f"threads must be a positive multiple of {WARP}, got {threads}")
         _require(width > 0 and width % (threads * FRAGMENT) == 0, f"width {width} must be a multiple of {threads * FRAGMENT}")
+        _require(fragments >= 1 and (width // (threads * FRAGMENT)) % fragments == 0,
+                 f"fragments must divide the {width // (threads * FRAGMENT)} trips, got {fragments}")
         _require(tp >= 1, f"tp must be positive, got {tp}")
         _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
@@ -437,6 +447,8 @@ class _EpReduceKernel:
         self.parts = width // (threads * FRAGMENT)
         self.enable_pdl = bool(enable_pdl)
         self.timeout_ns = int(timeout_ns)
+        # fragments one `reduce_fragment` call polls together: columns column + f * threads * 8
+        self.fragments = fragments
 
     @cute.jit
     def __call__(
@@ -481,64 +493,75 @@ class _EpReduceKernel:
     @cute.jit
     def reduce_fragment(self, mailbox_base: Int64, out_base: Int64, fault_base: Int64, generation: Int32,
                         token: Int32, column: Int64, started: Int64) -> None:
-        """One thread's fragment (token, columns column .. column + 7) of the reduction, inlined
-        into the reduce kernel and the single-launch tail: poll the tp slots of `generation` in
-        this rank's mailbox until no half is the sentinel, or record the fault once `timeout_ns`
-        has passed since `started`; sum from +0.0 in rank order, store the BF16 result to
-        out[token] and re-arm exactly the tp fragments read (a timed-out fragment: no output,
-        nothing re-armed)."""
+        """One thread's fragments of the reduction (`self.fragments` of them, the f-th at columns
+        column + f * threads * 8 .. +7 of `token`), inlined into the reduce kernel (one fragment)
+        and the single-launch tail: poll the tp slots of `generation` of every fragment in one
+        loop until no half is the sentinel, or until `timeout_ns` has passed since `started`;
+        then per fragment: sum from +0.0 in rank order, store the BF16 result to out[token] and
+        re-arm exactly the tp vectors read, or, if it is still incomplete, record the fault (the
+        rank's first wins) and write and re-arm nothing."""
         slot_stride = Int64(self.capacity * self.width * BF16_BYTES)
-        out_address = out_base + (Int64(token) * self.width + column) * BF16_BYTES
+        fragment_stride = self.threads * FRAGMENT
+        vectors = self.fragments * self.tp
         first_slot = (
             mailbox_base
             + ((Int64(generation) * self.tp) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
             + column * BF16_BYTES
         )
-        landed = cute.make_rmem_tensor(cute.make_layout(self.tp * FRAGMENT_WORDS), cutlass.Uint32)
+        landed = cute.make_rmem_tensor(cute.make_layout(vectors * FRAGMENT_WORDS), cutlass.Uint32)
         pending = cutlass.Uint32(1)
         polling = Int32(1)
         while polling != 0:
             # The timer is read in the same iteration as the loads: the wait is bounded.
             now = ptx.read_globaltimer_u64()
             pending = cutlass.Uint32(0)
-            for source in cutlass.range_constexpr(self.tp):
-                words = ptx.ld_volatile_global_v4_u32(first_slot + source * slot_stride)
-                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
-                    landed[source * FRAGMENT_WORDS + j] = words[j]
-                    pending = pending | ptx.has_negative_zero_u32(words[j])
+            for f in cutlass.range_constexpr(self.fragments):
+                for source in cutlass.range_constexpr(self.tp):
+                    words = ptx.ld_volatile_global_v4_u32(first_slot + source * slot_stride + f * fragment_stride * BF16_BYTES)
+                    for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                        landed[(f * self.tp + source) * FRAGMENT_WORDS + j] = words[j]
+                        pending = pending | ptx.has_negative_zero_u32(words[j])
             waiting = Int32(pending != 0)
             in_time = Int32(now - started <= Int64(self.timeout_ns))
             polling = waiting & in_time
 
-        if pending != 0:
-            # Timed out: name the lowest source still missing; the first thread to time out wins.
-            missing = Int32(self.tp)
-            for source in cutlass.range_constexpr(self.tp - 1, -1, -1):
-                dirty = cutlass.Uint32(0)
-                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
-                    dirty = dirty | ptx.has_negative_zero_u32(landed[source * FRAGMENT_WORDS + j])
-                if dirty != 0:
-                    missing = Int32(source)
-            previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
-            if previous == Int32(FAULT_CLEAR):
-                ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
-                ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + token)
-                ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
-        else:
-            total = []
-            for _ in cutlass.range_constexpr(FRAGMENT):
-                total.append(Float32(0.0))
-            for source in cutlass.range_constexpr(self.tp):
-                for j in cutlass.range_constexpr(FRAGMENT_WORDS):
-                    word = landed[source * FRAGMENT_WORDS + j]
-                    total[2 * j] = ptx.add_rn_f32(total[2 * j], ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(word)))
-                    total[2 * j + 1] = ptx.add_rn_f32(total[2 * j + 1], ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(word)))
-            result = [ptx.cvt_rn_bf16x2_f32(total[2 * j + 1], total[2 * j]) for j in range(FRAGMENT_WORDS)]
-            ptx.st_global_v4_u32(out_address, result[0], result[1], result[2], result[3])
-            # Re-arm exactly what this thread consumed; peers write it again three calls later.
-            sentinel = cutlass.Uint32(SENTINEL_BF16X2)
-            for source in cutlass.range_constexpr(self.tp):
-                ptx.st_global_v4_u32(first_slot + source * slot_stride, sentinel, sentinel, sentinel, sentinel)
+        for f in cutlass.range_constexpr(self.fragments):
+            slot = first_slot + f * fragment_stride * BF16_BYTES
+            out_address = out_base + (Int64(token) * self.width + column + f * fragment_stride) * BF16_BYTES
+            incomplete = pending  # one fragment: the poll's own verdict
+            if cutlass.const_expr(self.fragments > 1):
+                incomplete = cutlass.Uint32(0)
+                for v in cutlass.range_constexpr(f * self.tp * FRAGMENT_WORDS, (f + 1) * self.tp * FRAGMENT_WORDS):
+                    incomplete = incomplete | ptx.has_negative_zero_u32(landed[v])
+            if incomplete != 0:
+                # Timed out: name the lowest source still missing; the first thread to time out wins.
+                missing = Int32(self.tp)
+                for source in cutlass.range_constexpr(self.tp - 1, -1, -1):
+                    dirty = cutlass.Uint32(0)
+                    for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                        dirty = dirty | ptx.has_negative_zero_u32(landed[(f * self.tp + source) * FRAGMENT_WORDS + j])
+                    if dirty != 0:
+                        missing = Int32(source)
+                previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
+                if previous == Int32(FAULT_CLEAR):
+                    ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
+                    ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + token)
+                    ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
+            else:
+                total = []
+                for _ in cutlass.range_constexpr(FRAGMENT):
+                    total.append(Float32(0.0))
+                for source in cutlass.range_constexpr(self.tp):
+                    for j in cutlass.range_constexpr(FRAGMENT_WORDS):
+                        word = landed[(f * self.tp + source) * FRAGMENT_WORDS + j]
+                        total[2 * j] = ptx.add_rn_f32(total[2 * j], ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(word)))
+                        total[2 * j + 1] = ptx.add_rn_f32(total[2 * j + 1], ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(word)))
+                result = [ptx.cvt_rn_bf16x2_f32(total[2 * j + 1], total[2 * j]) for j in range(FRAGMENT_WORDS)]
+                ptx.st_global_v4_u32(out_address, result[0], result[1], result[2], result[3])
+                # Re-arm exactly what this thread consumed; peers write it again three calls later.
+                sentinel = cutlass.Uint32(SENTINEL_BF16X2)
+                for source in cutlass.range_constexpr(self.tp):
+                    ptx.st_global_v4_u32(slot + source * slot_stride, sentinel, sentinel, sentinel, sentinel)
 
 
 # ---------------------------------------------------------------------------------------------

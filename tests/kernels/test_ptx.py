@@ -121,7 +121,8 @@ def test_publisher_knobs_are_validated(knobs):
         tail._EpPublisherKernel(**{**base, **knobs})
 
 
-@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0), dict(rank=-1)], ids=str)
+@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0), dict(rank=-1),
+                                   dict(fragments=0), dict(fragments=3)], ids=str)
 def test_reduce_knobs_are_validated(knobs):
     with pytest.raises(ValueError):
         tail._EpReduceKernel(**{**dict(tp=2, rank=0, capacity=4, enable_pdl=True), **knobs})
