@@ -19,7 +19,8 @@ Contract:
   else "shm" (POSIX shared memory, the CPU model); `distinct_gpus` (one process per GPU):
   "unicast" (torch SymmetricMemory peer pointers) when there are at least two GPUs, every pair has
   peer access and SymmetricMemory is importable, then "multicast" when it is also allowed and
-  every GPU supports it; nothing on a machine with fewer than two GPUs.
+  every GPU supports it; nothing on a machine with fewer than two GPUs; `shared_gpus` (more
+  processes than GPUs): "ipc" when there are at least two GPUs and every pair has peer access.
 - `backends` says which kernel backends can run: "cpu" always; "cute" when a CUDA GPU of SM 90 or
   newer is present and `import cutlass` succeeds.
 
@@ -422,6 +423,21 @@ def transports(info: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any
         "launcher": "torchrun",
         "transports": distinct,
         "note": "; ".join(notes),
+    }
+    # More processes than GPUs (two per GPU, ...): CUDA IPC, a peer on another GPU opened on the
+    # rank's own device, which needs peer access between every pair.
+    spread: list[str] = []
+    if gpu_count < 2:
+        spread_note = f"needs at least two CUDA GPUs ({gpu_count} present)"
+    elif _missing_peer_pairs(info.get("p2p") or []):
+        spread_note = "ipc: no peer access between some GPUs"
+    else:
+        spread, spread_note = ["ipc"], "CUDA IPC handles; a peer on another GPU opened on this rank's device"
+    table["shared_gpus"] = {
+        "layout": "processes sharing several GPUs",
+        "launcher": "torchrun",
+        "transports": spread,
+        "note": spread_note,
     }
     return table
 

@@ -130,6 +130,11 @@ def test_transports_by_layout():
     no_peer = transports(fake_info(2, p2p=False, multicast_usable=True))["distinct_gpus"]
     assert no_peer["transports"] == [] and "peer access" in no_peer["note"]
 
+    assert single["shared_gpus"]["transports"] == [] and "two CUDA GPUs" in single["shared_gpus"]["note"]
+    assert transports(fake_info(2))["shared_gpus"]["transports"] == ["ipc"]
+    spread_without_peers = transports(fake_info(2, p2p=False))["shared_gpus"]
+    assert spread_without_peers["transports"] == [] and "peer access" in spread_without_peers["note"]
+
 
 def test_backends_need_hopper_and_cutlass():
     assert backends(fake_info(1))["cute"]["available"] is True
