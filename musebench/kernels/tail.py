@@ -42,6 +42,10 @@ follows this rank's reduce of call i (its re-arm) in stream order; three generat
 Stage words live in the rank's device memory, so CUDA-graph replay advances them. With PDL the
 publisher's `griddepcontrol.wait` waits for the previous reduce's whole grid (re-arm included)
 and the reduce's waits for the publisher's grid (ACTIVE_STAGE and the own-slot store included).
+The publisher lets the reduction launch right after its own wait, so the reduction's launch
+overlaps the publisher (its wait still covers the whole publisher grid); the reduction (and the
+single launch) let the next call's publisher launch only at their end: earlier, that publisher's
+waiting CTAs could take SMs from a peer's publisher of this call (virtual ranks on one GPU).
 
 Bounded waits: every polling loop reads `%globaltimer` in the same iteration as its loads. A
 fragment still incomplete `timeout_ns` after the reduce started polling is abandoned: the thread
@@ -292,6 +296,10 @@ class _EpPublisherKernel:
         # The rows, weights and indices come from the preceding kernel (expert GEMM2).
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(not self.single_launch):
+                # The reduction may launch now: its launch overlaps this grid, and its own
+                # griddepcontrol.wait still waits for this whole grid and its stores.
+                cute.arch.griddepcontrol_launch_dependents()
 
         smem = cutlass.memory.SmemAllocator()
         # One set of warp slots per route: no second barrier needed between routes.
@@ -412,7 +420,9 @@ class _EpPublisherKernel:
         else:
             if token == 0 and tidx == 0:
                 ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
-        if cutlass.const_expr(self.enable_pdl):
+        if cutlass.const_expr(self.enable_pdl and self.single_launch):
+            # The next call's publisher launches only once this one is done: launched earlier, its
+            # waiting CTAs could hold SMs that a peer's publisher of this call still needs.
             cute.arch.griddepcontrol_launch_dependents()
 
 

@@ -246,8 +246,11 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
     assert (multicast, unicast) == ((TRIPS, 0) if transport == "multicast" else (0, tp * TRIPS))
     assert not any(op.startswith("multimem") for op in ops if op != "multimem.st.relaxed.sys.global.v4.bf16x2")
 
-    # PDL, once each; the stage word is the only volatile load; no loop, so no spin.
+    # PDL, once each, the reduction let launch right after the wait (before any row is read); the
+    # stage word is the only volatile load; no loop, so no spin.
     assert count(ptx, "griddepcontrol.wait") == 1 and count(ptx, "griddepcontrol.launch_dependents") == 1
+    wait, trigger = ops.index("griddepcontrol.wait"), ops.index("griddepcontrol.launch_dependents")
+    assert wait < trigger < ops.index("ld.global.v4.u32", wait)
     assert count(ptx, "ld.volatile.global.u32") == 1 and not any(op.startswith("ld.volatile.global.v") for op in ops)
     assert loops(ptx) == []
 
@@ -323,6 +326,9 @@ def test_reduce_ptx(arch, tp, pdl):
     ptx = reduce_ptx(arch, tp, pdl)
     ops = opcodes(ptx)
     assert count(ptx, "griddepcontrol.wait") == count(ptx, "griddepcontrol.launch_dependents") == int(pdl)
+    if pdl:  # the next call's publisher may launch only after every store of this call
+        last_store = max(i for i, op in enumerate(ops) if op.startswith("st."))
+        assert ops.index("griddepcontrol.launch_dependents") > last_store
 
     # Bounded polling: one loop, tp volatile 16-byte loads and a %globaltimer read inside it.
     assert_bounded_polling(ptx)
@@ -370,6 +376,9 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
     alone = publisher_ptx(arch, tp, "bf16", True, transport, pdl)
     ops = opcodes(ptx)
     assert count(ptx, "griddepcontrol.wait") == count(ptx, "griddepcontrol.launch_dependents") == int(pdl)
+    if pdl:  # the next call's publisher may launch only after every store of this call
+        last_store = max(i for i, op in enumerate(ops) if op.startswith("st."))
+        assert ops.index("griddepcontrol.launch_dependents") > last_store
 
     # The publisher's arithmetic and stores are unchanged.
     for opcode in ("fma.rn.f32", "mul.rn.f32", "rsqrt.approx.ftz.f32", "multimem.st.relaxed.sys.global.v4.bf16x2",
