@@ -52,3 +52,28 @@ def assert_no_strays(job: str) -> None:
     assert not strays, f"stray processes of job {job}: {strays}"
     leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"musebench-{job}-")]
     assert not leftovers, f"stray mailboxes of job {job}: {leftovers}"
+
+
+# What the routing jobs see of the machine (`harness.jobs`): no GPU, a GPU without CuTe DSL, or a
+# GPU that can run the routing kernel (runner rows then come from the test).
+@pytest.fixture
+def no_gpu(monkeypatch):
+    from musebench.harness import jobs
+
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: None)
+
+
+@pytest.fixture
+def gpu_without_dsl(monkeypatch):
+    from musebench.harness import jobs
+
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
+    monkeypatch.setattr(jobs, "_dsl_imports", lambda: False)
+
+
+@pytest.fixture
+def gpu_with_dsl(monkeypatch):
+    from musebench.harness import jobs
+
+    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
+    monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)

@@ -114,22 +114,6 @@ def _scenario(tmp_path, *runs: str):
     return str(path)
 
 
-@pytest.fixture
-def no_gpu(monkeypatch):
-    from musebench.harness import jobs
-
-    monkeypatch.setattr(jobs, "_gpu_name", lambda: None)
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """A machine that can run the routing kernel, as far as the CLI can tell: runner rows come from the test."""
-    from musebench.harness import jobs
-
-    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
-    monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)
-
-
 def _routing_row(case, **flaws):
     from musebench.harness.results import CaseResult
 
@@ -173,7 +157,7 @@ def test_a_routing_only_scenario_skipped_everywhere_exits_0(tmp_path, no_gpu):
     assert result.output.count("routing: skipped") == 2 and "0 passed, 0 failed, 4 skipped" in result.output
 
 
-def test_backend_cpu_skips_routing_even_on_a_gpu(tmp_path, fake_gpu, monkeypatch):
+def test_backend_cpu_skips_routing_even_on_a_gpu(tmp_path, gpu_with_dsl, monkeypatch):
     from musebench.harness import routing
 
     monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("backend cpu ran routing"))
@@ -200,7 +184,7 @@ def test_routing_with_cute_asked_for_and_no_gpu_exits_2(tmp_path, no_gpu, how):
         dict(rank_identical=False),  # ranks disagree
     ],
 )
-def test_a_failing_routing_row_fails_parity(tmp_path, fake_gpu, monkeypatch, flaw):
+def test_a_failing_routing_row_fails_parity(tmp_path, gpu_with_dsl, monkeypatch, flaw):
     from musebench.harness import routing
 
     ran = []
@@ -219,7 +203,7 @@ def test_a_failing_routing_row_fails_parity(tmp_path, fake_gpu, monkeypatch, fla
     assert [case["passed"] for case in data["cases"]] == [True, True, True, False]
 
 
-def test_passing_routing_rows_land_in_the_parity_report(tmp_path, fake_gpu, monkeypatch):
+def test_passing_routing_rows_land_in_the_parity_report(tmp_path, gpu_with_dsl, monkeypatch):
     from musebench.harness import routing
 
     monkeypatch.setattr(routing, "run_routing_case", _routing_row)
@@ -233,7 +217,7 @@ def test_passing_routing_rows_land_in_the_parity_report(tmp_path, fake_gpu, monk
     assert junit.read_text().count("<testcase") == 4
 
 
-def test_only_the_reporting_rank_of_a_torchrun_job_routes(tmp_path, fake_gpu, monkeypatch):
+def test_only_the_reporting_rank_of_a_torchrun_job_routes(tmp_path, gpu_with_dsl, monkeypatch):
     from musebench.harness import routing
 
     monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("rank 1 routed"))

@@ -1,10 +1,10 @@
 """CUDA-graph timing of the cute tails on virtual ranks sharing one GPU.
 
 Method (STYLE 11): compile and warm every rank's tail, check one eager call bitwise against the
-stock's expected bits for each rank, then capture `calls` back-to-back calls of all tp ranks in one CUDA graph (each
-call forks the capture stream to one stream per rank and joins them again), replay the graph
-`replays` times, and report the median replay time divided by `calls`. The outputs of the last
-replay are checked again, so every timed row carries its correctness.
+stock's expected bits for each rank, then capture `calls` back-to-back calls of all tp ranks in
+one CUDA graph (each call forks the capture stream to one stream per rank and joins them again),
+replay the graph `replays` times, and report the median replay time divided by `calls`. The
+outputs of the last replay are checked again, so every timed row carries its correctness.
 
 On one GPU the tp ranks share the SMs: the number is the time of one collective call of the
 whole group (every rank's kernels), not one rank's time on its own GPU; the process bench
@@ -19,6 +19,7 @@ minus the publisher. The TP tail is one kernel: its row's `tail_us`.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,9 +166,7 @@ def _time_single_launch(case, inputs, unfinalized, boxes, wants, row: CaseResult
     def one_call() -> None:
         group_call(lambda rank: singles[rank].run(unfinalized[rank], outs[rank]))
 
-    checked = CaseResult(kernel=row.kernel, mode=row.mode, tp=row.tp, tokens=row.tokens, weight_dtype=row.weight_dtype,
-                         norm=row.norm, inputs=row.inputs, seed=row.seed, backend=row.backend, launcher=row.launcher,
-                         transport=row.transport, stock=row.stock)
+    checked = dataclasses.replace(row, ranks=[])  # the row's case; its own checks
     _eager_and_checked(one_call, main, singles, outs, wants, checked)
     if checked.passed:
         for out in outs:

@@ -220,8 +220,8 @@ def _time_single_launch(case: TailCase, rank: int, boxes: RankMailboxes, inputs:
                         unfinalized: UnfinalizedMoEOutput, want: torch.Tensor, run_options: RunOptions,
                         options: BenchOptions, stream: torch.cuda.Stream, result: RankTimes) -> None:
     """Collective: the EP tail as one kernel over this rank's re-armed mailboxes, timed like the
-    tail and checked against the same bits (a difference is the rank's error); every rank
-    re-arms again after it."""
+    tail and checked against the same bits (a difference, a fault or a failure is the rank's
+    error, as in the virtual bench); every rank re-arms again after it."""
     device = unfinalized.gemm2_permuted.device
     out = checks.poison(torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device))
     try:
@@ -237,7 +237,7 @@ def _time_single_launch(case: TailCase, rank: int, boxes: RankMailboxes, inputs:
             result.check.error = (f"rank {rank}: the single-launch EP tail differs from the stock: {check.mismatches} "
                                   f"words, first at {first.index if first is not None else '?'}")
     except Exception as error:
-        result.notes.append(f"single launch not timed: {type(error).__name__}: {error}")
+        result.check.error = result.check.error or f"rank {rank}: single launch: {type(error).__name__}: {error}"
         result.times_us.pop(SINGLE_LAUNCH, None)
     dist.barrier()
     boxes.reset()

@@ -69,14 +69,6 @@ def in_torchrun_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _failure_summary(log: str, tp: int) -> str:
     """The first failed rank and its exit code from torchrun's error report, else its last line."""
     ranks = re.findall(r"rank\s*:\s*(\d+)", log)
@@ -202,11 +194,25 @@ def _cleanup_shm(job: str) -> None:
             pass
 
 
+def _process_transport(options: RunOptions, tp: int) -> str:
+    """The transport tp processes on this host get (`driver.device_mailboxes` makes the same choice)."""
+    if options.backend != "cute":
+        return "shm"
+    import torch
+
+    from musebench.comm.device import peer_mapping
+
+    try:
+        return "unicast" if peer_mapping(tp, torch.cuda.device_count()) == "symmetric" else "ipc"
+    except ValueError:  # a bad MUSEBENCH_PEER_MAPPING: the ranks' own errors say so
+        return "ipc"
+
+
 def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
     return CaseResult(
         kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
-        transport="ipc" if options.backend == "cute" else "shm", stock=options.stock, error=reason,
+        transport=_process_transport(options, case.tp), stock=options.stock, error=reason,
         rank_identical=False,
     )
 

@@ -173,22 +173,22 @@ def validate_tp(tp: int) -> None:
         raise ValueError(f"tp must be in {MIN_TP}..{MAX_TP}, got {tp}")
 
 
+def _validate_token_counts(tokens: tuple[int, ...], most: int, bound: str) -> None:
+    bad = [m for m in tokens if not 1 <= m <= most]
+    if bad:
+        raise ValueError(f"tokens must be in 1..{most} ({bound}), got {bad}")
+    if not tokens:
+        raise ValueError("no tokens given")
+
+
 def validate_tokens(tokens: tuple[int, ...], capacity: int) -> None:
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
-    bad = [m for m in tokens if not 1 <= m <= capacity]
-    if bad:
-        raise ValueError(f"tokens must be in 1..{capacity} (the mailbox capacity), got {bad}")
-    if not tokens:
-        raise ValueError("no tokens given")
+    _validate_token_counts(tokens, capacity, "the mailbox capacity")
 
 
 def validate_routing_tokens(tokens: tuple[int, ...]) -> None:
-    bad = [m for m in tokens if not 1 <= m <= ROUTING_MAX_TOKENS]
-    if bad:
-        raise ValueError(f"tokens must be in 1..{ROUTING_MAX_TOKENS} (the routing kernel's batch), got {bad}")
-    if not tokens:
-        raise ValueError("no tokens given")
+    _validate_token_counts(tokens, ROUTING_MAX_TOKENS, "the routing kernel's batch")
 
 
 def validate_tiles(tiles: tuple[int, ...]) -> None:

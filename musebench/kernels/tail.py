@@ -28,7 +28,7 @@ Single launch (`single_launch=True`, one kernel per call, same bits): the publis
 also reduces. Thread 0 of each CTA reads NEXT_STAGE once (it changes during the grid), shares it
 through shared memory and counts the CTA in with `atom.acq_rel.gpu` on the second stage word;
 the last CTA to arrive advances NEXT_STAGE and zeroes the count (every CTA read the generation
-before arriving). After publishing, each thread runs `_EpReduceKernel.reduce_fragment` for its
+before arriving). After publishing, each thread runs `_EpReduceKernel.reduce_fragments` for its
 own columns of its CTA's token under one timer: the same polls (every trip's in one loop where
 tp * trips <= 32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms
 and fault record, inlined.
@@ -211,8 +211,8 @@ class _EpPublisherKernel:
         self.transport = transport
         self.enable_pdl = bool(enable_pdl)
         self.single_launch = bool(single_launch)
-        # the reduction's fragments (single launch); it validates timeout_ns
-        # (its fragments polled together: every trip's where tp * trips vectors fit in registers)
+        # the single launch's inlined reduction (it validates timeout_ns), polling every trip's
+        # fragments together where tp * trips vectors fit in registers
         together = self.trips if tp * self.trips <= SINGLE_LAUNCH_POLL_VECTORS else 1
         self.reduction = (_EpReduceKernel(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads,
                                           enable_pdl=enable_pdl, timeout_ns=timeout_ns, fragments=together)
@@ -409,14 +409,14 @@ class _EpPublisherKernel:
                     ptx.st_relaxed_sys_global_v4_u32(peer_bases[step] + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
 
         if cutlass.const_expr(self.single_launch):
-            # This CTA's token, every fragment in turn, under one timer.
+            # This CTA's token, all its fragments under one timer.
             started = ptx.read_globaltimer_u64()
             mailbox_base = Int64(mailbox.iterator.toint())
             out_base = Int64(out.iterator.toint())
             fault_base = Int64(fault.iterator.toint())
             for trip in cutlass.range_constexpr(0, self.trips, self.reduction.fragments):
                 column = Int64(tidx + trip * self.threads) * FRAGMENT
-                self.reduction.reduce_fragment(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
+                self.reduction.reduce_fragments(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
         else:
             if token == 0 and tidx == 0:
                 ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
@@ -457,7 +457,7 @@ class _EpReduceKernel:
         self.parts = width // (threads * FRAGMENT)
         self.enable_pdl = bool(enable_pdl)
         self.timeout_ns = int(timeout_ns)
-        # fragments one `reduce_fragment` call polls together: columns column + f * threads * 8
+        # fragments one `reduce_fragments` call polls together: columns column + f * threads * 8
         self.fragments = fragments
 
     @cute.jit
@@ -495,13 +495,13 @@ class _EpReduceKernel:
             ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (generation + 1) % LAMPORT_GENERATIONS)
 
         started = ptx.read_globaltimer_u64()
-        self.reduce_fragment(Int64(mailbox.iterator.toint()), Int64(out.iterator.toint()), Int64(fault.iterator.toint()),
+        self.reduce_fragments(Int64(mailbox.iterator.toint()), Int64(out.iterator.toint()), Int64(fault.iterator.toint()),
                              generation, Int32(token), column, started)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def reduce_fragment(self, mailbox_base: Int64, out_base: Int64, fault_base: Int64, generation: Int32,
+    def reduce_fragments(self, mailbox_base: Int64, out_base: Int64, fault_base: Int64, generation: Int32,
                         token: Int32, column: Int64, started: Int64) -> None:
         """One thread's fragments of the reduction (`self.fragments` of them, the f-th at columns
         column + f * threads * 8 .. +7 of `token`), inlined into the reduce kernel (one fragment)
@@ -841,7 +841,7 @@ class EpTail:
             return
         stream, out_view = self._launch_publisher(unfinalized, out)
         if self._reduce is not None:
-            self._reduce(self._mailbox, out_view, self._stage, self._fault, Int32(m), stream)
+            self._launch_reduce(out_view, m, stream)
 
     def run_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
         """The publisher alone, for `musebench bench tail`'s per-kernel median (arguments as `run`;
@@ -861,25 +861,27 @@ class EpTail:
         single-launch tail or an `out` that is not contiguous BF16 [m <= capacity, width]."""
         if self.single_launch:
             raise ValueError("a single-launch EP tail has no separate reduction")
-        m = out.shape[0]
-        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != self.width or not out.is_contiguous() \
-                or m > self.capacity:
-            raise ValueError(f"out must be contiguous bfloat16 [m <= {self.capacity}, {self.width}], "
-                             f"got {out.dtype} {tuple(out.shape)}")
-        if m == 0:
-            return
-        stream = cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream)
-        self._reduce(self._mailbox, cute_flat(out, 16, self.width), self._stage, self._fault, Int32(m), stream)
+        m = self._check_out(out)
+        if m != 0:
+            self._launch_reduce(cute_flat(out, 16, self.width), m, cuda.CUstream(torch.cuda.current_stream(out.device).cuda_stream))
+
+    def _check_out(self, out: torch.Tensor) -> int:
+        """m of `out`, which must be contiguous BF16 [m <= capacity, width] (ValueError otherwise)."""
+        m = out.shape[0] if out.dim() == 2 else -1
+        if m > self.capacity:
+            raise ValueError(f"{m} tokens exceed the mailbox capacity {self.capacity}")
+        if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, self.width) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous bfloat16 [m, {self.width}], got {out.dtype} {tuple(out.shape)}")
+        return m
+
+    def _launch_reduce(self, out_view: cute.Tensor, m: int, stream: cuda.CUstream) -> None:
+        self._reduce(self._mailbox, out_view, self._stage, self._fault, Int32(m), stream)
 
     def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> tuple[cuda.CUstream, cute.Tensor]:
         """Check `run`'s arguments (ValueError before anything launches), launch the publisher on
         the current stream; return that stream and `out` as the kernels take it."""
-        m = out.shape[0]
+        m = self._check_out(out)
         rows, weights, index = unfinalized.gemm2_permuted, unfinalized.route_weights, unfinalized.expanded_idx_to_permuted_idx
-        if m > self.capacity:
-            raise ValueError(f"{m} tokens exceed the mailbox capacity {self.capacity}")
-        if out.dtype != torch.bfloat16 or tuple(out.shape) != (m, self.width) or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous bfloat16 [{m}, {self.width}], got {out.dtype} {tuple(out.shape)}")
         if weights.dtype != _TORCH_WEIGHT_TYPES[self.weight_dtype] or tuple(weights.shape) != (m, self.top_k):
             raise ValueError(f"route_weights must be {self.weight_dtype} [{m}, {self.top_k}], got {weights.dtype} {tuple(weights.shape)}")
         if index.dtype != torch.int32 or tuple(index.shape) != (m, self.top_k):

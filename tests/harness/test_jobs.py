@@ -1,4 +1,5 @@
-"""Routing jobs: where they run, where they are skipped (and say why), where they are refused; the\nEP tail's launch choice of tail jobs."""
+"""Routing jobs: where they run, where they are skipped (and say why), where they are refused; the
+EP tail's launch choice of tail jobs."""
 
 from __future__ import annotations
 
@@ -7,23 +8,6 @@ import pytest
 from musebench.harness import jobs
 from musebench.harness.results import CaseResult
 from musebench.harness.scenario import RoutingScenarioRun
-
-
-@pytest.fixture
-def no_gpu(monkeypatch):
-    monkeypatch.setattr(jobs, "_gpu_name", lambda: None)
-
-
-@pytest.fixture
-def gpu_without_dsl(monkeypatch):
-    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
-    monkeypatch.setattr(jobs, "_dsl_imports", lambda: False)
-
-
-@pytest.fixture
-def gpu_with_dsl(monkeypatch):
-    monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
-    monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)
 
 
 def _job(**overrides) -> jobs.RoutingJob:

@@ -64,3 +64,15 @@ def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("1 passed, 0 failed") == 1  # one table, from rank 0
+
+
+@pytest.mark.parametrize("backend, gpus, transport", [("cpu", 0, "shm"), ("cute", 1, "ipc"), ("cute", 2, "ipc"),
+                                                      ("cute", 4, "unicast")])
+def test_error_rows_name_the_transport_the_ranks_would_have_used(monkeypatch, backend, gpus, transport):
+    """A launch error row (tp 4 processes) carries the transport device_mailboxes picks for the layout."""
+    import torch
+
+    monkeypatch.delenv("MUSEBENCH_PEER_MAPPING", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    row = launch._error_row(TailCase(mode="ep", tp=4, tokens=1), RunOptions(backend=backend, launcher="torchrun"), "boom")
+    assert row.transport == transport and row.error == "boom" and not row.passed

@@ -187,8 +187,10 @@ def test_publishers_then_reductions_apart_equal_the_whole_call():
         for rank in range(2):
             assert_same_bits(outs[rank], want, f"call {call} rank {rank}")
         _assert_clean(group, call + 1)
-    with pytest.raises(ValueError, match="out must be"):
+    with pytest.raises(ValueError, match="exceed the mailbox capacity"):
         group.tails[0].run_reduce(torch.empty(CAPACITY + 1, WIDTH, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(ValueError, match="out must be"):
+        group.tails[0].run_reduce(torch.empty(1, WIDTH, dtype=torch.float32, device="cuda"))
     single = VirtualGroup(2, first.norm_weight, weight_dtype="bf16", before=True, single_launch=True)
     with pytest.raises(ValueError, match="no separate reduction"):
         single.tails[0].run_reduce(_poisoned(1))
