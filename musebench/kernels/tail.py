@@ -63,16 +63,17 @@ Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher v
 520 FFMA, 512 FMUL (768 with the weight before the norm: x * gamma is recomputed after the
 barrier rather than kept, the same operands), 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2;
 ptxas: 255 registers, no spill (tp 2..32, both forms). H200, 2026-11-29, CuTe DSL
-4.8.1 (cu13 libs), torch 2.11+cu130, commit 06837f0: `pytest -m gpu tests/kernels` 689 passed
+4.8.1 (cu13 libs), torch 2.11+cu130, commit 302d270: `pytest -m gpu tests/kernels` 690 passed
 (records/2026-11-29-h200-pytest-gpu-kernels.xml), both EP forms bitwise equal to the reference
 (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and adversarial rows), the
 missing-rank fault and graph replays. Timing, CUDA graph of 20 calls, median of 30 replays:
 - one rank per H200, tp 2 (`bench tail --launcher torchrun`,
-  records/2026-11-29-2xh200-bench-tail-tp2-torchrun.json, m 1..8): the two-launch tail 4.9-6.1 µs
-  (publisher alone 3.8-4.9), the single launch 6.2-7.3 µs, the stock finalize alone 3.1-3.2 µs,
-  finalize + NCCL all-reduce 9.9-10.4 µs;
+  records/2026-11-29-2xh200-bench-tail-tp2-torchrun.json, m 1..8, both weight dtypes): the
+  two-launch tail 4.6-5.9 µs (publisher alone 3.5-4.7, the reduction exposed 0.9-1.3), the single
+  launch 5.8-6.9 µs, the stock finalize alone 3.1-3.5 µs, finalize + NCCL all-reduce 9.8-10.6 µs
+  (at 06837f0, before the batched loads and the early PDL trigger: 4.9-6.1, publisher 3.8-4.9);
 - virtual ranks sharing one H200 (records/2026-11-29-h200-bench-tail-virtual.json; one call of the
-  whole group, fork/join of tp streams included): tp 2: 7.0-8.2 µs, tp 4: 7.7-9.0, tp 8: 11.0-13.2.
+  whole group, fork/join of tp streams included): tp 2: 6.6-7.7 µs, tp 4: 8.0-9.4, tp 8: 11.8-14.6.
 The single launch is slower than the two launches everywhere measured, so two launches stay the
 default.
 """

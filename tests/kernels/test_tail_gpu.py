@@ -10,9 +10,9 @@ approximations (`hardware_approximations()`: the rsqrt bits). Outputs are poison
 comparison is on raw bits (-0.0 and NaN payloads count). The single-launch tail
 (`single_launch=True`) is held to the same reference, its stage words to its own layout.
 
-Last run: H200, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 06837f0: 345
-passed, both forms (records/2026-11-29-h200-pytest-gpu-kernels.xml). Not yet run on the
-publisher that loads every route at once (c0939c8) nor the run_reduce test.
+Last run: H200, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 302d270 (the
+publisher that loads every route at once, its early PDL trigger, the single launch's joint poll):
+346 passed, both forms and run_reduce (records/2026-11-29-h200-pytest-gpu-kernels.xml).
 """
 
 from __future__ import annotations
