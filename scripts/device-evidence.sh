@@ -16,7 +16,8 @@
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
-#               --launcher torchrun at tp = GPUs
+#               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
+#               the first TP)
 #   multi-gpu-shared  two processes per GPU (their GPU tests, tail and bench tail at tp = 2 x GPUs)
 #               and the fault runs at tp = GPUs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
@@ -114,16 +115,18 @@ case $part in
       echo "== ncu-routing: no ncu on this machine" | tee -a "$log"
     fi
     ;;
-  multi-gpu)
-    [ "$gpus" -ge 2 ] || { echo "multi-gpu needs 2+ GPUs, found $gpus"; exit 2; }
-    run tail-own-gpu 150 musebench tail --tp "$gpus" --launcher torchrun --inputs random,adversarial \
-      --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun.json"
+  multi-gpu)  # TP=N (default: every GPU) runs on the first N GPUs, one process each
+    tp=${TP:-$gpus}
+    [ "$tp" -ge 2 ] && [ "$tp" -le "$gpus" ] || { echo "multi-gpu needs 2 <= TP <= GPUs ($gpus), got $tp"; exit 2; }
+    [ "$tp" -eq "$gpus" ] || export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((tp - 1)))
+    run tail-own-gpu 150 musebench tail --tp "$tp" --launcher torchrun --inputs random,adversarial \
+      --json "$out/$day-${tp}x$gpu-tail-tp$tp-torchrun.json"
     strays
-    run bench-own-gpu 200 musebench bench tail --tp "$gpus" --launcher torchrun --weights bf16,fp32 \
-      --json "$out/$day-${gpus}x$gpu-bench-tail-tp$gpus-torchrun.json"
+    run bench-own-gpu 200 musebench bench tail --tp "$tp" --launcher torchrun --weights bf16,fp32 \
+      --json "$out/$day-${tp}x$gpu-bench-tail-tp$tp-torchrun.json"
     strays
-    run tail-own-gpu-single 120 musebench tail --tp "$gpus" --launcher torchrun --mode ep --ep-launch single \
-      --inputs random,adversarial --json "$out/$day-${gpus}x$gpu-tail-tp$gpus-torchrun-single-launch.json"
+    run tail-own-gpu-single 120 musebench tail --tp "$tp" --launcher torchrun --mode ep --ep-launch single \
+      --inputs random,adversarial --json "$out/$day-${tp}x$gpu-tail-tp$tp-torchrun-single-launch.json"
     strays
     ;;
   multi-gpu-shared)

@@ -20,7 +20,8 @@ same bits; all max over ranks, in `kernels_us`. Baseline outputs are not checked
 Replay protocol (per path and replay): a host barrier, one untimed call (a collective: once it
 returns on a rank, every peer has reached the same call, so launch skew is not timed), the start
 event, the timed graph, the end event. NCCL refuses two ranks on one GPU, so the NCCL and
-SymmetricMemory baselines run only with one process per GPU; the row notes why otherwise.
+SymmetricMemory baselines run only with one process per GPU; otherwise the row notes why, and that
+the tail's µs then time the driver's time slices (`driver.shared_gpu_timing_note`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from musebench.harness.driver import (
     bytes_moved,
     check_rank_output,
     expected_outputs,
+    shared_gpu_timing_note,
 )
 from musebench.harness.results import CaseResult, RankResult
 from musebench.layout import UnfinalizedMoEOutput
@@ -162,7 +164,9 @@ def _bench_case(case: TailCase, rank: int, boxes: RankMailboxes, run_options: Ru
         result.notes.append(f"finalize not timed: {type(error).__name__}: {error}")
         return result
     if collectives is None:
-        if int(os.environ.get("LOCAL_WORLD_SIZE", case.tp)) > torch.cuda.device_count():
+        timing_note = shared_gpu_timing_note(int(os.environ.get("LOCAL_WORLD_SIZE", case.tp)))
+        if timing_note is not None:
+            result.notes.append(timing_note)
             result.notes.append("NCCL and SymmetricMemory baselines need one process per GPU "
                                 "(NCCL refuses two ranks on one GPU)")
         return result

@@ -30,6 +30,7 @@ from musebench.harness.driver import (
     evaluate_case,
     mailbox_geometry,
     run_rank_case,
+    shared_gpu_timing_note,
 )
 from musebench.harness.results import CaseResult
 
@@ -86,6 +87,7 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
     device_box = boxes.device_ep or boxes.device_tp_route
     transport = device_box.transport if device_box is not None else "shm"
     rows: list[CaseResult] = []
+    timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
     try:
         if bench is not None:
             from musebench.harness.bench_process import run_bench_rank
@@ -105,7 +107,7 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
             else:
                 outcome = RankOutcome(rank=rank, error=bind_error)
             print(f"rank {rank} done case {index}", flush=True)
-            row = finish_case(outcome, lambda gathered: evaluate_case(case, gathered, options, transport, inputs),
+            row = finish_case(outcome, lambda gathered: _evaluate(case, gathered, options, transport, inputs, timing_note),
                               boxes, results_path, on_case)
             if row is not None:
                 rows.append(row)
@@ -113,6 +115,13 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
         boxes.close()
         dist.destroy_process_group()
     return rows
+
+
+def _evaluate(case: TailCase, gathered: list, options: RunOptions, transport: str, inputs, timing_note: str | None) -> CaseResult:
+    row = evaluate_case(case, gathered, options, transport, inputs)
+    if timing_note is not None:
+        row.notes.append(timing_note)
+    return row
 
 
 def finish_case(outcome, evaluate: Callable[[list], CaseResult], boxes: RankMailboxes, results_path: Path | None,

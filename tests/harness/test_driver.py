@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from musebench.harness.cases import TailCase
 from musebench.harness.driver import Faults, RunOptions, run_virtual
@@ -100,3 +101,12 @@ def test_wait_groups_need_one_whole_group_resident_not_every_grid():
     assert group_load([tp16], 16, [928]) > 1.0  # tp 16 still refused: 241 clusters
     with pytest.raises(ValueError):
         LaunchDemand(None, ctas=16 * 8, threads=32, cluster=16, wait_groups=3).needed_ctas(8)
+
+
+def test_timings_of_processes_sharing_gpus_carry_a_note(monkeypatch):
+    from musebench.harness.driver import shared_gpu_timing_note
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert shared_gpu_timing_note(2) is None and shared_gpu_timing_note(1) is None  # a GPU per process
+    note = shared_gpu_timing_note(4)  # two processes per GPU: time slices, measured at 2.2 ms a call
+    assert "time slices" in note and "one process per GPU" in note
