@@ -18,13 +18,15 @@
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
+#   ab          AB_TREE=DIR (AB_TP, AB_COMMIT): bench tail with an older musebench tree and with the
+#               checkout, alternating twice, then `musebench report --compare` of the last pair
 #   multi-gpu-shared  two processes per GPU (their GPU tests, tail and bench tail at tp = 2 x GPUs)
 #               and the fault runs at tp = GPUs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared}
+part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -145,6 +147,22 @@ case $part in
     expect_fault fault-silent 90 "timed out" musebench tail --tp "$gpus" --launcher torchrun --mode both --tokens 2 --weights bf16 \
       --norm before --timeout 2 --inject "silent:1" --json "$out/$day-${gpus}x$gpu-fault-silent.json"
     strays
+    ;;
+  ab)  # AB_TREE=DIR: a musebench package tree to compare with (for example `git archive REF musebench`
+       # unpacked under an ignored _scratch* folder, carried), benched alternately with the checkout
+    tree=$(cd "${AB_TREE:?ab needs AB_TREE, a directory holding a musebench package}" && pwd)
+    tp=${AB_TP:-2}
+    args=(bench tail --tp "$tp" --tokens 1,2,4,8 --weights bf16)
+    [ "$gpus" -ge "$tp" ] && args+=(--launcher torchrun)
+    run ab-tree 30 env -C "$tree" python3 -c "import musebench; print('base tree:', musebench.__file__)"
+    for round in 1 2; do  # alternating, so a drift of the machine shows as a difference between rounds
+      # run from inside the tree: python -m puts the working directory first on sys.path (torchrun's
+      # workers inherit it), ahead of the checkout that env.sh put on PYTHONPATH
+      run "ab-base-$round" 200 env -C "$tree" MUSEBENCH_GIT_COMMIT="${AB_COMMIT:-base}" \
+        musebench "${args[@]}" --json "$out/ab-base-$round.json"
+      run "ab-head-$round" 200 musebench "${args[@]}" --json "$out/ab-head-$round.json"
+    done
+    run ab-report 60 musebench report "$out/ab-head-2.json" --compare "$out/ab-base-2.json"  # fails where the checkout is > 5 % slower
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
