@@ -326,12 +326,16 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
 @click.option("--inputs", default="random,adversarial", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--seeds", type=int, default=1, show_default=True)
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds a rank's kernel may take.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
-def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, junit_path) -> None:
+@click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, hang).")
+def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject) -> None:
     """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
     from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.driver import Faults
     from musebench.harness.jobs import resolve_backend
+    from musebench.harness.routing import RoutingCase, run_routing_case, validate_routing_faults
     from musebench.harness.scenario import validate_tokens, validate_tp
 
     token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")
@@ -343,11 +347,14 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, juni
             raise ValueError(f"--tile must be in 1..256, got {tile_list}")
         if seeds < 1:
             raise ValueError("--seeds must be >= 1")
+        if timeout <= 0:
+            raise ValueError("--timeout must be positive")
+        faults = Faults.parse(inject)
+        validate_routing_faults(faults, tp)
         _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
     from musebench.harness.jobs import build_report
-    from musebench.harness.routing import RoutingCase, run_routing_case
 
     cases = [RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renormalize, inputs=family, seed=s)
              for family in families for tile in tile_list for m in token_list for s in range(seed, seed + seeds)]
@@ -355,7 +362,7 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, json_path, juni
     with _stderr().status("routing") as status:
         for case in cases:
             status.update(case.label())
-            rows.append(run_routing_case(case))
+            rows.append(run_routing_case(case, faults=faults, timeout_s=timeout))
     run = build_report(rows, command=_command_line(), backend_note=note)
     _emit(run, title=f"musebench routing --tp {tp}", json_path=json_path, junit_path=junit_path)
 

@@ -307,3 +307,18 @@ def test_cute_backend_refuses_faults_it_cannot_inject(monkeypatch):
     with pytest.raises(ValueError, match="a hung virtual rank cannot be stopped on the GPU"):
         job("virtual")
     assert job("torchrun").options.faults.hang_rank == 1  # a process can be killed
+
+
+@pytest.mark.parametrize(("inject", "message"), [
+    ("raise:1", "routing injects only flip, silent, hang faults, not raise"),
+    ("flip:2", "a fault names rank 2, but tp is 2"),
+    ("melt:1", "bad fault 'melt:1'"),
+])
+def test_routing_refuses_a_fault_it_cannot_inject_before_anything_runs(inject, message):
+    result = _run("routing", "--tp", "2", "--inject", inject)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_routing_refuses_a_nonpositive_timeout():
+    result = _run("routing", "--tp", "2", "--timeout", "0")
+    assert result.exit_code == 2 and "--timeout must be positive" in result.output

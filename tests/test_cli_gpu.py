@@ -32,3 +32,12 @@ def test_bench_tail_rows_carry_their_correctness(tmp_path):
     # EP rows time the publisher alone too; the tail timed after it (mailboxes re-armed) still passes
     ep = [case for case in cases if case["mode"] == "ep"]
     assert ep and all(case["kernels_us"]["publisher"] > 0 and case["kernels_us"]["single launch"] > 0 for case in ep)
+
+
+def test_routing_with_an_injected_flip_exits_1_naming_the_rank(tmp_path):
+    out = tmp_path / "routing.json"
+    result = CliRunner().invoke(main, ["routing", "--tp", "2", "--tokens", "2", "--inputs", "random",
+                                       "--inject", "flip:1", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    cases = json.loads(out.read_text())["cases"]
+    assert cases and all(not case["passed"] and case["first_mismatch"]["rank"] == 1 for case in cases)

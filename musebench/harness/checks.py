@@ -35,6 +35,14 @@ def poison(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def still_poisoned(tensor: torch.Tensor) -> bool:
+    """Whether every element still holds `poison`'s pattern: nothing wrote the output."""
+    if tensor.numel() == 0:
+        return False
+    expected = poison(torch.empty_like(tensor, device="cpu"))
+    return bool((nx.bits(tensor.detach().cpu()) == nx.bits(expected)).all())
+
+
 def compare_bits(got: torch.Tensor, want: torch.Tensor, *, rank: int = 0) -> tuple[int, int, Mismatch | None]:
     """(mismatched elements, max ULP distance, first mismatch) of got vs want, on raw bits."""
     if got.shape != want.shape or got.dtype != want.dtype:

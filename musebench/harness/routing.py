@@ -7,6 +7,11 @@ equal to the project's Triton stock (`stock.triton_routing`) and to the referenc
 hardware's approximations; each rank's live metadata words equal to
 `pack_metadata(routing_metadata_reference(ids, ...))`; the guard word untouched.
 
+Faults (`driver.Faults`, `--inject`), to prove the checks fail when they must: `flip:R` flips one
+bit of rank R's weights (host copy), `silent:R` never launches rank R (its outputs keep the poison,
+named in the row's error), `hang:R` holds rank R's stream busy `timeout_s` + 1 s before its kernel
+(`torch.cuda._sleep`), which the bounded wait (`wait_for_device`) reports instead of waiting.
+
 `bench_routing` times, by the CUDA-graph method of `harness.bench` (20 back-to-back calls per
 graph, median of 30 replays), the kernel alone, the kernel with metadata, and the Triton stock.
 """
@@ -24,10 +29,42 @@ from musebench import numerics as nx
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions, graph_median_us
 from musebench.harness.cases import expert_owner
+from musebench.harness.driver import Faults
 from musebench.harness.results import CaseResult, RankResult
 
 POISON_WORD = -0x2A2A2A2B  # 0xD5D5D5D5: a word no metadata field holds
 ROUTE_SCALE = 2.5
+DEFAULT_TIMEOUT_S = 10.0  # a routing call takes microseconds; this bounds a kernel that never ends
+ROUTING_FAULTS = ("flip", "silent", "hang")
+_SLEEP_CYCLES_PER_S = 2_000_000_000  # torch.cuda._sleep counts clock cycles: >= 1 s at <= 2 GHz
+
+
+class RoutingTimeout(RuntimeError):
+    pass
+
+
+def validate_routing_faults(faults: Faults, tp: int) -> None:
+    """ValueError, before anything launches, for a fault routing cannot inject or a rank >= tp."""
+    unsupported = [kind for kind in ("raise", "exit") if getattr(faults, f"{kind}_rank") is not None]
+    if unsupported:
+        raise ValueError(f"routing injects only {', '.join(ROUTING_FAULTS)} faults, not {', '.join(unsupported)}")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
+
+
+def wait_for_device(event, timeout_s: float, what: str, poll_s: float = 1e-4) -> None:
+    """Wait for a recorded CUDA event at most `timeout_s`; RoutingTimeout naming `what` after that.
+
+    Host side only: the routing kernel has no device spin-wait, so a kernel that never ends (or a
+    stream held busy) is the one way a routing case could hang, and this bounds it.
+    """
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RoutingTimeout(f"{what} did not finish within {timeout_s:g} s")
+        time.sleep(poll_s)
 
 
 @dataclass(frozen=True)
@@ -76,8 +113,12 @@ def _compare(got: torch.Tensor, want: torch.Tensor, rank: int, row: RankResult) 
     row.first_mismatch = row.first_mismatch or first
 
 
-def run_routing_case(case: RoutingCase) -> CaseResult:
-    """One case on virtual ranks of the current GPU; never raises (errors land in the row)."""
+def run_routing_case(case: RoutingCase, faults: Faults = Faults(), timeout_s: float = DEFAULT_TIMEOUT_S) -> CaseResult:
+    """One case on virtual ranks of the current GPU; never raises (errors land in the row).
+
+    Each rank's kernel is waited for at most `timeout_s`; a rank past it ends the case (the ranks
+    after it are not run) with the rank named in the row's error.
+    """
     from musebench.kernels.routing import metadata_size, route
     from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
     from musebench.stock.triton_routing import triton_routing
@@ -89,11 +130,13 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
         iters=1,
     )
     try:
+        validate_routing_faults(faults, case.tp)
         device = torch.device("cuda", torch.cuda.current_device())
         logits, bias = (t.to(device) for t in make_routing_inputs(case))
         stock_ids, stock_weights = triton_routing(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize)
         ref_ids, ref_weights = routing_reference(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize,
                                                  approximations=nx.hardware_approximations())
+        stock_ids, stock_weights, ref_ids, ref_weights = (t.cpu() for t in (stock_ids, stock_weights, ref_ids, ref_weights))
         size = metadata_size(case.tile_n)
         digests = set()
         for rank in range(case.tp):
@@ -103,21 +146,30 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
             ids = checks.poison(torch.empty(case.tokens, config.TOP_K, dtype=torch.int32, device=device))
             weights = checks.poison(torch.empty(case.tokens, config.TOP_K, dtype=torch.float32, device=device))
             metadata = torch.full((size + 1,), POISON_WORD, dtype=torch.int32, device=device)
-            route(logits, bias, ids, weights, ROUTE_SCALE, case.renormalize, metadata=metadata,
-                  local_expert_offset=offset, num_local_experts=count, tile_n=case.tile_n)
-            torch.cuda.synchronize(device)
-            for got, want in ((ids, stock_ids), (weights, stock_weights), (ids, ref_ids), (weights, ref_weights)):
+            if faults.hang_rank == rank:  # a stream that stays busy past the bound, then frees itself
+                torch.cuda._sleep(int((timeout_s + 1.0) * _SLEEP_CYCLES_PER_S))
+            if faults.silent_rank != rank:
+                route(logits, bias, ids, weights, ROUTE_SCALE, case.renormalize, metadata=metadata,
+                      local_expert_offset=offset, num_local_experts=count, tile_n=case.tile_n)
+            done = torch.cuda.Event()
+            done.record()
+            wait_for_device(done, timeout_s, f"rank {rank}: routing")
+            got_ids, got_weights, got_metadata = ids.cpu(), weights.cpu(), metadata.cpu()
+            if faults.flip_rank == rank:
+                checks.flip_one_bit(got_weights, index=got_weights.numel() // 2)
+            if checks.still_poisoned(got_ids) and checks.still_poisoned(got_weights):
+                row.error = f"rank {rank}: its ids and weights still hold the poison: the kernel wrote nothing"
+            for got, want in ((got_ids, stock_ids), (got_weights, stock_weights), (got_ids, ref_ids), (got_weights, ref_weights)):
                 _compare(got, want, rank, row)
             expected = pack_metadata(
-                routing_metadata_reference(ref_ids.cpu(), local_expert_offset=offset, num_local_experts=count,
+                routing_metadata_reference(ref_ids, local_expert_offset=offset, num_local_experts=count,
                                            tile_n=case.tile_n),
                 tile_n=case.tile_n, fill=POISON_WORD,
             )
-            got_metadata = metadata.cpu()
             _compare(got_metadata[:size], expected, rank, row)
             if int(got_metadata[size]) != POISON_WORD:
-                row.error = f"rank {rank}: the guard word past metadata_size({case.tile_n}) was written"
-            digests.add(checks.digest(torch.cat([ids.view(torch.int32).flatten(), weights.view(torch.int32).flatten()])))
+                row.error = row.error or f"rank {rank}: the guard word past metadata_size({case.tile_n}) was written"
+            digests.add(checks.digest(torch.cat([got_ids.view(torch.int32).flatten(), got_weights.view(torch.int32).flatten()])))
             row.digest = checks.digest(got_metadata)
             result.mismatches += row.mismatches
             result.max_ulp = max(result.max_ulp, row.max_ulp)
@@ -125,6 +177,8 @@ def run_routing_case(case: RoutingCase) -> CaseResult:
         result.rank_identical = len(digests) == 1
         errors = [r.error for r in result.ranks if r.error]
         result.error = errors[0] if errors else None
+    except RoutingTimeout as timeout:
+        result.error = str(timeout)
     except Exception as error:
         result.error = f"{type(error).__name__}: {error}"
     return result

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from musebench.harness.routing import RoutingCase, local_experts, make_routing_inputs, run_routing_case
+from musebench.harness.driver import Faults
+from musebench.harness.routing import (
+    RoutingCase,
+    RoutingTimeout,
+    local_experts,
+    make_routing_inputs,
+    run_routing_case,
+    validate_routing_faults,
+    wait_for_device,
+)
 
 
 @pytest.mark.parametrize("tp", [2, 3, 8, 32])
@@ -32,6 +41,43 @@ def test_adversarial_inputs_hold_ties_infinities_and_signed_zeros():
     assert bool((bias[200:208] == 1.5).all())
 
 
+def test_routing_faults_are_checked_before_launching():
+    validate_routing_faults(Faults(flip_rank=1, silent_rank=0, hang_rank=1), tp=2)
+    for faults in (Faults(raise_rank=0), Faults(exit_rank=1)):
+        with pytest.raises(ValueError, match="routing injects only flip, silent, hang"):
+            validate_routing_faults(faults, tp=2)
+    with pytest.raises(ValueError, match="names rank 2, but tp is 2"):
+        validate_routing_faults(Faults(flip_rank=2), tp=2)
+
+
+class _Event:
+    """A recorded CUDA event's stand-in: done after `polls` queries (never, with None)."""
+
+    def __init__(self, polls):
+        self.polls, self.queries = polls, 0
+
+    def query(self):
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+
+def test_the_device_wait_is_bounded():
+    wait_for_device(_Event(polls=3), timeout_s=5.0, what="rank 0: routing")  # done: returns
+    with pytest.raises(RoutingTimeout, match="rank 1: routing did not finish within 0.05 s"):
+        wait_for_device(_Event(polls=None), timeout_s=0.05, what="rank 1: routing")
+
+
+def test_a_poisoned_output_is_told_from_a_written_one():
+    from musebench.harness import checks
+
+    for dtype in (torch.int32, torch.float32, torch.bfloat16):
+        out = checks.poison(torch.empty(2, 8, dtype=dtype))
+        assert checks.still_poisoned(out)
+        out.view(-1)[3] = 1
+        assert not checks.still_poisoned(out)
+    assert not checks.still_poisoned(torch.empty(0, dtype=torch.int32))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("inputs", ["random", "adversarial"])
@@ -53,3 +99,18 @@ def test_bench_routing_rows_are_timed_and_checked():
     for row in rows:
         assert row.passed and row.tail_us > 0, (row.kernel, row.error, row.first_mismatch)
         assert row.stock_us == rows[2].tail_us
+
+
+@pytest.mark.gpu
+def test_routing_checks_catch_a_flipped_bit_a_missing_rank_and_a_hang():
+    """Each fault fails the case and names its rank; a run after the hang passes again."""
+    case = RoutingCase(tp=4, tokens=3, tile_n=8)
+    flipped = run_routing_case(case, faults=Faults(flip_rank=1))
+    assert not flipped.passed and flipped.mismatches >= 1 and flipped.first_mismatch.rank == 1
+    assert not flipped.rank_identical
+    silent = run_routing_case(case, faults=Faults(silent_rank=2))
+    assert not silent.passed and "rank 2: its ids and weights still hold the poison" in silent.error
+    hung = run_routing_case(case, faults=Faults(hang_rank=3), timeout_s=2.0)
+    assert not hung.passed and hung.error == "rank 3: routing did not finish within 2 s"
+    torch.cuda.synchronize()  # the injected busy stream frees itself about a second later
+    assert run_routing_case(case).passed
