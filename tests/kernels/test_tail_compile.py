@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import re
+import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -414,6 +416,20 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
         assert [offset % (tp * slot_bytes) // slot_bytes for _, offset, _ in placed] == list(range(tp)), \
             "ranks must be added in order"
     assert not any(op.startswith("div.") for op in ops)
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("tp, weight_dtype, before, single_launch", [
+    (2, "bf16", True, False), (32, "fp32", False, False), (8, "bf16", True, True), (32, "fp32", False, True),
+], ids=["tp2-two", "tp32-two", "tp8-single", "tp32-single"])
+def test_the_publisher_assembles_without_spills(tp, weight_dtype, before, single_launch, tmp_path):
+    """Every route's fragments are live at once (255 registers): a spill would put local memory on
+    the load path the batching removed, and the single launch adds its reduction on top."""
+    source = tmp_path / "publisher.ptx"
+    source.write_text(publisher_ptx("sm_90a", tp, weight_dtype, before, "unicast", True, single_launch=single_launch))
+    result = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", str(source), "-o", str(tmp_path / "publisher.cubin")],
+                            capture_output=True, text=True, check=True)
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr
 
 
 def test_every_loop_that_polls_reads_the_timer_in_a_broken_example():
