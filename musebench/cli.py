@@ -405,7 +405,8 @@ def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
 @click.argument("run_json", type=click.Path(dir_okay=False))
 @click.option("--compare", "old_json", type=click.Path(dir_okay=False), help="Flag regressions against an older run.")
 @click.option("--threshold", type=float, default=0.05, show_default=True, help="Relative slowdown that counts.")
-def report_command(run_json: str, old_json: str | None, threshold: float) -> None:
+@click.option("--side-by-side", is_flag=True, help="With --compare: every shared case's µs, old and new, and new / old.")
+def report_command(run_json: str, old_json: str | None, threshold: float, side_by_side: bool) -> None:
     """Re-render a run's JSON; with --compare, list regressions and exit 1 if any."""
     from musebench.harness import report
 
@@ -416,7 +417,11 @@ def report_command(run_json: str, old_json: str | None, threshold: float) -> Non
         _usage_error(str(error))
     title = f"{run_json} — {new.backend_note}" if new.backend_note else run_json
     report.render_table(new, _stdout(), title=title)
+    if side_by_side and old is None:
+        _usage_error("--side-by-side needs --compare OLD.json")
     if old is not None:
+        if side_by_side:
+            report.render_side_by_side(report.side_by_side(old, new), _stdout())
         regressions = report.compare(old, new, threshold=threshold)
         report.render_comparison(regressions, _stdout())
         if regressions:

@@ -162,7 +162,7 @@ case $part in
         musebench "${args[@]}" --json "$out/ab-base-$round.json"
       run "ab-head-$round" 200 musebench "${args[@]}" --json "$out/ab-head-$round.json"
     done
-    run ab-report 60 musebench report "$out/ab-head-2.json" --compare "$out/ab-base-2.json"  # fails where the checkout is > 5 % slower
+    run ab-report 60 musebench report "$out/ab-head-2.json" --compare "$out/ab-base-2.json" --side-by-side  # fails where the checkout is > 5 % slower
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac

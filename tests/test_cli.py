@@ -96,6 +96,10 @@ def test_parity_json_then_report_and_compare(tmp_path):
     slower.write_text(json.dumps(data))
     compared = _run("report", str(slower), "--compare", str(out))
     assert compared.exit_code == 1 and "timing" in compared.output
+    both = _run("report", str(slower), "--compare", str(out), "--side-by-side")
+    assert both.exit_code == 1 and "side by side" in both.output and "10.00" in both.output
+    alone = _run("report", str(out), "--side-by-side")
+    assert alone.exit_code == 2 and "--side-by-side needs --compare" in alone.output
 
 
 def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):

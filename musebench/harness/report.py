@@ -576,6 +576,54 @@ def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Reg
     return regressions
 
 
+@dataclass(frozen=True)
+class Pairing:
+    """One case of two runs side by side: µs of the call (`tail`) and of each kernel timed apart
+    in both (`kernels_us`, by name), as (old, new)."""
+
+    key: tuple
+    tail: tuple[float | None, float | None]
+    kernels: dict[str, tuple[float, float]]
+
+
+def side_by_side(old: RunReport, new: RunReport) -> list[Pairing]:
+    """The cases both runs hold, matched as `compare` matches them, in `old`'s order: for an A/B of
+    two builds on one machine, where every ratio matters, not only the regressions."""
+    new_by_key = _cases_by_key(new)
+    seen: dict[tuple, int] = {}
+    pairs: list[Pairing] = []
+    for old_case in old.cases:
+        key = tuple(old_case.key)
+        position = seen.get(key, 0)
+        seen[key] = position + 1
+        candidates = new_by_key.get(key, [])
+        if position >= len(candidates):
+            continue
+        new_case = candidates[position]
+        kernels = {name: (old_case.kernels_us[name], new_case.kernels_us[name])
+                   for name in old_case.kernels_us if name in new_case.kernels_us}
+        pairs.append(Pairing(key, (old_case.tail_us, new_case.tail_us), kernels))
+    return pairs
+
+
+def _ratio_text(old: float | None, new: float | None) -> str:
+    if old is None or new is None or not old > 0 or not math.isfinite(new):
+        return _MISSING
+    return f"{new / old:.2f}"
+
+
+def render_side_by_side(pairs: list[Pairing], console: Console) -> None:
+    """Old and new µs and new / old, per case and per kernel timed apart."""
+    table = Table(title=Text("side by side (new / old)"), header_style="bold")
+    for column in ("case", "old µs", "new µs", "new / old", "kernels: old → new µs (new / old)"):
+        table.add_column(column, justify="left" if column.startswith(("case", "kernels")) else "right")
+    for pair in pairs:
+        old, new = pair.tail
+        kernels = "; ".join(f"{name} {a:.2f} → {b:.2f} ({_ratio_text(a, b)})" for name, (a, b) in pair.kernels.items())
+        table.add_row(Text(key_name(pair.key)), _format_us(old), _format_us(new), _ratio_text(old, new), Text(kernels))
+    console.print(table)
+
+
 def render_comparison(regressions: list[Regression], console: Console) -> None:
     """Print the regressions as a table and a count by kind, or one line saying there are none."""
     if not regressions:

@@ -252,6 +252,21 @@ def test_compare_rejects_negative_threshold():
         compare(make_report([]), make_report([]), threshold=-0.1)
 
 
+def test_side_by_side_pairs_every_shared_case_with_its_kernels():
+    from musebench.harness.report import render_side_by_side, side_by_side
+
+    old = make_report([make_case(tokens=1, tail_us=10.0, kernels_us={"publisher": 4.0, "gone": 1.0}),
+                       make_case(tokens=2, tail_us=10.0)])
+    new = make_report([make_case(tokens=1, tail_us=8.0, kernels_us={"publisher": 3.0}), make_case(tokens=64)])
+    pairs = side_by_side(old, new)
+    assert [pair.key for pair in pairs] == [make_case(tokens=1).key]  # tokens=2 is absent from new
+    assert pairs[0].tail == (10.0, 8.0) and pairs[0].kernels == {"publisher": (4.0, 3.0)}
+    console = Console(record=True, width=250)
+    render_side_by_side(pairs, console)
+    text = console.export_text()
+    assert "0.80" in text and "publisher 4.00 → 3.00 (0.75)" in text
+
+
 def test_render_comparison():
     console = Console(record=True, width=200)
     render_comparison([], console)
