@@ -530,6 +530,19 @@ def _cases_by_key(report: RunReport) -> dict[tuple, list[CaseResult]]:
     return grouped
 
 
+def _matched(old: RunReport, new: RunReport):
+    """(key, old case, new case or None) for every case of `old`, in its order; cases sharing a
+    key are paired in their order of appearance."""
+    new_by_key = _cases_by_key(new)
+    seen: dict[tuple, int] = {}
+    for old_case in old.cases:
+        key = tuple(old_case.key)
+        position = seen.get(key, 0)
+        seen[key] = position + 1
+        candidates = new_by_key.get(key, [])
+        yield key, old_case, candidates[position] if position < len(candidates) else None
+
+
 def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Regression]:
     """The regressions from `old` to `new`, in `old`'s case order.
 
@@ -540,21 +553,13 @@ def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Reg
     """
     if threshold < 0 or math.isnan(threshold):
         raise ValueError(f"threshold must be a non-negative fraction, got {threshold!r}")
-    new_by_key = _cases_by_key(new)
-    seen: dict[tuple, int] = {}
     regressions: list[Regression] = []
-
-    for old_case in old.cases:
-        key = tuple(old_case.key)
-        position = seen.get(key, 0)
-        seen[key] = position + 1
-        candidates = new_by_key.get(key, [])
-        if position >= len(candidates):
+    for key, old_case, new_case in _matched(old, new):
+        if new_case is None:
             regressions.append(
                 Regression(key, "missing", "present", None, f"{key_name(key)}: in the old run, absent from the new one")
             )
             continue
-        new_case = candidates[position]
 
         if old_case.passed and not new_case.passed:
             regressions.append(Regression(key, "correctness", "passed", "failed", diagnostic(new_case)))
@@ -589,17 +594,10 @@ class Pairing:
 def side_by_side(old: RunReport, new: RunReport) -> list[Pairing]:
     """The cases both runs hold, matched as `compare` matches them, in `old`'s order: for an A/B of
     two builds on one machine, where every ratio matters, not only the regressions."""
-    new_by_key = _cases_by_key(new)
-    seen: dict[tuple, int] = {}
     pairs: list[Pairing] = []
-    for old_case in old.cases:
-        key = tuple(old_case.key)
-        position = seen.get(key, 0)
-        seen[key] = position + 1
-        candidates = new_by_key.get(key, [])
-        if position >= len(candidates):
+    for key, old_case, new_case in _matched(old, new):
+        if new_case is None:
             continue
-        new_case = candidates[position]
         kernels = {name: (old_case.kernels_us[name], new_case.kernels_us[name])
                    for name in old_case.kernels_us if name in new_case.kernels_us}
         pairs.append(Pairing(key, (old_case.tail_us, new_case.tail_us), kernels))
