@@ -4,6 +4,7 @@
 # (../shared/device/stage, then call 1 `bash .dsl/p1/stash.sh`), as calls 2, 3, ...:
 #   source .dsl/p2/env.sh && MUSEBENCH_GIT_COMMIT=<hash> bash scripts/device-evidence.sh PART
 # (pass the commit from this machine: the device copy has no .git). PART:
+#   facts       machine facts alone (GPUs, topology, P2P, musebench env)
 #   tests       machine facts (GPUs, topology, P2P, musebench env) and `pytest -m gpu` outside
 #               tests/kernels (harness, launcher, stock, CLI)
 #   kernels     `pytest -m gpu tests/kernels` (the EP and TP tail and routing kernels); paths given
@@ -26,7 +27,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -73,12 +74,20 @@ gpu_tests() {  # gpu_tests NAME SECONDS PATHS...: pytest -m gpu with JUnit; one 
   RUN_SIGNAL=INT run "$name" "$limit" python3 -m pytest -m gpu -q -rfE -n "${WORKERS:-16}" -p no:cacheprovider \
     "${per_test[@]}" --durations 15 --junitxml "$out/$name.xml" "$@"
 }
+facts() {  # the machine: GPUs, topology, peer access, musebench env (a multi-GPU lease's first call)
+  run gpus 30 nvidia-smi
+  run topology 30 nvidia-smi topo -m
+  run p2p 60 python3 -c "import torch; n = torch.cuda.device_count(); print('gpus', n); [print(i, [torch.cuda.can_device_access_peer(i, j) if i != j else '-' for j in range(n)]) for i in range(n)]"
+  local prefix=$gpu
+  [ "$gpus" -gt 1 ] && prefix=${gpus}x$gpu
+  run env 120 musebench env --json "$out/$day-$prefix-env.json"
+}
 case $part in
+  facts)
+    facts
+    ;;
   tests)
-    run gpus 30 nvidia-smi
-    run topology 30 nvidia-smi topo -m
-    run p2p 60 python3 -c "import torch; n = torch.cuda.device_count(); print('gpus', n); [print(i, [torch.cuda.can_device_access_peer(i, j) if i != j else '-' for j in range(n)]) for i in range(n)]"
-    run env 120 musebench env --json "$out/$day-$gpu-env.json"
+    facts
     gpu_tests pytest-gpu "${PYTEST_LIMIT:-480}" --ignore tests/kernels
     ;;
   kernels)  # optional paths after the part narrow it (default: all of tests/kernels)
