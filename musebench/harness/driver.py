@@ -34,6 +34,9 @@ from musebench.harness.results import CaseResult, RankResult
 DEFAULT_NSM = 148  # B200 / GB200 SM count: the TP stock's dispatch on the racks musebench targets
 
 
+FAULT_KINDS = ("flip", "silent", "raise", "hang", "exit")  # each a `<kind>_rank` field of Faults
+
+
 @dataclass(frozen=True)
 class Faults:
     """Fault injection, for proving that every check can fail (each field a rank or None)."""
@@ -50,10 +53,14 @@ class Faults:
         values: dict[str, int] = {}
         for spec in specs:
             kind, _, rank = spec.partition(":")
-            if kind not in ("flip", "silent", "raise", "hang", "exit") or not rank.isdigit():
-                raise ValueError(f"bad fault {spec!r}: expected KIND:RANK with KIND in flip, silent, raise, hang, exit")
+            if kind not in FAULT_KINDS or not rank.isdigit():
+                raise ValueError(f"bad fault {spec!r}: expected KIND:RANK with KIND in {', '.join(FAULT_KINDS)}")
             values[f"{kind}_rank"] = int(rank)
         return cls(**values)
+
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of fault injected, in FAULT_KINDS order."""
+        return tuple(kind for kind in FAULT_KINDS if getattr(self, f"{kind}_rank") is not None)
 
     def any(self) -> bool:
         return any(v is not None for v in vars(self).values())

@@ -19,6 +19,7 @@ graph, median of 30 replays), the kernel alone, the kernel with metadata, and th
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,7 +46,7 @@ class RoutingTimeout(RuntimeError):
 
 def validate_routing_faults(faults: Faults, tp: int) -> None:
     """ValueError, before anything launches, for a fault routing cannot inject or a rank >= tp."""
-    unsupported = [kind for kind in ("raise", "exit") if getattr(faults, f"{kind}_rank") is not None]
+    unsupported = [kind for kind in faults.kinds() if kind not in ROUTING_FAULTS]
     if unsupported:
         raise ValueError(f"routing injects only {', '.join(ROUTING_FAULTS)} faults, not {', '.join(unsupported)}")
     if faults.max_rank() >= tp:
@@ -58,8 +59,6 @@ def wait_for_device(event, timeout_s: float, what: str, poll_s: float = 1e-4) ->
     Host side only: the routing kernel has no device spin-wait, so a kernel that never ends (or a
     stream held busy) is the one way a routing case could hang, and this bounds it.
     """
-    import time
-
     deadline = time.monotonic() + timeout_s
     while not event.query():
         if time.monotonic() > deadline:

@@ -72,6 +72,7 @@ def test_failure_does_not_poison_the_next_case():
 
 def test_fault_parsing():
     assert Faults.parse(["flip:1", "silent:0"]) == Faults(flip_rank=1, silent_rank=0)
+    assert Faults.parse(["exit:2", "flip:1"]).kinds() == ("flip", "exit") and Faults().kinds() == ()
     with pytest.raises(ValueError):
         Faults.parse(["melt:1"])
     with pytest.raises(ValueError):
