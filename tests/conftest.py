@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 
 import pytest
+
+from tests._processes import job_mailboxes, job_processes
 
 
 def _cuda_available() -> bool:
@@ -47,10 +48,9 @@ def job_id(monkeypatch):
 
 
 def assert_no_strays(job: str) -> None:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    strays = [line.strip() for line in out.splitlines() if f"musebench-{job}" in line]
+    strays = job_processes(job)
     assert not strays, f"stray processes of job {job}: {strays}"
-    leftovers = [name for name in os.listdir("/dev/shm") if name.startswith(f"musebench-{job}-")]
+    leftovers = job_mailboxes(job)
     assert not leftovers, f"stray mailboxes of job {job}: {leftovers}"
 
 

@@ -3,7 +3,9 @@
 `run_torchrun` starts `python -m torch.distributed.run --standalone` for one node itself, in a
 new session, and waits for it under a deadline: a rank that crashes, hangs or never reports
 ends the job (torchrun stops the others; past the deadline the whole session is killed), the
-rank and exit code are reported, and the job's shared-memory mailboxes are removed. The ranks
+rank and exit code are reported, and the job's shared-memory mailboxes are removed. SIGTERM or
+SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the session the same way
+before it exits with 128 + the signal's number. The ranks
 (`musebench.harness.worker`) gather their outcomes to rank 0, which checks them and writes one
 JSON line per case to the job folder; the parent reads those lines.
 
@@ -13,6 +15,7 @@ the same worker body in this process: rank 0 returns the rows, the other ranks r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -108,7 +112,7 @@ def run_torchrun(
         deadline = time.monotonic() + bound_s
         killed = False
         rows: list[CaseResult] = []
-        with open(log_path, "w") as log:
+        with open(log_path, "w") as log, _exit_on_termination():
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             seen = 0
             try:
@@ -144,6 +148,33 @@ def run_torchrun(
                 if on_case is not None:
                     on_case(row)
         return rows
+
+
+@contextlib.contextmanager
+def _exit_on_termination():
+    """SIGTERM and SIGHUP raise SystemExit(128 + signal) in the main thread while a job runs, so the
+    launcher's cleanup kills the ranks' session (their default action would end the launcher
+    alone and leave torchrun and every rank running). Handlers someone else installed are kept."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_now(signum, frame):
+        for sig in previous:  # a second signal must not cut the cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        print(f"musebench: {signal.Signals(signum).name}: killing the torchrun job and its ranks",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, exit_now)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _progress_note(log: str) -> str:

@@ -76,3 +76,29 @@ def test_error_rows_name_the_transport_the_ranks_would_have_used(monkeypatch, ba
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     row = launch._error_row(TailCase(mode="ep", tp=4, tokens=1), RunOptions(backend=backend, launcher="torchrun"), "boom")
     assert row.transport == transport and row.error == "boom" and not row.passed
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_a_terminated_launcher_kills_its_ranks(job_id, signal_name):
+    """`timeout` or a CI runner ends the launcher while a rank hangs: the job goes with it."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests._processes import job_processes
+
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "from musebench.harness import launch; from musebench.harness.cases import TailCase; "
+        "from musebench.harness.driver import Faults, RunOptions; "
+        "launch.run_torchrun([TailCase(mode='ep', tp=2, tokens=1)], RunOptions(launcher='torchrun', iters=1, "
+        "warmup=0, timeout_s=60.0, faults=Faults(hang_rank=1)))")], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(job_processes(job_id)) < 3 and time.monotonic() < deadline:  # torchrun and both ranks
+        assert launcher.poll() is None, launcher.stderr.read()
+        time.sleep(0.5)
+    assert len(job_processes(job_id)) >= 3, "the job never started"
+    launcher.send_signal(getattr(signal, signal_name))
+    _, stderr = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + getattr(signal, signal_name), stderr
+    assert f"{signal_name}: killing the torchrun job" in stderr
+    assert job_processes(job_id) == []

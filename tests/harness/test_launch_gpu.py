@@ -16,7 +16,8 @@ CUTE = dict(backend="cute", launcher="torchrun", iters=2, warmup=1, timeout_s=5.
 
 @pytest.mark.parametrize("mode", ["ep", "tp"])
 @pytest.mark.parametrize("tp", [4, 8])  # the issue's 4 and 8 processes on one GPU
-def test_processes_sharing_a_gpu_match_the_stock(mode, tp, job_id):
+def test_processes_sharing_a_gpu_match_the_stock(mode, tp, job_id, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # every rank on one GPU, however many the machine has
     cases = [TailCase(mode=mode, tp=tp, tokens=m, weight_dtype=w, norm=n, inputs=family)
              for m in (1, 8) for w, n, family in (("bf16", "before", "random"), ("fp32", "after", "adversarial"))]
     rows = launch.run_torchrun(cases, RunOptions(**CUTE))
@@ -29,6 +30,7 @@ def test_processes_sharing_a_gpu_match_the_stock(mode, tp, job_id):
 def test_peers_opened_on_this_device_match_the_stock(mode, job_id, monkeypatch):
     """The raw CUDA IPC open (`IpcMapping`, how peers on another GPU are mapped) for every peer."""
     monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "this-device")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # peers to open: on four GPUs tp 4 would have one per GPU
     cases = [TailCase(mode=mode, tp=4, tokens=m, weight_dtype="bf16", norm="before", inputs="adversarial")
              for m in (1, 8)]
     for row in launch.run_torchrun(cases, RunOptions(**CUTE)):
