@@ -423,6 +423,31 @@ def atom_add_acq_rel_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, 
     )
 
 
+@dsl_user_op
+def atom_add_release_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`atom.release.gpu.global.add.u32`: add, returning the old word; this thread's earlier
+    accesses are ordered before it, nothing after it waits for it (an arrival whose count only
+    the last arriver acts on, behind `fence_acq_rel_gpu`)."""
+    return Uint32(
+        _asm(
+            T.i32(),
+            [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)],
+            "atom.release.gpu.global.add.u32 $0, [$1], $2;",
+            "=r,l,r",
+            side_effects=True,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    """`fence.acq_rel.gpu`: after a read that observed other threads' releases (an atomic's
+    result), orders this thread's later accesses after everything those releases ordered."""
+    _asm(None, [], "fence.acq_rel.gpu;", "", side_effects=True, loc=loc, ip=ip)
+
+
 def is_sentinel_word_u32(word):
     """1 if the 32-bit word is the TP sentinel 0x80008000 (two BF16 -0.0), else 0 (branch-free:
     d | -d has its top bit set exactly when d != 0)."""

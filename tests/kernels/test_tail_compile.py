@@ -385,11 +385,20 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
         assert count(ptx, opcode) == count(alone, opcode), opcode
     assert_rounding_is_explicit(ptx, approximate={"rsqrt.approx.ftz.f32"})
 
-    # The generation: thread 0 reads NEXT_STAGE once, arrives once (acq_rel), and shares it
-    # through shared memory behind one more barrier than the routes need.
+    # The generation: thread 0 reads NEXT_STAGE once and arrives once (a release, not waited
+    # for), both after every row load is issued, and shares it through shared memory behind the
+    # routes' own barrier (no barrier of its own: no round trip before the loads); the last
+    # arriver advances it at the very end, behind an acq_rel fence.
     assert count(ptx, "ld.volatile.global.u32") == 1
-    assert count(ptx, "atom.acq_rel.gpu.global.add.u32") == 1
-    assert count(ptx, "bar.sync") == count(alone, "bar.sync") + 1
+    assert count(ptx, "atom.release.gpu.global.add.u32") == 1 and count(ptx, "fence.acq_rel.gpu") == 1
+    assert not any(op.startswith("atom.acq_rel") for op in ops)
+    assert count(ptx, "bar.sync") == count(alone, "bar.sync")
+    read, arrival = ops.index("ld.volatile.global.u32"), ops.index("atom.release.gpu.global.add.u32")
+    last_load = max(i for i, op in enumerate(ops) if op == "ld.global.v4.u32")  # gamma and the rows
+    assert last_load < read < arrival < ops.index("bar.sync")
+    fence = ops.index("fence.acq_rel.gpu")
+    assert fence > max(i for i, op in enumerate(ops) if op.startswith("st.global.v4") or op.startswith("atom.relaxed"))
+    assert [op for op in ops[fence:] if op.startswith("st.")] == ["st.global.u32", "st.global.u32"]
 
     # Its token's reduction: one bounded poll of every trip's tp slots where they fit in
     # registers (tp * trips <= 32 vectors), else one per trip; then per trip tp adds from +0.0
