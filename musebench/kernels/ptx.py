@@ -406,33 +406,22 @@ def st_shared_cluster_u32(address: Int32, value: Uint32, *, loc=None, ip=None) -
     )
 
 
+ATOMIC_ADD_ORDERS = ("acq_rel", "release")
+
+
 @dsl_user_op
-def atom_add_acq_rel_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> Uint32:
-    """`atom.acq_rel.gpu.global.add.u32`: add, returning the old word; this thread's earlier
-    accesses are ordered before it and its later ones after it (a done counter)."""
+def atom_add_gpu_global_u32(address: Int64, value: Uint32, order: str, *, loc=None, ip=None) -> Uint32:
+    """`atom.<order>.gpu.global.add.u32`: add, returning the old word; this thread's earlier
+    accesses are ordered before it and, with `acq_rel`, its later ones after it (a done counter
+    whose result the thread acts on at once). `release` leaves the later ones free: an arrival
+    whose count only the last arriver acts on, later, behind `fence_acq_rel_gpu`."""
+    if order not in ATOMIC_ADD_ORDERS:
+        raise ValueError(f"order must be one of {ATOMIC_ADD_ORDERS}, got {order!r}")
     return Uint32(
         _asm(
             T.i32(),
             [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)],
-            "atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;",
-            "=r,l,r",
-            side_effects=True,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def atom_add_release_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> Uint32:
-    """`atom.release.gpu.global.add.u32`: add, returning the old word; this thread's earlier
-    accesses are ordered before it, nothing after it waits for it (an arrival whose count only
-    the last arriver acts on, behind `fence_acq_rel_gpu`)."""
-    return Uint32(
-        _asm(
-            T.i32(),
-            [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)],
-            "atom.release.gpu.global.add.u32 $0, [$1], $2;",
+            f"atom.{order}.gpu.global.add.u32 $0, [$1], $2;",
             "=r,l,r",
             side_effects=True,
             loc=loc,

@@ -348,7 +348,7 @@ class _EpPublisherKernel:
             if tidx == 0:
                 current = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
                 generation_slot[0] = current
-                arrived = ptx.atom_add_release_gpu_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, Uint32(1))
+                arrived = ptx.atom_add_gpu_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, Uint32(1), "release")
         else:
             generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
 

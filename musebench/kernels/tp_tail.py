@@ -396,7 +396,7 @@ class _TpTailKernel:
         if tidx == 0:
             grid_x, grid_y, grid_z = cute.arch.grid_dim()
             ctas = Uint32(grid_x * grid_y * grid_z)
-            arrived = ptx.atom_add_acq_rel_gpu_global_u32(stage_base + DONE * WORD_BYTES, Uint32(1))
+            arrived = ptx.atom_add_gpu_global_u32(stage_base + DONE * WORD_BYTES, Uint32(1), "acq_rel")
             if arrived == ctas - Uint32(1):
                 ptx.st_global_u32(stage_base + DONE * WORD_BYTES, Uint32(0))
                 ptx.st_global_u32(stage_base + GENERATION * WORD_BYTES, Uint32((generation + 1) % LAMPORT_GENERATIONS))
