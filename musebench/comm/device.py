@@ -2,8 +2,8 @@
 
 A `DeviceMailbox` is one rank's view: its own words (int16 `[3, slots, capacity, width]` on the
 GPU, armed with the sentinel), a device table of every rank's mailbox base address (the unicast
-transport stores through it), its stage words (int32 `[NEXT_STAGE, ACTIVE_STAGE]`, device memory
-so a CUDA-graph replay advances them) and its fault record (int32 [4], -1 when clear; the first
+transport stores through it), its two int32 stage words (zero at first; what they hold is the kernels'
+protocol; device memory so a CUDA-graph replay advances them) and its fault record (int32 [4], -1 when clear; the first
 bounded wait that runs out fills it, the kernel module decodes it and the host reports it).
 
 Transports here:

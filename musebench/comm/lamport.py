@@ -18,9 +18,10 @@ Protocol (shared by the CuTe DSL tails and their CPU model):
   which follows this rank's re-arm of call i-1 in stream order. So re-arming never races a
   live write and three buffers suffice.
 - Stage words `[NEXT_STAGE, ACTIVE_STAGE]` live beside the mailbox in the rank's own memory
-  (device memory on the GPU, so CUDA-graph replay advances them): the publisher takes
-  NEXT_STAGE and stores it as ACTIVE_STAGE; the reader reads ACTIVE_STAGE and stores
-  (ACTIVE_STAGE + 1) % 3 as NEXT_STAGE.
+  (device memory on the GPU, so CUDA-graph replay advances them): in the CPU model the
+  publisher takes NEXT_STAGE and stores it as ACTIVE_STAGE; the reader reads ACTIVE_STAGE and
+  stores (ACTIVE_STAGE + 1) % 3 as NEXT_STAGE. (The CuTe EP tail's second word is an arrival
+  count instead: `musebench.kernels.tail`.)
 
 Transports of this module (host memory, for the CPU model): `local` (virtual ranks in one
 process share plain tensors) and `shm` (processes on one host map POSIX shared-memory files).

@@ -17,24 +17,33 @@ Phases, one CUDA stream per rank, two launches per call:
    `cvt.rn.bf16x2.f32`, -0.0 is scrubbed to +0.0 and the words are stored to slot
    [stage, rank, token] of every rank's mailbox: `st.relaxed.sys` through the peer table
    (transport "unicast", peers from rank + 1 upward, wrapping, own mailbox last) or one
-   `multimem.st` (transport "multicast"). Block 0, thread 0 stores ACTIVE_STAGE = stage.
+   `multimem.st` (transport "multicast"). The generation is NEXT_STAGE, read after the wait;
+   the publisher writes no stage word.
 2. `_EpReduceKernel`, grid (m, width / 8 / 128), 128 threads: a thread owns one 16-byte fragment
-   of one token. After `griddepcontrol.wait` it reads ACTIVE_STAGE, polls the tp slots of its own
-   mailbox with `ld.volatile.global.v4.u32` until no BF16 half is the sentinel 0x8000, adds them
-   from +0.0 in rank order (`add.rn.f32`), stores `cvt.rn.bf16x2.f32` of the sum (no scrub),
-   and re-arms exactly the 16 * tp bytes it read.
+   of one token. Thread 0 of each CTA reads NEXT_STAGE and counts the CTA in (the generation
+   protocol below), then, without waiting for the publisher's grid, every thread polls the tp
+   slots of its own mailbox with `ld.volatile.global.v4.u32` until no BF16 half is the sentinel
+   0x8000, adds them from +0.0 in rank order (`add.rn.f32`), stores `cvt.rn.bf16x2.f32` of the
+   sum (no scrub) and re-arms exactly the 16 * tp bytes it read. Then `griddepcontrol.wait`, and
+   the last CTA to arrive advances NEXT_STAGE.
+
+Generation protocol (both forms; stage words int32 [NEXT_STAGE, ARRIVAL_COUNT], zero at first):
+thread 0 of each CTA of the grid that advances the generation (the reduction, or the single
+launch) reads NEXT_STAGE, shares it through shared memory behind a barrier and counts the CTA
+in with `atom.release.gpu` on ARRIVAL_COUNT, whose result nothing waits for; at its end the last
+CTA to arrive (`fence.acq_rel.gpu`) stores NEXT_STAGE + 1 and zeroes the count. Every CTA read
+the generation before arriving, so no read sees the advance early; after a fault the advance
+happens all the same, so the generations of the calls that follow stay in step.
 
 Single launch (`single_launch=True`, one kernel per call, same bits): the publisher's grid (m,)
-also reduces. Thread 0 of each CTA reads NEXT_STAGE once (it changes during the grid), once
-every row load is issued, shares it through shared memory behind the routes' barrier and counts
-the CTA in with `atom.release.gpu` on the second stage word (not waited for); at the very end the
-last CTA to arrive (`fence.acq_rel.gpu`) advances NEXT_STAGE and zeroes the count (every CTA read
-the generation before arriving). Until 2026-11-29 the read and an acq_rel arrival sat behind a
-barrier of their own before the first load: two round trips ahead of the load chain, where the
-single launch measured 1.2 µs over two launches on two H200s. After publishing, each thread runs `_EpReduceKernel.reduce_fragments` for its
-own columns of its CTA's token under one timer: the same polls (every trip's in one loop where
-tp * trips <= 32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms
-and fault record, inlined.
+also reduces. Thread 0's read and arrival come once every row load is issued, the routes'
+barrier shares the generation, and the advance is the kernel's last act. (Until 2026-11-29 the
+read and an acq_rel arrival sat behind a barrier of their own before the first load, two round
+trips ahead of the load chain, when the single launch measured 1.2 µs over two launches on two
+H200s.) After publishing, each thread runs `_EpReduceKernel.reduce_fragments` for its own columns
+of its CTA's token under one timer: the same polls (every trip's in one loop where tp * trips <=
+32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms and fault
+record, inlined.
 
 Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
 The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
@@ -43,19 +52,21 @@ its own, so a torn 16-byte access is harmless). A slot of generation g is writte
 call i + 3, after every peer consumed call i + 2, which needs this rank's publish of i + 2, which
 follows this rank's reduce of call i (its re-arm) in stream order; three generations suffice.
 Stage words live in the rank's device memory, so CUDA-graph replay advances them. With PDL the
-publisher's `griddepcontrol.wait` waits for the previous reduce's whole grid (re-arm included)
-and the reduce's waits for the publisher's grid (ACTIVE_STAGE and the own-slot store included).
-The publisher lets the reduction launch right after its own wait, so the reduction's launch
-overlaps the publisher (its wait still covers the whole publisher grid); the reduction (and the
-single launch) let the next call's publisher launch only at their end: earlier, that publisher's
-waiting CTAs could take SMs from a peer's publisher of this call (virtual ranks on one GPU).
+publisher's `griddepcontrol.wait` waits for the previous reduce's whole grid (its advance and
+re-arms included), and the publisher lets the reduction launch right after that wait. The
+reduction can then read NEXT_STAGE at once (the previous reduce finished before it could launch)
+and poll while the publisher runs: a slot is complete when no half is the sentinel, whoever
+wrote it. Its own `griddepcontrol.wait` only precedes the advance, which must follow every
+publisher CTA's read of NEXT_STAGE. The reduction (and the single launch) let the next call's
+publisher launch only at their end: earlier, that publisher's waiting CTAs could take SMs from a
+peer's publisher of this call (virtual ranks on one GPU). Without PDL, stream order gives the
+same orderings.
 
 Bounded waits: every polling loop reads `%globaltimer` in the same iteration as its loads. A
 fragment still incomplete `timeout_ns` after the reduce started polling is abandoned: the thread
 writes no output and re-arms nothing, and the first such thread of the rank records the fault in
 `fault` int32[4] (`atom.cas` of word 0 from -1 to the waiting rank, then the missing peer, the
-mailbox row `slot * capacity + token` and the generation). NEXT_STAGE is advanced before the
-polling so a fault cannot desynchronise the generation counter of the calls that follow.
+mailbox row `slot * capacity + token` and the generation); the generation advances anyway.
 
 Lazy module loading: a kernel's first launch can wait for the device to go idle, which behind a
 peer's spinning reduction (virtual ranks on one GPU) lasts until that peer times out; `EpTail`
@@ -104,7 +115,8 @@ if TYPE_CHECKING:
 # The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_ptx.py).
 LAMPORT_GENERATIONS = 3
 NEXT_STAGE = 0
-ACTIVE_STAGE = 1
+ACTIVE_STAGE = 1  # the CPU model's second stage word (musebench.comm.lamport)
+ARRIVAL_COUNT = 1  # the kernels' second stage word: CTAs of this call that read NEXT_STAGE; 0 between calls
 SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
 SENTINEL_BF16X2 = 0x80008000  # two sentinel halves in one 32-bit word
 
@@ -113,7 +125,7 @@ FRAGMENT = 8  # BF16 elements per 16-byte fragment
 FRAGMENT_WORDS = 4  # 32-bit words per fragment
 BF16_BYTES = 2
 STAGE_WORDS = 2
-GENERATION_SLOT_BYTES = 16  # the single launch's shared generation word, padded to its alignment
+GENERATION_SLOT_BYTES = 16  # a CTA's shared generation word (thread 0 reads it), padded to its alignment
 STAGE_WORD_BYTES = 4
 
 # Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
@@ -165,6 +177,33 @@ def peer_order(rank: int, tp: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------------------------------
 # Device code.
+
+
+@cute.jit
+def _read_generation_and_arrive(stage_base: Int64, generation_slot: cute.Tensor, tidx: Int32):
+    """Thread 0: read NEXT_STAGE into the CTA's shared slot, then count the CTA in (a release:
+    the read comes before it; nothing waits for it). Returns (generation, arrivals before this
+    CTA), meaningful in thread 0; the CTA reads the generation from the slot after a barrier."""
+    current = Int32(0)
+    arrived = Uint32(0)
+    if tidx == 0:
+        current = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
+        generation_slot[0] = current
+        arrived = ptx.atom_add_gpu_global_u32(stage_base + ARRIVAL_COUNT * STAGE_WORD_BYTES, Uint32(1), "release")
+    return current, arrived
+
+
+@cute.jit
+def _advance_if_last(stage_base: Int64, current: Int32, arrived: Uint32, tidx: Int32) -> None:
+    """Thread 0 of the last CTA to arrive: NEXT_STAGE = generation + 1, the count back to 0. Every
+    CTA read NEXT_STAGE before arriving (release); the fence orders these stores after all of
+    those reads. Called after a fault too: the generation stays in step for the calls that follow."""
+    if tidx == 0:
+        grid_x, grid_y, grid_z = cute.arch.grid_dim()
+        if arrived == Uint32(grid_x * grid_y * grid_z - 1):
+            ptx.fence_acq_rel_gpu()
+            ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (current + 1) % LAMPORT_GENERATIONS)
+            ptx.st_global_u32(stage_base + ARRIVAL_COUNT * STAGE_WORD_BYTES, Int32(0))
 
 
 class _EpPublisherKernel:
@@ -343,12 +382,7 @@ class _EpPublisherKernel:
             # alone reads it and hands it to its CTA through shared memory (read after the barrier
             # below). Its arrival is a release (the read comes before it), issued once the rows are
             # in flight and not waited for: only the last arriver acts on the count, at the end.
-            current = Int32(0)
-            arrived = Uint32(0)
-            if tidx == 0:
-                current = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
-                generation_slot[0] = current
-                arrived = ptx.atom_add_gpu_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, Uint32(1), "release")
+            current, arrived = _read_generation_and_arrive(stage_base, generation_slot, tidx)
         else:
             generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
 
@@ -420,18 +454,7 @@ class _EpPublisherKernel:
             for trip in cutlass.range_constexpr(0, self.trips, self.reduction.fragments):
                 column = Int64(tidx + trip * self.threads) * FRAGMENT
                 self.reduction.reduce_fragments(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
-            if tidx == 0:
-                grid_m, _, _ = cute.arch.grid_dim()
-                if arrived == Uint32(grid_m - 1):
-                    # Every CTA's read of NEXT_STAGE came before its arrival (release); the fence
-                    # orders this CTA's stores after all of them. After a fault too: the
-                    # generation stays in step for the calls that follow.
-                    ptx.fence_acq_rel_gpu()
-                    ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (current + 1) % LAMPORT_GENERATIONS)
-                    ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, Int32(0))
-        else:
-            if token == 0 and tidx == 0:
-                ptx.st_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES, generation)
+            _advance_if_last(stage_base, current, arrived, tidx)
         if cutlass.const_expr(self.enable_pdl and self.single_launch):
             # The next call's publisher launches only once this one is done: launched earlier, its
             # waiting CTAs could hold SMs that a peer's publisher of this call still needs.
@@ -485,6 +508,7 @@ class _EpReduceKernel:
         self.kernel(mailbox, out, stage, fault).launch(
             grid=(m, self.parts, 1),
             block=(self.threads, 1, 1),
+            smem=GENERATION_SLOT_BYTES,
             stream=stream,
             use_pdl=self.enable_pdl,
         )
@@ -496,19 +520,24 @@ class _EpReduceKernel:
         column = Int64(part * self.threads + tidx) * FRAGMENT
         stage_base = Int64(stage.iterator.toint())
 
-        # Everything the publisher writes (slots, ACTIVE_STAGE) is read after this point.
-        if cutlass.const_expr(self.enable_pdl):
-            cute.arch.griddepcontrol_wait()
+        # NEXT_STAGE holds this call's generation: the previous reduction advanced it and finished
+        # before this grid could launch (behind this call's publisher's wait). No CTA advances it
+        # before every CTA has read it (the arrival count), so it is read before the wait.
+        generation_slot = cutlass.memory.SmemAllocator().allocate_tensor(
+            Int32, cute.make_layout(GENERATION_SLOT_BYTES // 4), byte_alignment=16)
+        current, arrived = _read_generation_and_arrive(stage_base, generation_slot, tidx)
+        cute.arch.barrier()
+        generation = Int32(generation_slot[0])
 
-        generation = Int32(ptx.ld_volatile_global_u32(stage_base + ACTIVE_STAGE * STAGE_WORD_BYTES))
-        # The next publisher reads NEXT_STAGE only after this grid completes (PDL wait or stream
-        # order); storing it before polling keeps the generations in step even after a fault.
-        if token == 0 and part == 0 and tidx == 0:
-            ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, (generation + 1) % LAMPORT_GENERATIONS)
-
+        # The slots carry their own completeness (Lamport): polled while the publisher still runs.
         started = ptx.read_globaltimer_u64()
         self.reduce_fragments(Int64(mailbox.iterator.toint()), Int64(out.iterator.toint()), Int64(fault.iterator.toint()),
                              generation, Int32(token), column, started)
+
+        # This call's publisher reads NEXT_STAGE after its own wait: the advance waits for its grid.
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_wait()
+        _advance_if_last(stage_base, current, arrived, tidx)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
@@ -738,8 +767,8 @@ class EpTail:
     (every rank, same m, calls in the same order, never overlapping on one rank),
     graph-capturable and allocates nothing. `single_launch=True` runs the whole tail as one
     kernel (publisher and reduction per token in one CTA), bitwise the same; every rank of a
-    group must choose the same. Its stage words are NEXT_STAGE and an arrival count (0 between
-    calls) instead of ACTIVE_STAGE.
+    group must choose the same. Both forms keep the stage words [NEXT_STAGE, ARRIVAL_COUNT]
+    (the count is 0 between calls).
     """
 
     def __init__(
@@ -927,7 +956,8 @@ class EpTail:
                                  smem_bytes=publisher_smem_bytes(self.top_k, threads, self.single_launch))
         if self._reduce is None:
             return [publisher]
-        return [publisher, LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads)]
+        return [publisher, LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads,
+                                        smem_bytes=GENERATION_SLOT_BYTES)]
 
     def check_fault(self) -> None:
         """Synchronise on the fault record; RuntimeError naming rank, peer, slot and generation if set."""

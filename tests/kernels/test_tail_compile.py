@@ -309,6 +309,16 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("transport", ["unicast", "multicast"])
+def test_the_two_launch_publisher_touches_no_stage_word_but_reads_the_generation(arch, transport):
+    """It reads NEXT_STAGE once and writes no stage word: the reduction reads the generation
+    itself and advances it (no ACTIVE_STAGE hand-over)."""
+    ops = opcodes(publisher_ptx(arch, 8, "bf16", True, transport, True))
+    assert ops.count("ld.volatile.global.u32") == 1
+    assert not any(op == "st.global.u32" or op.startswith(("atom.", "fence.")) for op in ops)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("transport", ["unicast", "multicast"])
 def test_publisher_without_pdl_has_no_griddepcontrol(arch, transport):
     ptx = publisher_ptx(arch, 8, "bf16", True, transport, False)
     assert not any(op.startswith("griddepcontrol") for op in opcodes(ptx))
@@ -335,7 +345,21 @@ def test_reduce_ptx(arch, tp, pdl):
     assert len(polling) == 1
     assert sum(1 for line in polling[0] if line.startswith("ld.volatile.global.v4.u32")) == tp
     assert count(ptx, "ld.volatile.global.v4.u32") == tp
-    assert count(ptx, "ld.volatile.global.u32") == 1  # ACTIVE_STAGE
+
+    # The generation: thread 0 reads NEXT_STAGE and arrives (a release) before the barrier that
+    # shares it, ahead of the polls; the polls, sums, output and re-arms all come before
+    # griddepcontrol.wait (the slots carry their own completeness, so they run while the
+    # publisher does); the wait guards only the last arriver's advance (fence, NEXT_STAGE, count).
+    assert count(ptx, "ld.volatile.global.u32") == 1
+    assert count(ptx, "atom.release.gpu.global.add.u32") == 1 and count(ptx, "fence.acq_rel.gpu") == 1
+    read, arrival, barrier = (ops.index(op) for op in ("ld.volatile.global.u32", "atom.release.gpu.global.add.u32", "bar.sync"))
+    first_poll = ops.index("ld.volatile.global.v4.u32")
+    assert read < arrival < barrier < first_poll and ops.count("bar.sync") == 1
+    fence = ops.index("fence.acq_rel.gpu")
+    assert fence > max(i for i, op in enumerate(ops) if op.startswith(("ld.volatile", "st.global.v4", "atom.relaxed")))
+    assert [op for op in ops[fence:] if op.startswith("st.")] == ["st.global.u32", "st.global.u32"]
+    if pdl:
+        assert fence > ops.index("griddepcontrol.wait") > max(i for i, op in enumerate(ops) if op.startswith("st.global.v4"))
 
     # Rank-order sum from +0.0, add.rn only, then one bf16x2 conversion per word.
     assert_rounding_is_explicit(ptx, approximate=set())
