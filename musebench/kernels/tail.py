@@ -88,6 +88,13 @@ missing-rank fault and graph replays. Timing, CUDA graph of 20 calls, median of 
   (at 06837f0, before the batched loads and the early PDL trigger: 4.9-6.1, publisher 3.8-4.9);
 - virtual ranks sharing one H200 (records/2026-11-29-h200-bench-tail-virtual.json; one call of the
   whole group, fork/join of tp streams included): tp 2: 6.6-7.7 µs, tp 4: 8.0-9.4, tp 8: 11.8-14.6.
+The generation protocol above (the reduction polling during the publisher; the single launch's
+read and arrival after the row loads) replaced a hand-over through ACTIVE_STAGE on 2026-11-29.
+Four H200s, 8773b7e (these kernels) against d8a9b61 alternating twice on one lease, one rank per
+GPU, m 1..8, bf16 weights (records/2026-11-29-4xh200-ab-tp{2,4}-*.json): the two-launch tail
+0.88-0.95x in all 16 pairs (tp 2: 4.2-5.1 µs, tp 4: 4.2-5.3), the reduction exposed 0.84-1.51
+-> 0.55-1.15 µs, the single launch 0.88-0.96x; 8 virtual ranks on one GPU, one round:
+0.95-1.11x (m = 8: 14.5 -> 16.1 µs). 8773b7e's tests/kernels: 690 passed on the H200.
 The single launch is slower than the two launches everywhere measured, so two launches stay the
 default.
 """
