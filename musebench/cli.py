@@ -410,6 +410,8 @@ def report_command(run_json: str, old_json: str | None, threshold: float, side_b
     """Re-render a run's JSON; with --compare, list regressions and exit 1 if any."""
     from musebench.harness import report
 
+    if side_by_side and old_json is None:
+        _usage_error("--side-by-side needs --compare OLD.json")
     try:
         new = report.read_json(run_json)
         old = report.read_json(old_json) if old_json else None
@@ -417,8 +419,6 @@ def report_command(run_json: str, old_json: str | None, threshold: float, side_b
         _usage_error(str(error))
     title = f"{run_json} — {new.backend_note}" if new.backend_note else run_json
     report.render_table(new, _stdout(), title=title)
-    if side_by_side and old is None:
-        _usage_error("--side-by-side needs --compare OLD.json")
     if old is not None:
         if side_by_side:
             report.render_side_by_side(report.side_by_side(old, new), _stdout())

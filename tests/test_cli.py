@@ -100,6 +100,7 @@ def test_parity_json_then_report_and_compare(tmp_path):
     assert both.exit_code == 1 and "side by side" in both.output and "10.00" in both.output
     alone = _run("report", str(out), "--side-by-side")
     assert alone.exit_code == 2 and "--side-by-side needs --compare" in alone.output
+    assert "ep_tail" not in alone.output  # refused before anything is rendered
 
 
 def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):

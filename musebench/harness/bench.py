@@ -13,8 +13,9 @@ partial alone, timed the same way (the brief's aim: a tail per rank no slower th
 
 Per kernel (`kernels_us`, EP rows): the publishers alone, graph-replayed the same way (their
 slots stay published, so every mailbox is re-armed before the tail is timed, and the tail's
-check after its replays shows the group intact), and the reduction's exposed time, the call
-minus the publisher. The TP tail is one kernel: its row's `tail_us`.
+check after its replays shows the group intact), the reduction's exposed time, the call minus
+the publisher, and the EP tail as one kernel (`single launch`, over re-armed mailboxes, checked
+like the call: a difference fails the row). The TP tail is one kernel: its row's `tail_us`.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def _time_single_launch(case, inputs, unfinalized, boxes, wants, row: CaseResult
 
     for box in boxes:
         box.reset()
-    singles = [bind_tail(case, r, boxes[r], inputs, run_options, single_launch=True) for r in range(case.tp)]
+    single_options = dataclasses.replace(run_options, ep_launch="single")
+    singles = [bind_tail(case, r, boxes[r], inputs, single_options) for r in range(case.tp)]
 
     def one_call() -> None:
         group_call(lambda rank: singles[rank].run(unfinalized[rank], outs[rank]))
@@ -180,7 +182,7 @@ def _time_single_launch(case, inputs, unfinalized, boxes, wants, row: CaseResult
     if not checked.passed:
         first = checked.first_mismatch
         row.mismatches, row.max_ulp, row.first_mismatch = checked.mismatches, checked.max_ulp, first
-        row.rank_identical = checked.rank_identical
+        row.rank_identical, row.ranks = checked.rank_identical, checked.ranks
         row.error = (f"the single-launch EP tail differs from the stock: {checked.mismatches} words"
                      + (f", first on rank {first.rank} at {first.index}" if first is not None else ""))
 
@@ -216,14 +218,20 @@ def bench_empty_kernel(options: BenchOptions) -> float:
     return graph_median_us(lambda: scratch.add_(0), main, options)
 
 
-def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions) -> float:
-    """`call` captured `options.calls` times back to back in one CUDA graph on `stream` (compiled
-    and warmed up before: capture allocates and compiles nothing), replayed: the median µs per call."""
+def capture_graph(stream: torch.cuda.Stream, calls: int, call: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`call` captured `calls` times back to back in one CUDA graph on `stream` (compiled and warmed
+    up before: capture allocates and compiles nothing)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(options.calls):
+        for _ in range(calls):
             call()
-    return _median_replay_us(graph, stream, options)
+    return graph
+
+
+def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions) -> float:
+    """`call` captured `options.calls` times in one CUDA graph (`capture_graph`), replayed: the
+    median µs per call."""
+    return _median_replay_us(capture_graph(stream, options.calls, call), stream, options)
 
 
 def _median_replay_us(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, options: BenchOptions) -> float:

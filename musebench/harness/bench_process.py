@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from musebench.harness import checks
-from musebench.harness.bench import PUBLISHER, REDUCE_EXPOSED, SINGLE_LAUNCH, BenchOptions
+from musebench.harness.bench import PUBLISHER, REDUCE_EXPOSED, SINGLE_LAUNCH, BenchOptions, capture_graph
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.driver import (
     RankMailboxes,
@@ -84,14 +84,6 @@ class _Collectives:
         torch.ops.symm_mem.one_shot_all_reduce_out(source, "sum", self.group.group_name, out)
 
 
-def _graph(stream: torch.cuda.Stream, calls: int, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            body()
-    return graph
-
-
 def time_path(body: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions,
               collective: bool) -> float:
     """Median µs per call of `body` replayed as a graph of `options.calls` calls (see module doc).
@@ -101,8 +93,8 @@ def time_path(body: Callable[[], None], stream: torch.cuda.Stream, options: Benc
     with torch.cuda.stream(stream):
         body()  # eager warm-up: compiles, initialises communicators, outside capture
     stream.synchronize()
-    sync = _graph(stream, 1, body) if collective else None
-    timed = _graph(stream, options.calls, body)
+    sync = capture_graph(stream, 1, body) if collective else None
+    timed = capture_graph(stream, options.calls, body)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     with torch.cuda.stream(stream):
@@ -229,7 +221,7 @@ def _time_single_launch(case: TailCase, rank: int, boxes: RankMailboxes, inputs:
     device = unfinalized.gemm2_permuted.device
     out = checks.poison(torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device))
     try:
-        single = bind_tail(case, rank, boxes, inputs, run_options, single_launch=True)
+        single = bind_tail(case, rank, boxes, inputs, replace(run_options, ep_launch="single"))
         dist.barrier()  # every rank compiled and warmed up before any spins on a peer
         result.times_us[SINGLE_LAUNCH] = time_path(lambda: single.run(unfinalized, out), stream, options,
                                                    collective=True)
@@ -238,6 +230,9 @@ def _time_single_launch(case: TailCase, rank: int, boxes: RankMailboxes, inputs:
         check_rank_output(check, out.cpu(), want)
         if check.mismatches:
             first = check.first_mismatch
+            if not result.check.mismatches:  # the row's counts are the first failing form's
+                result.check.mismatches, result.check.max_ulp = check.mismatches, check.max_ulp
+                result.check.first_mismatch = first
             result.check.error = (f"rank {rank}: the single-launch EP tail differs from the stock: {check.mismatches} "
                                   f"words, first at {first.index if first is not None else '?'}")
     except Exception as error:

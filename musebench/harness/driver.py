@@ -188,12 +188,11 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions, *,
-              single_launch: bool = False):
+def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
     """The backend's bound tail for one rank: an object with run(unfinalized, out).
 
     Binding compiles (cute backend): do it for every rank before any rank runs, outside capture.
-    `single_launch`: the cute EP tail as one kernel (benches time it beside the two launches).
+    `options.ep_launch == "single"`: the cute EP tail as one kernel.
     """
     if options.backend == "cute" and case.mode == "tp":
         from musebench.kernels.tp_tail import TpTail, TpVariant
@@ -218,7 +217,7 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
             norm_weight=inputs.norm_weight.to(box.words.device), peer_mailboxes=box.peer_table,
             weight_before_norm=case.weight_before_norm, weight_dtype=case.weight_dtype, eps=case.eps,
             gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9),
-            single_launch=single_launch or options.ep_launch == "single",
+            single_launch=options.ep_launch == "single",
         )
     if options.backend != "cpu":
         raise ValueError(f"unknown backend {options.backend!r}")

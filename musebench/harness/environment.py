@@ -403,10 +403,10 @@ def transports(info: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any
 
     distinct: list[str] = []
     notes: list[str] = []
+    missing = _missing_peer_pairs(info.get("p2p") or []) if gpu_count >= 2 else []
     if gpu_count < 2:
         notes.append(f"needs at least two CUDA GPUs ({gpu_count} present)")
     else:
-        missing = _missing_peer_pairs(info.get("p2p") or [])
         if missing:
             pairs = ", ".join(f"{i}→{j}" for i, j in missing[:8]) + (" …" if len(missing) > 8 else "")
             notes.append(f"unicast: no peer access {pairs}")
@@ -429,7 +429,7 @@ def transports(info: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any
     spread: list[str] = []
     if gpu_count < 2:
         spread_note = f"needs at least two CUDA GPUs ({gpu_count} present)"
-    elif _missing_peer_pairs(info.get("p2p") or []):
+    elif missing:
         spread_note = "ipc: no peer access between some GPUs"
     else:
         spread, spread_note = ["ipc"], "CUDA IPC handles; a peer on another GPU opened on this rank's device"

@@ -172,6 +172,9 @@ def make_tail_job(
         raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
     if faults.exit_rank is not None and launcher != "torchrun":
         raise ValueError("the exit fault needs --launcher torchrun")
+    if ep_launch == "single" and backend == "cpu":  # a dry run refuses it too; auto is resolved below
+        raise ValueError("the single-launch EP tail is a cute kernel; the cpu backend has only one EP tail "
+                         "(--ep-launch two)")
     if check_machine:
         resolved, note = resolve_backend(backend)
         check_transport(transport, resolved, launcher)

@@ -112,10 +112,10 @@ def run_torchrun(
         deadline = time.monotonic() + bound_s
         killed = False
         rows: list[CaseResult] = []
+        seen = 0
         with open(log_path, "w") as log, _exit_on_termination():
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            seen = 0
-            try:
+            try:  # at once: a signal between the start and this try would leave the session running
                 while True:
                     seen = _drain(results_path, rows, seen, on_case)
                     if process.poll() is not None:

@@ -565,7 +565,7 @@ def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Reg
             regressions.append(Regression(key, "correctness", "passed", "failed", diagnostic(new_case)))
 
         before, after = old_case.tail_us, new_case.tail_us
-        if before is not None and after is not None and before > 0 and math.isfinite(after):
+        if _comparable(before, after):
             change = (after - before) / before
             if change > threshold:
                 regressions.append(
@@ -604,10 +604,13 @@ def side_by_side(old: RunReport, new: RunReport) -> list[Pairing]:
     return pairs
 
 
+def _comparable(before: float | None, after: float | None) -> bool:
+    """Two timings of one case can be compared: both measured, the old one positive, the new one finite."""
+    return before is not None and after is not None and before > 0 and math.isfinite(after)
+
+
 def _ratio_text(old: float | None, new: float | None) -> str:
-    if old is None or new is None or not old > 0 or not math.isfinite(new):
-        return _MISSING
-    return f"{new / old:.2f}"
+    return f"{new / old:.2f}" if _comparable(old, new) else _MISSING
 
 
 def render_side_by_side(pairs: list[Pairing], console: Console) -> None:
@@ -617,7 +620,7 @@ def render_side_by_side(pairs: list[Pairing], console: Console) -> None:
         table.add_column(column, justify="left" if column.startswith(("case", "kernels")) else "right")
     for pair in pairs:
         old, new = pair.tail
-        kernels = "; ".join(f"{name} {a:.2f} → {b:.2f} ({_ratio_text(a, b)})" for name, (a, b) in pair.kernels.items())
+        kernels = "; ".join(f"{name} {_format_us(a)} → {_format_us(b)} ({_ratio_text(a, b)})" for name, (a, b) in pair.kernels.items())
         table.add_row(Text(key_name(pair.key)), _format_us(old), _format_us(new), _ratio_text(old, new), Text(kernels))
     console.print(table)
 

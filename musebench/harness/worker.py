@@ -87,12 +87,12 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
     device_box = boxes.device_ep or boxes.device_tp_route
     transport = device_box.transport if device_box is not None else "shm"
     rows: list[CaseResult] = []
-    timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
     try:
         if bench is not None:
             from musebench.harness.bench_process import run_bench_rank
 
             return run_bench_rank(cases, options, bench, boxes, transport, results_path, on_case)
+        timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
         for index, case in enumerate(cases):
             inputs = make_tail_inputs(case)
             tail, bind_error = None, None

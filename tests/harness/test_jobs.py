@@ -135,6 +135,8 @@ def test_the_single_launch_ep_tail_needs_the_cute_backend(no_gpu):
         _tail_job(ep_launch="one")
     with pytest.raises(ValueError, match="single-launch EP tail is a cute kernel"):
         _tail_job(ep_launch="single")
+    with pytest.raises(ValueError, match="single-launch EP tail is a cute kernel"):  # a dry run checks the values too
+        _tail_job(ep_launch="single", check_machine=False)
     assert _tail_job(ep_launch="single", backend="cute", nsm=132, check_machine=False).options.ep_launch == "single"
 
 
