@@ -374,7 +374,7 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_p
 @click.option("--replays", type=int, default=30, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
-    """GPU: the routing kernel alone and with metadata vs the Triton stock (µs per call)."""
+    """GPU: the routing kernel alone and with metadata vs the Triton stock, alone and with metadata (µs per call)."""
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.scenario import validate_tokens
 

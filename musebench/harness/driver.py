@@ -188,6 +188,16 @@ class InjectedFault(RuntimeError):
     pass
 
 
+_SLEEP_CYCLES_PER_NS = 2  # torch.cuda._sleep spins clock cycles: two per ns hold >= `ns` at <= 2 GHz
+
+
+def hold_current_stream(ns: int) -> None:
+    """Keep the current stream busy for at least `ns` of GPU time (an injected hang; in tests, a
+    hold that lets ranks forked from the stream start together), then free it."""
+    if ns > 0:
+        torch.cuda._sleep(ns * _SLEEP_CYCLES_PER_NS)
+
+
 def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
     """The backend's bound tail for one rank: an object with run(unfinalized, out).
 

@@ -10,10 +10,11 @@ hardware's approximations; each rank's live metadata words equal to
 Faults (`driver.Faults`, `--inject`), to prove the checks fail when they must: `flip:R` flips one
 bit of rank R's weights (host copy), `silent:R` never launches rank R (its outputs keep the poison,
 named in the row's error), `hang:R` holds rank R's stream busy `timeout_s` + 1 s before its kernel
-(`torch.cuda._sleep`), which the bounded wait (`wait_for_device`) reports instead of waiting.
+(`driver.hold_current_stream`), which the bounded wait (`wait_for_device`) reports instead of waiting.
 
 `bench_routing` times, by the CUDA-graph method of `harness.bench` (20 back-to-back calls per
-graph, median of 30 replays), the kernel alone, the kernel with metadata, and the Triton stock.
+graph, median of 30 replays), the kernel alone, the kernel with metadata, the Triton stock, and
+the Triton stock followed by the Triton metadata pass.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ from musebench import numerics as nx
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions, graph_median_us
 from musebench.harness.cases import expert_owner
-from musebench.harness.driver import Faults
+from musebench.harness.driver import Faults, hold_current_stream
 from musebench.harness.results import CaseResult, RankResult
 
 POISON_WORD = -0x2A2A2A2B  # 0xD5D5D5D5: a word no metadata field holds
 ROUTE_SCALE = 2.5
 DEFAULT_TIMEOUT_S = 10.0  # a routing call takes microseconds; this bounds a kernel that never ends
 ROUTING_FAULTS = ("flip", "silent", "hang")
-_SLEEP_CYCLES_PER_S = 2_000_000_000  # torch.cuda._sleep counts clock cycles: >= 1 s at <= 2 GHz
 
 
 class RoutingTimeout(RuntimeError):
@@ -146,7 +146,7 @@ def run_routing_case(case: RoutingCase, faults: Faults = Faults(), timeout_s: fl
             weights = checks.poison(torch.empty(case.tokens, config.TOP_K, dtype=torch.float32, device=device))
             metadata = torch.full((size + 1,), POISON_WORD, dtype=torch.int32, device=device)
             if faults.hang_rank == rank:  # a stream that stays busy past the bound, then frees itself
-                torch.cuda._sleep(int((timeout_s + 1.0) * _SLEEP_CYCLES_PER_S))
+                hold_current_stream(int((timeout_s + 1.0) * 1e9))
             if faults.silent_rank != rank:
                 route(logits, bias, ids, weights, ROUTE_SCALE, case.renormalize, metadata=metadata,
                       local_expert_offset=offset, num_local_experts=count, tile_n=case.tile_n)

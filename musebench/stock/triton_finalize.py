@@ -37,8 +37,8 @@ checks them, with a device sync). Triton compiles on the first call for each spe
 call once eagerly before capturing (a capture of a combination never launched is refused).
 
 Triton is imported inside the functions: this module imports on a CPU-only host without Triton.
-GPU tests: H200, 2026-11-29, commit 06837f0, 69 passed (vLLM's own kernel skipped: no vLLM there;
-records/2026-11-29-h200-pytest-gpu.xml).
+GPU tests: H200, 2026-11-29, commit 302d270, 69 passed (vLLM's own kernel skipped: no vLLM there;
+records/2026-11-29-2xh200-pytest-gpu.xml).
 """
 
 from __future__ import annotations

@@ -49,6 +49,9 @@ MAX_ROUTES = config.MAX_DECODE_TOKENS * config.TOP_K  # 64: the decode batch's r
 MAX_TILES_PER_EXPERT = config.MAX_DECODE_TOKENS  # an expert appears at most once per token
 ROW_BLOCK = 1024  # permuted_to_token words filled per step
 NUM_WARPS = 8
+if RoutingMetadata(1).offsets["header"] != 0 or (
+        HEADER_PADDED_ROW_COUNT, HEADER_CTA_COUNT, HEADER_NUM_TOKENS, HEADER_TILE_N) != (0, 1, 2, 3):
+    raise ImportError("the Triton metadata kernel writes the header as words 0..3 in layout order")
 
 
 def _check(ids: torch.Tensor, out: torch.Tensor, local_expert_offset: int, num_local_experts: int,
