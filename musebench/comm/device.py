@@ -92,6 +92,8 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     opened = IpcMapping(here)
     through_torch: list[torch.Tensor] = []
     addresses = []
+    for peer_device in sorted({peer_device for peer_device, _ in shared} - {here}):
+        enable_peer_access(here, peer_device)  # once per other GPU, before any of its peers is opened
     for peer, (peer_device, (rebuild, args)) in enumerate(shared):
         if peer == rank:
             addresses.append(words.data_ptr())
@@ -99,8 +101,6 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
             through_torch.append(rebuild(*args))
             addresses.append(through_torch[-1].data_ptr())
         else:
-            if peer_device != here:
-                enable_peer_access(here, peer_device)
             addresses.append(opened.open(exports[peer]))
     table = torch.tensor(addresses, dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,

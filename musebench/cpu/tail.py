@@ -1,4 +1,5 @@
-"""CPU model of the MoE tails: the kernels' Lamport protocol, rank by rank, in torch.
+"""CPU model of the MoE tails: the kernels' Lamport protocol (mailboxes, sentinels, generations;
+its own stage-word hand-over, `musebench.comm.lamport`), rank by rank, in torch.
 
 Each `CpuEpTail` / `CpuTpTail` is one rank's bound tail over a `Mailbox` group (virtual ranks
 share host tensors, processes share /dev/shm files). Ranks run concurrently and call `run`

@@ -90,8 +90,8 @@ missing-rank fault and graph replays. Timing, CUDA graph of 20 calls, median of 
   whole group, fork/join of tp streams included): tp 2: 6.6-7.7 µs, tp 4: 8.0-9.4, tp 8: 11.8-14.6.
 The generation protocol above (the reduction polling during the publisher; the single launch's
 read and arrival after the row loads) replaced a hand-over through ACTIVE_STAGE on 2026-11-29.
-Four H200s, 8773b7e (these kernels) against d8a9b61 alternating twice on one lease, one rank per
-GPU, m 1..8, bf16 weights (records/2026-11-29-4xh200-ab-tp{2,4}-*.json): the two-launch tail
+Four H200s, 8773b7e (these kernels, as 5582f64) against d8a9b61 alternating twice on one lease,
+one rank per GPU, m 1..8, bf16 weights (records/2026-11-29-4xh200-ab-tp{2,4}-*.json): the two-launch tail
 0.88-0.95x in all 16 pairs (tp 2: 4.2-5.1 µs, tp 4: 4.2-5.3), the reduction exposed 0.84-1.51
 -> 0.55-1.15 µs, the single launch 0.88-0.96x; 8 virtual ranks on one GPU, one round:
 0.95-1.11x (m = 8: 14.5 -> 16.1 µs). 8773b7e's tests/kernels: 690 passed on the H200.
@@ -122,7 +122,6 @@ if TYPE_CHECKING:
 # The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_ptx.py).
 LAMPORT_GENERATIONS = 3
 NEXT_STAGE = 0
-ACTIVE_STAGE = 1  # the CPU model's second stage word (musebench.comm.lamport)
 ARRIVAL_COUNT = 1  # the kernels' second stage word: CTAs of this call that read NEXT_STAGE; 0 between calls
 SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
 SENTINEL_BF16X2 = 0x80008000  # two sentinel halves in one 32-bit word
@@ -877,7 +876,8 @@ class EpTail:
             raise ValueError(f"{name} must be {align}-byte aligned")
 
     def run(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
-        """Launch publisher then reduction on the current stream; `out` BF16 [m, width] gets the sum.
+        """Launch publisher then reduction (or the single kernel) on the current stream; `out` BF16
+        [m, width] gets the sum.
 
         `unfinalized`: this rank's `gemm2_permuted` BF16 [rows, width], `route_weights`
         [m, top_k] in `weight_dtype`, `expanded_idx_to_permuted_idx` int32 [m, top_k] (-1: not
@@ -888,7 +888,7 @@ class EpTail:
         if m == 0:
             return
         stream, out_view = self._launch_publisher(unfinalized, out)
-        if self._reduce is not None:
+        if not self.single_launch:
             self._launch_reduce(out_view, m, stream)
 
     def run_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
@@ -961,7 +961,7 @@ class EpTail:
         threads = self._threads
         publisher = LaunchDemand(self._publisher, ctas=m, threads=threads,
                                  smem_bytes=publisher_smem_bytes(self.top_k, threads, self.single_launch))
-        if self._reduce is None:
+        if self.single_launch:
             return [publisher]
         return [publisher, LaunchDemand(self._reduce, ctas=m * (self.width // (threads * FRAGMENT)), threads=threads,
                                         smem_bytes=GENERATION_SLOT_BYTES)]

@@ -299,8 +299,8 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
                     if args[1] in origins.half]
         assert len(products) == 2 * TOP_K * VALUES and all(products.count(p) == 2 for p in products)
 
-    # Latency: every load of the rows, indices and weights is issued before the one barrier, then
-    # the arithmetic (not a chain of index, row and weight loads per route).
+    # Latency: one barrier, and every vector load (gamma, then every route's rows) is issued before
+    # the first arithmetic, not a chain of row loads and arithmetic per route.
     assert ops.count("bar.sync") == 1
     first_arithmetic = ops.index("fma.rn.f32")
     loads = TRIPS + TOP_K * TRIPS  # gamma, then the rows

@@ -8,11 +8,12 @@ before anything waits, so the reductions overlap the publishers as on a real gro
 Expected values: `musebench.stock.ep.ep_tail_reference` on the same inputs with the GPU's own
 approximations (`hardware_approximations()`: the rsqrt bits). Outputs are poisoned first; the
 comparison is on raw bits (-0.0 and NaN payloads count). The single-launch tail
-(`single_launch=True`) is held to the same reference, its stage words to its own layout.
+(`single_launch=True`) is held to the same reference and, like the two launches, ends every
+call with its stage words [calls % 3, 0].
 
-Last run: H200, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 302d270 (the
-publisher that loads every route at once, its early PDL trigger, the single launch's joint poll):
-346 passed, both forms and run_reduce (records/2026-11-29-h200-pytest-gpu-kernels.xml).
+Last run: four H200s, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 8773b7e (the
+kernels of 5582f64: the reduction polling while the publisher runs, the arrival count):
+`pytest -m gpu tests/kernels` 690 passed (records/2026-11-29-4xh200-pytest-gpu-kernels.xml).
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class VirtualGroup:
                  gain_center: float = 1.0, single_launch: bool = False):
         device = torch.device("cuda")
         self.tp = tp
-        self.single_launch = single_launch
         self.mailboxes = [
             torch.full(tail.mailbox_shape(tp, CAPACITY, WIDTH), tail.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
             for _ in range(tp)
@@ -176,6 +176,8 @@ def test_publishers_then_reductions_apart_equal_the_whole_call():
         inputs = type(inputs)(inputs.per_rank, first.norm_weight)  # gamma is bound to the group
         per_rank = [_on_gpu(u) for u in inputs.per_rank]
         outs = [_poisoned(8) for _ in range(2)]
+        for rank in range(2):  # the inputs' copies and the poison, issued on this stream, come first
+            group.streams[rank].wait_stream(torch.cuda.current_stream())
         for rank in range(2):
             with torch.cuda.stream(group.streams[rank]):
                 group.tails[rank].run_publisher(per_rank[rank], outs[rank])

@@ -26,7 +26,6 @@ PARTS = 2  # reduction CTAs per token (4 at width 4096; 2 keep the schedules sho
 @dataclass
 class Rank:
     tp: int
-    capacity: int
     next_stage: int = 0
     arrivals: int = 0
     slots: dict = field(default_factory=dict)  # (generation, source, token, part) -> value
@@ -101,7 +100,7 @@ def run_schedule(tp: int, calls: list[int], seed: int, variant: str = "as-built"
     complete (its griddepcontrol.wait; nothing else of the previous call is waited for), the
     reduction as soon as its publisher launched (earlier than the early trigger allows)."""
     rng = random.Random(seed)
-    ranks = [Rank(tp=tp, capacity=max(calls)) for _ in range(tp)]
+    ranks = [Rank(tp=tp) for _ in range(tp)]
     grids: list[Grid] = []
     launched = [0] * tp  # calls whose publisher has launched, per rank
 
