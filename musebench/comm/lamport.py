@@ -22,7 +22,7 @@ Protocol (shared by the CuTe DSL tails and their CPU model):
   publisher takes NEXT_STAGE and stores it as ACTIVE_STAGE; the reader reads ACTIVE_STAGE and
   stores (ACTIVE_STAGE + 1) % 3 as NEXT_STAGE. The CuTe tails keep the generation rotation but
   not this hand-over: their second word is an arrival count, and the last CTA to arrive advances
-  the generation (`musebench.kernels.tail`, `musebench.kernels.tp_tail`).
+  the generation (`musebench.kernels.ep_tail`, `musebench.kernels.tp_tail`).
 
 Transports of this module (host memory, for the CPU model): `local` (virtual ranks in one
 process share plain tensors) and `shm` (processes on one host map POSIX shared-memory files).

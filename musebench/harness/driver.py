@@ -219,7 +219,7 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
             timeout_ns=int(options.timeout_s * 1e9),
         )
     if options.backend == "cute":
-        from musebench.kernels.tail import EpTail
+        from musebench.kernels.ep_tail import EpTail
 
         box = boxes.device_ep
         return EpTail(

@@ -13,7 +13,8 @@ pytest.importorskip("cutlass")
 
 from musebench import numerics as nx  # noqa: E402
 from musebench.comm import lamport  # noqa: E402
-from musebench.kernels import approx, ptx, tail  # noqa: E402
+from musebench.kernels import approx, ptx  # noqa: E402
+from musebench.kernels import ep_tail as tail  # noqa: E402
 
 ALL_HALVES = torch.arange(1 << 16, dtype=torch.int64)
 # The other half of the word: the sentinel, both zeros, its neighbours, a normal, NaN, subnormal.

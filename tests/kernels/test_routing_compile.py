@@ -48,7 +48,7 @@ from musebench.stock.routing import (  # noqa: E402
     routing_reference,
     sigmoid_scores,
 )
-from tests.kernels.test_tail_compile import (  # noqa: E402
+from tests.kernels.test_ep_tail_compile import (  # noqa: E402
     _operands,
     _ptx_text,
     assert_rounding_is_explicit,

@@ -43,7 +43,7 @@ from musebench.comm import lamport  # noqa: E402
 from musebench.kernels import ptx as ptx_module  # noqa: E402
 from musebench.kernels import tp_tail  # noqa: E402
 from musebench.stock import tp as stock_tp  # noqa: E402
-from tests.kernels.test_tail_compile import (  # noqa: E402
+from tests.kernels.test_ep_tail_compile import (  # noqa: E402
     Origins,
     _operands,
     _ptx_text,

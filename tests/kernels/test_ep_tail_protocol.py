@@ -1,6 +1,6 @@
 """The EP tail's generation protocol (two launches), as a model explored under random schedules.
 
-`musebench.kernels.tail` documents the order each CTA follows; `test_tail_compile.py` checks that
+`musebench.kernels.ep_tail` documents the order each CTA follows; `test_ep_tail_compile.py` checks that
 the PTX keeps that order. This model checks the order itself: CTAs of every rank's publisher and
 reduction grids take atomic steps in a random interleaving, with the launch rules of PDL (the
 reduction may start once every publisher CTA passed its wait; the next publisher waits for the

@@ -33,7 +33,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from musebench.kernels import tail  # noqa: E402
+from musebench.kernels import ep_tail as tail  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 TPS = (2, 3, 8, 32)  # smallest, odd (peer wrap not a power of two), the H200 node, the largest

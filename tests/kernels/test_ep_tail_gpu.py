@@ -27,7 +27,7 @@ pytest.importorskip("cutlass")
 
 from musebench import numerics as nx  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
-from musebench.kernels import tail  # noqa: E402
+from musebench.kernels import ep_tail as tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
 from musebench.stock.ep import ep_tail_reference  # noqa: E402
 from tests._bits import assert_raw_bits_equal  # noqa: E402
