@@ -206,7 +206,7 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
     """
     if options.backend == "cute" and case.mode == "tp":
         from musebench.kernels.tp_tail import TpTail, TpVariant
-        from musebench.stock.tp import tp_stock_path
+        from musebench.tp_dispatch import tp_stock_path
 
         route, token = boxes.device_tp_route, boxes.device_tp_token
         capacity = token.capacity

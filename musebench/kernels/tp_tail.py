@@ -116,8 +116,9 @@ from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench.kernels import ptx
-from musebench.kernels.occupancy import LaunchDemand
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.kernels.occupancy import LaunchDemand
+from musebench.tp_dispatch import TpStockPath
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
@@ -207,9 +208,8 @@ class TpVariant:
             _require(self.group == 0, f"group is only meaningful for {OWNER_PARTIALS}, got {self.group}")
 
     @classmethod
-    def from_path(cls, path: Any) -> TpVariant:
-        """The knobs of a `musebench.stock.tp.TpStockPath` (read by attribute: this module does
-        not import the stock)."""
+    def from_path(cls, path: TpStockPath) -> TpVariant:
+        """The knobs of the stock's dispatch for one call size (`musebench.tp_dispatch`)."""
         combine = path.combine
         group = path.experts_per_owner if combine == OWNER_PARTIALS else 0
         return cls(split=path.split, combine=combine, group=group, delivery=SCRUBBED if path.scrubbed_copies else EXACT)
