@@ -78,7 +78,7 @@ def test_injected_missing_rank_fails_within_the_timeout():
     result = _run("tail", "--tp", "2", "--mode", "ep", "--tokens", "1", "--weights", "bf16", "--norm", "before",
                   "--iters", "1", "--warmup", "0", "--timeout", "0.5", "--inject", "silent:0")
     assert result.exit_code == 1
-    assert "timed out" in result.output and "waiting for rank 0" in result.output
+    assert "rank 0: its outputs still hold the poison" in result.output
 
 
 def test_parity_json_then_report_and_compare(tmp_path):
@@ -91,7 +91,9 @@ def test_parity_json_then_report_and_compare(tmp_path):
     assert rendered.exit_code == 0 and "ep_tail" in rendered.output
     # a regression: the old run was fast and correct, the new one is slower
     data = json.loads(out.read_text())
-    data["cases"][0]["tail_us"] = data["cases"][0]["tail_us"] * 10
+    data["cases"][0]["tail_us"] = 1.0  # as a bench row's median
+    out.write_text(json.dumps(data))
+    data["cases"][0]["tail_us"] = 10.0
     slower = tmp_path / "slower.json"
     slower.write_text(json.dumps(data))
     compared = _run("report", str(slower), "--compare", str(out))
@@ -162,10 +164,28 @@ def test_a_routing_only_scenario_skipped_everywhere_exits_0(tmp_path, no_gpu):
     assert result.output.count("routing: skipped") == 2 and "0 passed, 0 failed, 4 skipped" in result.output
 
 
-def test_backend_cpu_skips_routing_even_on_a_gpu(tmp_path, gpu_with_dsl, monkeypatch):
-    from musebench.harness import routing
+def _route_with(monkeypatch, per_case):
+    """Routing cases reach the driver as every family's do; `per_case(case)` stands in for a GPU
+    run of one routing case (other families run for real)."""
+    from musebench.harness import driver
 
-    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("backend cpu ran routing"))
+    real = driver.run_virtual
+
+    def run_virtual(cases, options, on_case=None, **kwargs):
+        if cases[0].family != "routing":
+            return real(cases, options, on_case, **kwargs)
+        rows = []
+        for case in cases:
+            rows.append(per_case(case))
+            if on_case is not None:
+                on_case(rows[-1])
+        return rows
+
+    monkeypatch.setattr(driver, "run_virtual", run_virtual)
+
+
+def test_backend_cpu_skips_routing_even_on_a_gpu(tmp_path, gpu_with_dsl, monkeypatch):
+    _route_with(monkeypatch, lambda case: pytest.fail("backend cpu ran routing"))
     result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--backend", "cpu")
     assert result.exit_code == 0, result.output
     assert "routing has no CPU model" in result.output
@@ -190,15 +210,13 @@ def test_routing_with_cute_asked_for_and_no_gpu_exits_2(tmp_path, no_gpu, how):
     ],
 )
 def test_a_failing_routing_row_fails_parity(tmp_path, gpu_with_dsl, monkeypatch, flaw):
-    from musebench.harness import routing
-
     ran = []
 
     def runner(case):
         ran.append(case)
         return _routing_row(case, **(flaw if (case.tp, case.tokens) == (4, 8) else {}))
 
-    monkeypatch.setattr(routing, "run_routing_case", runner)
+    _route_with(monkeypatch, runner)
     out = tmp_path / "run.json"
     result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--json", str(out))
     assert result.exit_code == 1, result.output
@@ -209,9 +227,7 @@ def test_a_failing_routing_row_fails_parity(tmp_path, gpu_with_dsl, monkeypatch,
 
 
 def test_passing_routing_rows_land_in_the_parity_report(tmp_path, gpu_with_dsl, monkeypatch):
-    from musebench.harness import routing
-
-    monkeypatch.setattr(routing, "run_routing_case", _routing_row)
+    _route_with(monkeypatch, _routing_row)
     out, junit = tmp_path / "run.json", tmp_path / "run.xml"
     result = _run("parity", _scenario(tmp_path, ROUTING_RUN), "--json", str(out), "--junit", str(junit))
     assert result.exit_code == 0, result.output
@@ -223,9 +239,7 @@ def test_passing_routing_rows_land_in_the_parity_report(tmp_path, gpu_with_dsl, 
 
 
 def test_only_the_reporting_rank_of_a_torchrun_job_routes(tmp_path, gpu_with_dsl, monkeypatch):
-    from musebench.harness import routing
-
-    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("rank 1 routed"))
+    _route_with(monkeypatch, lambda case: pytest.fail("rank 1 routed"))
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = _run("parity", _scenario(tmp_path, ROUTING_RUN))
@@ -299,7 +313,7 @@ def test_multicast_is_refused_where_the_environment_forbids_it(monkeypatch):
         check_transport("multicast", "cute", "torchrun")
 
 
-def test_cute_backend_refuses_faults_it_cannot_inject(monkeypatch):
+def test_cute_backend_takes_a_hang_on_either_launcher(monkeypatch):
     from musebench.harness import jobs
 
     monkeypatch.setattr(jobs, "resolve_backend", lambda requested: ("cute", "cute (test)"))
@@ -309,9 +323,8 @@ def test_cute_backend_refuses_faults_it_cannot_inject(monkeypatch):
                                   backend="cute", iters=1, warmup=0, timeout_s=1.0, nsm=132,
                                   faults=jobs.Faults(hang_rank=1))
 
-    with pytest.raises(ValueError, match="a hung virtual rank cannot be stopped on the GPU"):
-        job("virtual")
-    assert job("torchrun").options.faults.hang_rank == 1  # a process can be killed
+    # virtual ranks hold the rank's stream past the bound; a process's host stops
+    assert job("virtual").options.faults.hang_rank == job("torchrun").options.faults.hang_rank == 1
 
 
 @pytest.mark.parametrize(("inject", "message"), [
@@ -326,4 +339,4 @@ def test_routing_refuses_a_fault_it_cannot_inject_before_anything_runs(inject, m
 
 def test_routing_refuses_a_nonpositive_timeout():
     result = _run("routing", "--tp", "2", "--timeout", "0")
-    assert result.exit_code == 2 and "--timeout must be positive" in result.output
+    assert result.exit_code == 2 and "timeout must be positive" in result.output

@@ -35,7 +35,8 @@ def test_rank_that_exits_is_named_with_its_exit_code(job_id):
 def test_silent_rank_times_out_and_the_job_goes_on(job_id):
     rows = launch.run_torchrun(_cases(), RunOptions(**FAST, faults=Faults(silent_rank=0)))
     assert len(rows) == 2
-    assert all("waiting for rank 0" in row.error for row in rows)
+    assert all(row.error.startswith("rank 0: its outputs still hold the poison") for row in rows)
+    assert all("waiting for rank 0" in r.error for row in rows for r in row.ranks if r.rank != 0)
 
 
 def test_flipped_bit_in_a_process(job_id):

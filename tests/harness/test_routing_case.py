@@ -1,20 +1,30 @@
-"""Routing cases: inputs and rank ranges on CPU; the whole check on the GPU."""
+"""The routing family: inputs and rank ranges on CPU; the whole check, through the one driver,
+on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from musebench.harness.driver import Faults
-from musebench.harness.routing import (
-    RoutingCase,
-    RoutingTimeout,
-    local_experts,
-    make_routing_inputs,
-    run_routing_case,
-    validate_routing_faults,
-    wait_for_device,
-)
+from musebench.cases.routing import RoutingCase, local_experts, make_inputs
+from musebench.harness.case import Faults, RunOptions
+from musebench.harness.driver import RankStalled, run_virtual, wait_for_device
+from musebench.harness.jobs import make_routing_job
+
+
+def make_routing_inputs(case):
+    inputs = make_inputs(case)
+    return inputs.logits, inputs.bias
+
+
+def run_routing_case(case, faults=Faults(), timeout_s=10.0):
+    options = RunOptions(backend="cute", iters=1, warmup=0, timeout_s=timeout_s, faults=faults)
+    return run_virtual([case], options)[0]
+
+
+def validate_routing_faults(faults, tp):
+    make_routing_job(name="r", tp=tp, tokens=(1,), tiles=(8,), renormalize=(True,), inputs=("random",), seeds=(0,),
+                     backend="cute", faults=faults, check_machine=False)
 
 
 @pytest.mark.parametrize("tp", [2, 3, 8, 32])
@@ -63,7 +73,7 @@ class _Event:
 
 def test_the_device_wait_is_bounded():
     wait_for_device(_Event(polls=3), timeout_s=5.0, what="rank 0: routing")  # done: returns
-    with pytest.raises(RoutingTimeout, match="rank 1: routing did not finish within 0.05 s"):
+    with pytest.raises(RankStalled, match="rank 1: routing did not finish within 0.05 s: the rank stopped making progress"):
         wait_for_device(_Event(polls=None), timeout_s=0.05, what="rank 1: routing")
 
 
@@ -89,16 +99,17 @@ def test_routing_case_passes_on_every_rank(renormalize, inputs):
 
 @pytest.mark.gpu
 def test_bench_routing_rows_are_timed_and_checked():
-    """Every variant, the Triton stock followed by its separate metadata pass included, is timed
-    and its outputs (metadata too where it writes them) checked against the reference."""
-    from musebench.harness.bench import BenchOptions
-    from musebench.harness.routing import bench_routing
+    """The kernel with metadata is timed and checked; without metadata, the Triton stock and the
+    Triton stock followed by its separate metadata pass are timed beside it."""
+    from musebench.harness.measure import BenchOptions
 
-    rows = bench_routing(2, 8, BenchOptions(calls=3, replays=3))
-    assert [row.kernel for row in rows] == ["routing", "routing+metadata", "triton stock", "triton stock+metadata"]
-    for row in rows:
-        assert row.passed and row.tail_us > 0, (row.kernel, row.error, row.first_mismatch)
-        assert row.stock_us == rows[2].tail_us
+    options = RunOptions(backend="cute", iters=1, warmup=0)
+    row = run_virtual([RoutingCase(tp=8, tokens=2)], options, measurement="bench",
+                      bench=BenchOptions(calls=3, replays=3))[0]
+    assert row.passed and row.tail_us > 0, (row.error, row.first_mismatch)
+    assert set(row.kernels_us) == {"without metadata"}
+    assert set(row.baselines_us) == {"triton stock", "triton stock+metadata"}
+    assert row.stock_us == row.baselines_us["triton stock+metadata"]
 
 
 @pytest.mark.gpu
@@ -109,8 +120,9 @@ def test_routing_checks_catch_a_flipped_bit_a_missing_rank_and_a_hang():
     assert not flipped.passed and flipped.mismatches >= 1 and flipped.first_mismatch.rank == 1
     assert not flipped.rank_identical
     silent = run_routing_case(case, faults=Faults(silent_rank=2))
-    assert not silent.passed and "rank 2: its ids and weights still hold the poison" in silent.error
+    assert not silent.passed and "rank 2: its outputs still hold the poison" in silent.error
     hung = run_routing_case(case, faults=Faults(hang_rank=3), timeout_s=2.0)
-    assert not hung.passed and hung.error == "rank 3: routing did not finish within 2 s"
+    assert not hung.passed and hung.error.startswith("rank 3: call 0 of routing")
+    assert "stopped making progress" in hung.error
     torch.cuda.synchronize()  # the injected busy stream frees itself about a second later
     assert run_routing_case(case).passed
