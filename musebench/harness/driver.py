@@ -27,6 +27,7 @@ import torch
 
 from musebench import numerics as nx
 from musebench.comm import lamport
+from musebench.comm.transport import decide, layout_here
 from musebench.harness import checks
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.results import CaseResult, RankResult
@@ -78,7 +79,7 @@ class RunOptions:
     timeout_s: float = 10.0
     stock: str = "reference"
     nsm: int = DEFAULT_NSM
-    transport: str = "auto"  # requested: auto | unicast | multicast (multicast: GB200 racks only)
+    transport: str = "auto"  # requested (musebench.comm.transport.REQUESTS); decide() picks or refuses
     faults: Faults = field(default_factory=Faults)
     ep_launch: str = "two"  # the cute EP tail: "two" kernels (publisher, reduction) or a "single" one
 
@@ -156,17 +157,17 @@ def shared_gpu_timing_note(local_world: int) -> str | None:
 
 
 def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int,
-                     rank: int | None = None) -> list[RankMailboxes]:
+                     rank: int | None = None, request: str = "auto") -> list[RankMailboxes]:
     """Device mailboxes of the cute tails: every virtual rank's (rank None, transport `local`) or,
-    in a process launch, this rank's alone: CUDA IPC where processes share GPUs (`ipc`), torch
-    SymmetricMemory peer pointers where each process has a GPU of its own (`unicast`)."""
-    import os
+    in a process launch, this rank's alone, over the transport `musebench.comm.transport.decide`
+    gives `request` (TransportRefused before anything is allocated)."""
+    from functools import partial
 
-    from musebench.comm.device import ipc_device_group, local_device_group, peer_mapping, symmetric_device_group
+    from musebench.comm.device import ipc_device_group, local_device_group, symmetric_device_group
 
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    mapping = peer_mapping(local_world, torch.cuda.device_count())
-    group_of = symmetric_device_group if mapping == "symmetric" else ipc_device_group
+    transport = decide(layout_here("cute", "virtual" if rank is None else "torchrun", tp), request)
+    group_of = (symmetric_device_group if transport.name == "unicast"
+                else partial(ipc_device_group, open_mode=transport.ipc_open))
 
     device = torch.device("cuda", torch.cuda.current_device())
     # the TP token mailbox carries FP32 rows (2 * width words): the stock's exact delivery paths
@@ -472,11 +473,11 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
         raise ValueError("the exit fault needs the torchrun launcher (virtual ranks share one process)")
     capacity = max(max(case.tokens for case in cases), 1)
     modes = tuple(sorted({case.mode for case in cases}))
+    transport = decide(layout_here(options.backend, "virtual", tp), options.transport).name  # refused: nothing made
     if options.backend == "cute":
-        boxes = device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
+        boxes = device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k, request=options.transport)
     else:
         boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
-    transport = "local" if options.backend == "cute" else "cpu-local"
     results = []
     for case in cases:
         inputs = make_tail_inputs(case)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from musebench.comm.transport import REQUESTS, decide, layout_here
 from musebench.harness.cases import EP_LAUNCHES, TailCase, tail_cases
 from musebench.harness.driver import DEFAULT_NSM, Faults, RunOptions
 from musebench.harness.results import CaseResult, RunReport, SkippedRun
@@ -107,23 +108,10 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
-TRANSPORTS = ("auto", "unicast", "multicast")
-
-
-def check_transport(transport: str, backend: str, launcher: str) -> None:
-    """Refuse a transport this run cannot have; never creates a multicast object to find out."""
-    if transport == "auto":
-        return
-    if backend == "cpu":
-        raise ValueError(f"the CPU model moves data through host memory; --transport {transport} needs --backend cute")
-    if transport == "multicast":
-        from musebench.harness.environment import multicast_policy
-
-        policy = multicast_policy()
-        if not policy["allowed"]:
-            raise ValueError(f"multicast is forbidden here ({', '.join(policy['forbidden_by'])}); use --transport unicast")
-        if launcher == "virtual":
-            raise ValueError("multicast needs one process per GPU on a multicast fabric (GB200 MNNVL / NVLS)")
+def check_transport(transport: str, backend: str, launcher: str, tp: int) -> None:
+    """Refuse a transport this run cannot have (musebench.comm.transport.decide: TransportRefused,
+    a ValueError); never creates a multicast object to find out."""
+    decide(layout_here(backend, launcher, tp), transport)
 
 
 def make_tail_job(
@@ -155,8 +143,8 @@ def make_tail_job(
     backend stays as requested.
     """
     validate_tp(tp)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport not in REQUESTS:
+        raise ValueError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
     validate_tokens(tuple(tokens), capacity)
     if launcher not in ("virtual", "torchrun"):
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
@@ -177,7 +165,7 @@ def make_tail_job(
                          "(--ep-launch two)")
     if check_machine:
         resolved, note = resolve_backend(backend)
-        check_transport(transport, resolved, launcher)
+        check_transport(transport, resolved, launcher, tp)
         if ep_launch == "single" and resolved != "cute":
             raise ValueError(f"the single-launch EP tail is a cute kernel; the {resolved} backend has only one EP tail "
                              "(--ep-launch two)")

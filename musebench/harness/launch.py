@@ -226,17 +226,13 @@ def _cleanup_shm(job: str) -> None:
 
 
 def _process_transport(options: RunOptions, tp: int) -> str:
-    """The transport tp processes on this host get (`driver.device_mailboxes` makes the same choice)."""
-    if options.backend != "cute":
-        return "shm"
-    import torch
-
-    from musebench.comm.device import peer_mapping
+    """The transport tp processes on this host get (musebench.comm.transport.decide, as the ranks ask it)."""
+    from musebench.comm.transport import TransportRefused, decide, layout_here
 
     try:
-        return "unicast" if peer_mapping(tp, torch.cuda.device_count()) == "symmetric" else "ipc"
-    except ValueError:  # a bad MUSEBENCH_PEER_MAPPING: the ranks' own errors say so
-        return "ipc"
+        return decide(layout_here(options.backend, "torchrun", tp), options.transport).name
+    except TransportRefused:  # the ranks' own errors say why; the row names what was asked
+        return options.transport
 
 
 def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:

@@ -19,7 +19,7 @@ a single value):
     weights   ["bf16","fp32"]
     norm      ["before","after"]
     launcher  "virtual" | "torchrun"
-    transport "auto" | "unicast" | "multicast"
+    transport "auto" | "local" | "ipc" | "unicast" | "multicast"   (musebench.comm.transport decides or refuses)
     ep_launch "two" | "single"   the cute EP tail as two kernels (default) or one
     iters, warmup  int;  timeout  float seconds;  nsm  int
 
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from musebench import config
+from musebench.comm.transport import REQUESTS
 from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
 from musebench.routing_metadata import TILE_N_MAX
 
@@ -83,7 +84,7 @@ _CHOICES = {
     "kernel": ("tail", "routing"),
     "launcher": ("virtual", "torchrun"),
     "backend": ("auto", "cpu", "cute"),
-    "transport": ("auto", "unicast", "multicast"),
+    "transport": REQUESTS,
     "ep_launch": EP_LAUNCHES,
 }
 _COMMON_KEYS = frozenset({"name", "kernel", "tp", "inputs", "seeds", "backend"})

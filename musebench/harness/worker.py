@@ -1,7 +1,8 @@
 """One rank of a process-launched run: `python -m musebench.harness.worker SPEC RESULTS`.
 
-Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set). The CPU model's
-mailboxes are POSIX shared-memory files, so all ranks must share one host. Per case: a barrier,
+Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set). The transport is
+musebench.comm.transport.decide's (the CPU model's shared-memory files need every rank on one
+host); a refusal ends every rank before the process group forms. Per case: a barrier,
 this rank's calls, the outcomes gathered to rank 0 (gloo, bounded by the case's time bound),
 rank 0's check, one JSON line per case, and a collective re-arm when any rank failed. Progress
 lines ("rank R started/done case N") go to stdout for the launcher's diagnostics.
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from musebench.comm import lamport
+from musebench.comm.transport import TransportRefused, decide, layout_here
 from musebench.harness.bench import BenchOptions
 from musebench.harness.cases import TailCase, make_tail_inputs
 from musebench.harness.driver import (
@@ -51,15 +53,16 @@ def _open_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, job: str) -> 
     return boxes
 
 
-def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int) -> RankMailboxes:
-    """Ranks as processes on this host's GPUs (ranks may outnumber GPUs and share them): CUDA IPC."""
+def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, request: str) -> RankMailboxes:
+    """Ranks as processes on this host's GPUs (ranks may outnumber GPUs and share them), over the
+    transport `decide` gives `request`."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
     capacity = max(max(case.tokens for case in cases), 1)
     modes = sorted({case.mode for case in cases})
-    return device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k, rank=rank)[0]
+    return device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k, rank=rank, request=request)[0]
 
 
 def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
@@ -76,14 +79,19 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
     tp = cases[0].tp if cases else world
     if world != tp:
         raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
-    if local_world != world:
-        raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
+    try:  # before the process group: every rank refuses alike (the CPU model on several hosts, ...)
+        decide(layout_here(options.backend, "torchrun", tp), options.transport)
+    except TransportRefused as refusal:
+        raise SystemExit(f"musebench: {refusal}") from None
     job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
     if bench is not None and options.backend != "cute":
         raise SystemExit("musebench: benches run the cute backend")
     bound_s = case_bound_s(options, bench) + compile_bound_s(options) + 30.0  # a barrier may wait for a peer compiling
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
-    boxes = _open_device_mailboxes(cases, rank, tp) if options.backend == "cute" else _open_mailboxes(cases, rank, tp, job)
+    if options.backend == "cute":
+        boxes = _open_device_mailboxes(cases, rank, tp, options.transport)
+    else:
+        boxes = _open_mailboxes(cases, rank, tp, job)
     device_box = boxes.device_ep or boxes.device_tp_route
     transport = device_box.transport if device_box is not None else "shm"
     rows: list[CaseResult] = []
