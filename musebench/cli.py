@@ -163,7 +163,6 @@ def _is_reporting_rank() -> bool:
 @click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default="auto", show_default=True)
-@click.option("--stock", type=click.Choice(["reference", "flashinfer"]), default="reference", show_default=True)
 @click.option("--iters", type=int, default=3, show_default=True, help="Timed calls per case.")
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
@@ -176,7 +175,7 @@ def _is_reporting_rank() -> bool:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
-def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
+def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, iters, warmup,
          timeout, nsm, transport, ep_launch, json_path, junit_path, inject) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
     from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
@@ -194,7 +193,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             norms=_parse_choices(norm, NORM_ORDERS, "--norm"),
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
-            timeout_s=timeout, stock=stock, nsm=nsm, transport=transport, faults=Faults.parse(inject),
+            timeout_s=timeout, nsm=nsm, transport=transport, faults=Faults.parse(inject),
             ep_launch=ep_launch,
         )
     except ValueError as error:

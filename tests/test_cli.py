@@ -34,13 +34,18 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--tokens", "9", "--capacity", "8"], "tokens must be in 1..8"),
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
-        (["tail", "--tp", "4", "--stock", "flashinfer"], "needs its package and a GPU"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(args, message):
     result = _run(*args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_the_flashinfer_stock_option_is_gone():
+    """--stock only ever ran the reference (flashinfer was always refused): the option went."""
+    result = _run("tail", "--tp", "4", "--stock", "flashinfer")
+    assert result.exit_code == 2 and "No such option" in result.output and "--stock" in result.output
 
 
 def test_cute_backend_without_a_gpu_exits_2():

@@ -130,7 +130,6 @@ def make_tail_job(
     iters: int,
     warmup: int,
     timeout_s: float,
-    stock: str = "reference",
     nsm: int | None = None,
     transport: str = "auto",
     faults: Faults = Faults(),
@@ -150,8 +149,6 @@ def make_tail_job(
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
     if ep_launch not in EP_LAUNCHES:
         raise ValueError(f"ep_launch must be one of {', '.join(EP_LAUNCHES)}, got {ep_launch!r}")
-    if stock != "reference":
-        raise ValueError(f"stock {stock!r} needs its package and a GPU; on this build use --stock reference")
     if iters < 1 or warmup < 0:
         raise ValueError("iters must be >= 1 and warmup >= 0")
     if timeout_s <= 0:
@@ -179,7 +176,7 @@ def make_tail_job(
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
         nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch)
+                         nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch)
     return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
 
 

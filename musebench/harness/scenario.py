@@ -124,8 +124,20 @@ _ROUTING_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Keys that are gone, with why: a file that still names one fails with the reason, not "unknown key".
+_REMOVED_KEYS = {
+    "stock": "runs are checked against musebench's bitwise references (stock/) only: the flashinfer stock option "
+             "was removed, since FlashInfer's stock kernels need SM100 with NVLink multicast and never ran here",
+}
+
+
 class ScenarioError(ValueError):
     pass
+
+
+def _refuse_removed(where: str, table: dict[str, Any]) -> None:
+    for key in sorted(set(table) & set(_REMOVED_KEYS)):
+        raise ScenarioError(f"{where}: key {key!r} was removed: {_REMOVED_KEYS[key]}")
 
 
 @dataclass(frozen=True)
@@ -221,6 +233,7 @@ def _check_value(where: str, key: str, value: Any) -> Any:
 
 def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], source: str,
               index: int) -> ScenarioRun | RoutingScenarioRun:
+    _refuse_removed(where, table)
     unknown = sorted(set(table) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if unknown:
         raise ScenarioError(f"{where}: unknown key {unknown[0]!r}")
@@ -284,6 +297,7 @@ def load_scenario(path: str | Path) -> list[ScenarioRun | RoutingScenarioRun]:
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ScenarioError(f"{path}: [defaults] must be a table")
+    _refuse_removed(f"{path} [defaults]", defaults)
     bad = sorted(set(defaults) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if bad:
         raise ScenarioError(f"{path} [defaults]: unknown key {bad[0]!r}")
