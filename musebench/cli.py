@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import click
 
+from musebench.comm.transport import REQUESTS as TRANSPORT_REQUESTS
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 # Virtual ranks put tp streams on one GPU; with the default 8 hardware queues, streams share a
@@ -159,12 +161,13 @@ def _is_reporting_rank() -> bool:
 @click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default="auto", show_default=True)
-@click.option("--stock", type=click.Choice(["reference", "flashinfer"]), default="reference", show_default=True)
 @click.option("--iters", type=int, default=3, show_default=True, help="Timed calls per case.")
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
-@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default="auto", show_default=True)
+@click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default="auto", show_default=True,
+              help="Mailbox transport: auto picks the layout's (local, unicast, ipc; the CPU model's cpu-local, shm); "
+                   "a transport the layout or machine cannot have exits 2 (multicast, everywhere until issue 14).")
 @click.option("--ep-launch", type=click.Choice(["two", "single"]), default="two", show_default=True,
               help="The cute EP tail as two kernels (publisher, reduction) or one (rows: ep_tail_single).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
@@ -172,7 +175,7 @@ def _is_reporting_rank() -> bool:
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
 @click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
               help="The implementation under test: a module providing the seeds' API.")
-def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
+def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, iters, warmup,
          timeout, nsm, transport, ep_launch, json_path, junit_path, inject, impl) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
     from musebench.harness.case import Faults
@@ -190,7 +193,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             norms=_parse_choices(norm, NORM_ORDERS, "--norm"),
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
-            timeout_s=timeout, stock=stock, nsm=nsm, transport=transport, faults=Faults.parse(inject),
+            timeout_s=timeout, nsm=nsm, transport=transport, faults=Faults.parse(inject),
             ep_launch=ep_launch, impl=impl,
         )
     except ValueError as error:
@@ -207,7 +210,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
               help="Override the files' launcher (tail runs; routing runs on virtual ranks of one GPU).")
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default=None,
               help="Override the files' backend (routing: auto skips it without a GPU, cpu always, cute refuses).")
-@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default=None,
+@click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default=None,
               help="Override the files' transport (tail runs).")
 def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport) -> None:
     """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock.

@@ -34,13 +34,18 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--tokens", "9", "--capacity", "8"], "tokens must be in 1..8"),
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
-        (["tail", "--tp", "4", "--stock", "flashinfer"], "needs its package and a GPU"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(args, message):
     result = _run(*args)
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_the_flashinfer_stock_option_is_gone():
+    """--stock only ever ran the reference (flashinfer was always refused): the option went."""
+    result = _run("tail", "--tp", "4", "--stock", "flashinfer")
+    assert result.exit_code == 2 and "No such option" in result.output and "--stock" in result.output
 
 
 def test_cute_backend_without_a_gpu_exits_2():
@@ -305,18 +310,75 @@ def test_gb200_nightly_scenario_runs_on_virtual_cpu_ranks(tmp_path, monkeypatch)
     assert data["passed"] and len(data["skipped"]) == 4  # routing: no CPU model
 
 
-def test_multicast_is_refused_where_the_environment_forbids_it(monkeypatch):
-    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
-    from musebench.harness.jobs import check_transport
+MULTICAST_VARIABLES = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")
 
-    with pytest.raises(ValueError, match="multicast is forbidden here"):
-        check_transport("multicast", "cute", "torchrun")
+
+@pytest.fixture
+def nothing_launches(monkeypatch):
+    """Every way a run starts fails the test: the job runner, both launchers, a subprocess."""
+    from musebench.harness import driver, jobs, launch
+
+    def launched(*args, **kwargs):
+        pytest.fail("a run was launched")
+
+    for module, name in ((jobs, "run_job"), (driver, "run_virtual"), (launch, "run_torchrun"),
+                         (launch, "run_in_job"), (subprocess, "Popen")):
+        monkeypatch.setattr(module, name, launched)
+
+
+@pytest.mark.parametrize("launcher", ["virtual", "torchrun"])
+def test_multicast_exits_2_with_the_reason_and_launches_nothing(monkeypatch, nothing_launches, launcher):
+    """Here (no GPU, whatever its policy says): refused before anything starts, with the reason."""
+    result = _run("tail", "--tp", "2", "--transport", "multicast", "--launcher", launcher)
+    assert result.exit_code == 2, result.output
+    assert "musebench: error: transport multicast: " in result.output
+
+
+def test_multicast_where_the_policy_forbids_it_names_the_variables(monkeypatch, nothing_launches):
+    """The lent H200s' environment: the policy is the reason, whatever the backend or launcher."""
+    for name in MULTICAST_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    result = _run("tail", "--tp", "2", "--transport", "multicast")
+    assert result.exit_code == 2
+    assert ("transport multicast: multicast is forbidden here: TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0"
+            in result.output)
+
+
+def test_multicast_where_the_machine_has_it_is_refused_not_run_as_unicast(monkeypatch, nothing_launches):
+    """A multicast rack (stood in for): one process per GPU, every attribute set; no mailbox yet."""
+    from musebench.comm import transport
+    from musebench.harness import jobs
+
+    for name in MULTICAST_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jobs, "resolve_backend", lambda requested: ("cute", "cute (test)"))
+    monkeypatch.setattr(transport, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(transport, "peer_access_everywhere", lambda gpus: True)
+    monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True] * count)
+    result = _run("tail", "--tp", "4", "--transport", "multicast", "--launcher", "torchrun")
+    assert result.exit_code == 2
+    assert "transport multicast: multicast mailboxes are not implemented yet (issue 14)" in result.output
+
+
+def test_a_scenario_asking_for_multicast_exits_2_before_launching(nothing_launches):
+    result = _run("parity", "scenarios/gb200-nightly.toml", "--backend", "cpu")  # the file's own transport
+    assert result.exit_code == 2 and "transport multicast: " in result.output
+
+
+def test_a_transport_the_layout_cannot_have_exits_2(nothing_launches):
+    result = _run("tail", "--tp", "2", "--transport", "unicast", "--backend", "cpu")
+    assert result.exit_code == 2
+    assert "transport unicast: the CPU model moves data through host memory" in result.output
 
 
 def test_cute_backend_takes_a_hang_on_either_launcher(monkeypatch):
+    from musebench.comm import transport
     from musebench.harness import jobs
 
     monkeypatch.setattr(jobs, "resolve_backend", lambda requested: ("cute", "cute (test)"))
+    monkeypatch.setattr(transport, "visible_gpus", lambda: 1)  # the transport decision sees the stand-in's GPU
     def job(launcher):
         return jobs.make_tail_job(name="t", tp=2, modes=("ep",), tokens=(1,), capacity=8, weights=("bf16",),
                                   norms=("before",), inputs=("random",), seeds=(0,), launcher=launcher,

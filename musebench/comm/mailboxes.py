@@ -28,7 +28,7 @@ DEVICE_TRANSPORTS = ("local", "ipc", "unicast")
 
 
 def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[dict[str, Any]]:
-    """Every virtual rank's set (`cpu-local` or `local`)."""
+    """Every virtual rank's set (`cpu-local` or `local`: `comm.transport.decide`'s name)."""
     sets: list[dict[str, Any]] = [{} for _ in range(tp)]
     for name, spec in specs.items():
         if transport == "cpu-local":
@@ -47,11 +47,14 @@ def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[
     return sets
 
 
-def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: str, job: str) -> dict[str, Any]:
-    """This process's set (`shm`, `ipc` or `unicast`); collective over the default group."""
+def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str) -> dict[str, Any]:
+    """This process's set for `transport` (`comm.transport.Transport`: `shm`, `ipc` with its open
+    mode, or `unicast`); collective over the default group."""
+    from functools import partial
+
     import torch.distributed as dist
 
-    if transport == "shm":
+    if transport.name == "shm":
         for name, spec in specs.items():
             lamport.shm_create(job, name, rank, spec.slots, spec.rows, spec.width)
         dist.barrier()  # every file exists before anyone maps its peers
@@ -59,14 +62,15 @@ def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: st
                  for name, spec in specs.items()}
         dist.barrier()
         return boxes
-    if transport not in ("ipc", "unicast"):
-        raise ValueError(f"processes take shm, ipc or unicast mailboxes, not {transport!r}")
+    if transport.name not in ("ipc", "unicast"):
+        raise ValueError(f"processes take shm, ipc or unicast mailboxes, not {transport.name!r}")
     import torch
 
     from musebench.comm.device import ipc_device_group, symmetric_device_group
 
     device = torch.device("cuda", torch.cuda.current_device())
-    group_of = symmetric_device_group if transport == "unicast" else ipc_device_group
+    group_of = (symmetric_device_group if transport.name == "unicast"
+                else partial(ipc_device_group, open_mode=transport.ipc_open))
     return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device) for name, spec in specs.items()}
 
 

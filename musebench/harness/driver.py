@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from musebench.comm import mailboxes as mailbox_sets
+from musebench.comm.transport import TransportRefused, decide, layout_here
 from musebench.harness import checks
 from musebench.harness.case import DEFAULT_NSM, FAULT_KINDS, Faults, MailboxSpec, RunOptions  # noqa: F401
 from musebench.harness.measure import (
@@ -247,8 +248,8 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
     if options.faults.exit_rank is not None:
         raise ValueError("the exit fault needs the torchrun launcher (virtual ranks share one process)")
     bench = bench or BenchOptions()
+    transport = decide(layout_here(options.backend, "virtual", tp), options.transport).name  # refused: nothing made
     impl = load_impl(options)
-    transport = "local" if options.backend == "cute" else "cpu-local"
     boxes = mailbox_sets.allocate_virtual(mailbox_specs(cases), tp, transport)
     results = []
     for case in cases:
@@ -458,13 +459,9 @@ class _Collectives:
         torch.ops.symm_mem.one_shot_all_reduce_out(source, "sum", self.group.group_name, out)
 
 
-def process_transport(options: RunOptions, local_world: int) -> str:
-    """The transport processes on this host get: `shm` (CPU model), else `comm` decides."""
-    if options.backend != "cute":
-        return "shm"
-    from musebench.comm.device import peer_mapping
-
-    return "unicast" if peer_mapping(local_world, torch.cuda.device_count()) == "symmetric" else "ipc"
+def process_transport(options: RunOptions, tp: int) -> Any:
+    """The transport this host's processes get (`comm.transport.decide`, as every rank asks it)."""
+    return decide(layout_here(options.backend, "torchrun", tp), options.transport)
 
 
 def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None,
@@ -485,8 +482,10 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     tp = cases[0].tp if cases else world
     if world != tp:
         raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
-    if options.backend != "cute" and local_world != world:
-        raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
+    try:  # before the process group: every rank refuses alike (the CPU model on several hosts, ...)
+        transport = process_transport(options, tp)
+    except TransportRefused as refusal:
+        raise SystemExit(f"musebench: {refusal}") from None
     if measurement == "bench" and options.backend != "cute":
         raise SystemExit("musebench: benches run the cute backend")
     say = progress or (lambda line: print(line, flush=True))
@@ -497,9 +496,9 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     if options.backend == "cute":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    transport = process_transport(options, local_world)
     specs = mailbox_specs(cases) if cases else {}
     boxes = mailbox_sets.allocate_process(specs, rank, tp, transport, job) if specs else {}
+    transport = transport.name
     rows: list[CaseResult] = []
     try:
         impl = load_impl(options)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from musebench.comm.transport import REQUESTS, decide, layout_here
 from musebench.harness.case import DEFAULT_NSM, MEASUREMENTS, Faults, RunOptions
 from musebench.harness.cases import EP_LAUNCHES, tail_cases
 from musebench.harness.measure import BenchOptions
@@ -134,23 +135,10 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
-TRANSPORTS = ("auto", "unicast", "multicast")
-
-
-def check_transport(transport: str, backend: str, launcher: str) -> None:
-    """Refuse a transport this run cannot have; never creates a multicast object to find out."""
-    if transport == "auto":
-        return
-    if backend == "cpu":
-        raise ValueError(f"the CPU model moves data through host memory; --transport {transport} needs --backend cute")
-    if transport == "multicast":
-        from musebench.harness.environment import multicast_policy
-
-        policy = multicast_policy()
-        if not policy["allowed"]:
-            raise ValueError(f"multicast is forbidden here ({', '.join(policy['forbidden_by'])}); use --transport unicast")
-        if launcher == "virtual":
-            raise ValueError("multicast needs one process per GPU on a multicast fabric (GB200 MNNVL / NVLS)")
+def check_transport(transport: str, backend: str, launcher: str, tp: int) -> None:
+    """Refuse a transport this run cannot have (musebench.comm.transport.decide: TransportRefused,
+    a ValueError); never creates a multicast object to find out."""
+    decide(layout_here(backend, launcher, tp), transport)
 
 
 def make_tail_job(
@@ -169,7 +157,6 @@ def make_tail_job(
     iters: int,
     warmup: int,
     timeout_s: float,
-    stock: str = "reference",
     nsm: int | None = None,
     transport: str = "auto",
     faults: Faults = Faults(),
@@ -185,15 +172,13 @@ def make_tail_job(
     backend stays as requested.
     """
     validate_tp(tp)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport not in REQUESTS:
+        raise ValueError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
     validate_tokens(tuple(tokens), capacity)
     if launcher not in ("virtual", "torchrun"):
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
     if ep_launch not in EP_LAUNCHES:
         raise ValueError(f"ep_launch must be one of {', '.join(EP_LAUNCHES)}, got {ep_launch!r}")
-    if stock != "reference":
-        raise ValueError(f"stock {stock!r} needs its package and a GPU; on this build use --stock reference")
     if iters < 1 or warmup < 0:
         raise ValueError("iters must be >= 1 and warmup >= 0")
     if timeout_s <= 0:
@@ -209,7 +194,7 @@ def make_tail_job(
                          "(--ep-launch two)")
     if check_machine:
         resolved, note = resolve_backend(backend)
-        check_transport(transport, resolved, launcher)
+        check_transport(transport, resolved, launcher, tp)
         if ep_launch == "single" and resolved != "cute":
             raise ValueError(f"the single-launch EP tail is a cute kernel; the {resolved} backend has only one EP tail "
                              "(--ep-launch two)")
@@ -226,7 +211,7 @@ def make_tail_job(
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
         nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl)
+                         nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl)
     return Job(name=name, cases=tuple(cases), options=options, backend_note=note, measurement=measurement,
                bench=bench, resolved=check_machine)
 

@@ -248,12 +248,13 @@ def _cleanup_shm(job: str) -> None:
 
 def _error_row(case: Any, options: RunOptions, reason: str) -> CaseResult:
     """The row of a case the job never reported (its ranks died or were killed)."""
+    from musebench.comm.transport import TransportRefused
     from musebench.harness.driver import new_row, process_transport
 
     try:
-        transport = process_transport(options, case.tp)
-    except ValueError:  # a bad MUSEBENCH_PEER_MAPPING: the ranks' own errors say so
-        transport = "ipc"
+        transport = process_transport(options, case.tp).name
+    except TransportRefused:  # the ranks' own errors say why; the row names what was asked
+        transport = options.transport
     row = new_row(case, options, transport, 0)
     row.error, row.rank_identical = reason, False
     return row

@@ -71,10 +71,12 @@ def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):
                                                       ("cute", 4, "unicast")])
 def test_error_rows_name_the_transport_the_ranks_would_have_used(monkeypatch, backend, gpus, transport):
     """A launch error row (tp 4 processes) carries the transport device_mailboxes picks for the layout."""
-    import torch
+    from musebench.comm import transport as transport_module
 
     monkeypatch.delenv("MUSEBENCH_PEER_MAPPING", raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(transport_module, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(transport_module, "peer_access_everywhere", lambda count: True)
+    monkeypatch.setattr(transport_module, "symmetric_memory_imports", lambda: True)
     row = launch._error_row(TailCase(mode="ep", tp=4, tokens=1), RunOptions(backend=backend, launcher="torchrun"), "boom")
     assert row.transport == transport and row.error == "boom" and not row.passed
 
