@@ -88,6 +88,25 @@ def wait_for_device(event: Any, timeout_s: float, what: str, poll_s: float = 1e-
         time.sleep(poll_s)
 
 
+COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
+BENCH_PATHS = 6  # paths a bench case may time: the call, a part, a variant and three baselines
+
+
+def compile_bound_s(options: RunOptions) -> float:
+    return COMPILE_S if options.backend == "cute" else 0.0
+
+
+def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> float:
+    """How long one case may take on one rank: its calls, each bounded by `wait_bound_s`.
+
+    A bench case times up to BENCH_PATHS paths, each a warm-up, a capture and 3 + replays replays
+    of a one-call and a `calls`-call graph, every call bounded by the bench's poll timeout.
+    """
+    if bench is not None:
+        return BENCH_PATHS * ((3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + bench.timeout_s) + 30.0
+    return (options.warmup + options.iters) * (wait_bound_s(options) + 1.0) + 10.0
+
+
 def shared_gpu_timing_note(local_world: int) -> str | None:
     """The note on timings of `local_world` processes on this host where they share GPUs, else None.
 
@@ -474,8 +493,6 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     import json
 
     import torch.distributed as dist
-
-    from musebench.harness.launch import case_bound_s, compile_bound_s
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

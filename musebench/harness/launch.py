@@ -32,17 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from musebench.harness.case import Faults, RunOptions
+from musebench.harness.driver import case_bound_s, compile_bound_s  # noqa: F401  (the launch's deadline)
 from musebench.harness.measure import BenchOptions
 from musebench.harness.results import CaseResult
 
 STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
-
-
-COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
-
-
-def compile_bound_s(options: RunOptions) -> float:
-    return COMPILE_S if options.backend == "cute" else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +69,6 @@ def spec_from_json(data: dict) -> Spec:
     bench = data.get("bench")
     return Spec(tuple(cases), RunOptions(**opts), data.get("measurement", "check"),
                 BenchOptions(**bench) if bench is not None else None)
-
-
-def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> float:
-    """How long one case may take on one rank: its calls, each bounded by the poll timeout.
-
-    A bench case times up to four paths, each a warm-up, a capture and 3 + replays replays of a
-    one-call and a `calls`-call graph, every call bounded by the bench's poll timeout.
-    """
-    if bench is not None:
-        return 4 * (3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + 4 * bench.timeout_s + 30.0
-    return (options.warmup + options.iters) * (options.timeout_s + 2.0) + 10.0
 
 
 def in_torchrun_job() -> bool:
