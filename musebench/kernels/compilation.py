@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 from pathlib import Path
 
 import cutlass.cute as cute
@@ -37,13 +39,16 @@ CACHE_DIR_ENV = "MUSEBENCH_CACHE_DIR"
 def dump_dir() -> str:
     """The folder compiles write their kept artifacts into when the caller names none (created).
 
-    `$MUSEBENCH_CACHE_DIR/cute` if that variable is set and non-empty, else
-    `~/.cache/musebench/cute`. Files there are scratch: the DSL reads each back into memory as
-    soon as it is written, and a later compile of a same-named kernel overwrites it.
+    `$MUSEBENCH_CACHE_DIR/cute/pid<N>` if that variable is set and non-empty, else
+    `~/.cache/musebench/cute/pid<N>`: one folder per process, removed when it exits. Files there
+    are scratch (the DSL reads each back into memory as soon as it is written), but processes
+    compiling at once (torchrun ranks) must never read back a file another is still writing.
     """
     root = os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "musebench"
-    path = Path(root) / "cute"
-    path.mkdir(parents=True, exist_ok=True)
+    path = Path(root) / "cute" / f"pid{os.getpid()}"
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     return str(path)
 
 

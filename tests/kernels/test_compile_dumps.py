@@ -59,8 +59,9 @@ def test_compile_writes_nothing_to_cwd_and_dumps_into_the_cache_dir(cwd, tmp_pat
     monkeypatch.setenv(compilation.CACHE_DIR_ENV, str(cache))
     compiled = _compile(None)
     assert _files(cwd) == []
-    assert compilation.dump_dir() == str(cache / "cute")
-    assert [p.suffix for p in (cache / "cute").iterdir()] == [".cubin"]
+    own = cache / "cute" / f"pid{os.getpid()}"  # one folder per process: ranks never read each other's files
+    assert compilation.dump_dir() == str(own)
+    assert [p.suffix for p in own.iterdir()] == [".cubin"]
     # the occupancy query loads the cubin from memory, not from the dump
     assert isinstance(compiled.__cubin__, bytes) and compiled.__cubin__[:4] == b"\x7fELF"
 
@@ -70,7 +71,7 @@ def test_default_cache_dir_is_under_home(cwd, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     _compile(None)
     assert _files(cwd) == []
-    assert compilation.dump_dir() == str(tmp_path / "home" / ".cache" / "musebench" / "cute")
+    assert compilation.dump_dir() == str(tmp_path / "home" / ".cache" / "musebench" / "cute" / f"pid{os.getpid()}")
     assert any(p.suffix == ".cubin" for p in Path(compilation.dump_dir()).iterdir())
 
 
