@@ -402,3 +402,12 @@ def test_routing_refuses_a_fault_it_cannot_inject_before_anything_runs(inject, m
 def test_routing_refuses_a_nonpositive_timeout():
     result = _run("routing", "--tp", "2", "--timeout", "0")
     assert result.exit_code == 2 and "timeout must be positive" in result.output
+
+
+def test_an_implementation_on_the_cpu_model_is_refused_before_anything_runs(monkeypatch):
+    from musebench.harness import driver
+
+    monkeypatch.setattr(driver, "run_virtual", lambda *a, **k: pytest.fail("a refused run launched"))
+    result = _run("tail", "--tp", "2", "--tokens", "1", "--backend", "cpu", "--impl", "tests.impls.reexport")
+    assert result.exit_code == 2
+    assert "--impl tests.impls.reexport: the cpu backend runs the CPU model" in result.output

@@ -141,6 +141,20 @@ def check_transport(transport: str, backend: str, launcher: str, tp: int) -> Non
     decide(layout_here(backend, launcher, tp), transport)
 
 
+def check_impl(impl: str, backend: str, launcher: str) -> None:
+    """Refuse, before anything launches, an implementation this run cannot check: one that does
+    not import or provides none of the seeds' modules, one whose tails need a process group on
+    virtual ranks, or any `--impl` on the CPU model (which runs no implementation)."""
+    from musebench.harness.impl import DEFAULT_IMPL, load_impl
+
+    if backend != "cute":
+        if impl != DEFAULT_IMPL:
+            raise ValueError(f"--impl {impl}: the {backend} backend runs the CPU model, not an implementation; "
+                             "an implementation needs the cute backend")
+        return
+    load_impl(impl).require_process_group(launcher)
+
+
 def make_tail_job(
     *,
     name: str,
@@ -200,10 +214,7 @@ def make_tail_job(
                              "(--ep-launch two)")
         if measurement == "bench" and resolved != "cute":
             raise ValueError("benches time the cute kernels: they need a CUDA GPU with SM >= 90 and CuTe DSL")
-        if resolved == "cute":
-            from musebench.harness.impl import load_impl
-
-            load_impl(impl).require_process_group(launcher)
+        check_impl(impl, resolved, launcher)
     else:
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
@@ -285,6 +296,8 @@ def make_routing_job(
         if backend not in ("auto", "cpu", "cute"):
             raise ValueError(f"unknown backend {backend!r}")
         resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    if check_machine and skip_reason is None:
+        check_impl(impl, resolved, launcher)
     cases = tuple(RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renorm, inputs=family, seed=seed)
                   for renorm in renormalize for family in inputs for tile in tiles for m in tokens for seed in seeds)
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher=launcher, iters=1,
