@@ -8,7 +8,8 @@ Everything here works elementwise on float32 tensors (CPU or CUDA) and is bit-ex
   values is exact in binary64, the sum is formed in binary64 with round-to-odd (TwoSum plus a
   sticky bit), and the final binary64 -> binary32 conversion rounds to nearest even. Round-to-odd
   with 53 >= 2*24 + 2 bits makes that double rounding innocuous.
-- `to_bf16`: binary32 -> bfloat16, round-to-nearest-even (PTX `cvt.rn.bf16.f32`), subnormals kept.
+- `to_bf16`: binary32 -> bfloat16, round-to-nearest-even (PTX `cvt.rn.bf16.f32`), subnormals kept,
+  every NaN the canonical 0x7FFF.
 - `scrub_negative_zero`: -0.0 -> +0.0, as the Lamport publishers sanitize payload words.
 
 Approximate hardware instructions (`rsqrt.approx.f32`, `ex2.approx.f32`, `div.full.f32`) are
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 BF16_NEGATIVE_ZERO_BITS = 0x8000
+BF16_CANONICAL_NAN_BITS = 0x7FFF  # what cvt.rn.bf16{x2}.f32 returns for any NaN (CUDART_NAN_BF16)
 F32_NEGATIVE_ZERO_BITS = 0x80000000
 LOG2_E = 1.4426950408889634  # rounded to binary32 where it is used as a multiplier
 
@@ -92,8 +94,15 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """`cvt.rn.bf16.f32`: round to nearest even, subnormals kept, NaN stays NaN."""
-    return _f32(x).to(torch.bfloat16)
+    """`cvt.rn.bf16.f32`: round to nearest even, subnormals kept, every NaN -> 0x7FFF.
+
+    The hardware returns the canonical NaN whatever the input's sign and payload; torch's own
+    conversion does not (on CPU 0xFFFF from its vectorized path, 0x7FC0 from its scalar one).
+    """
+    x = _f32(x)
+    rounded = x.to(torch.bfloat16).view(torch.int16)
+    canonical = torch.tensor(BF16_CANONICAL_NAN_BITS, dtype=torch.int16, device=x.device)
+    return torch.where(torch.isnan(x), canonical, rounded).view(torch.bfloat16)
 
 
 def bf16_to_f32(x: torch.Tensor) -> torch.Tensor:

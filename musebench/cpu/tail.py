@@ -52,6 +52,12 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16)
 
 
+def _narrow(widened: torch.Tensor) -> torch.Tensor:
+    """The BF16 row a token-mailbox row carries widened to FP32 (int16 words), bit for bit: the
+    high half of each 32-bit word (a float conversion would rewrite NaN payloads)."""
+    return (widened.contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
 class CpuEpTail:
     """One rank of the EP tail. `mailbox.slots == tp`; capacity >= tokens of any call."""
 
@@ -87,10 +93,7 @@ class CpuEpTail:
         started = time.monotonic()
         slots = lamport.poll(region, deadline=started + o.timeout_s, started=started, rank=box.rank,
                              generation=active, what="EP partial")
-        total = torch.zeros(m, box.width, dtype=torch.float32)
-        for source in range(box.tp):
-            total = nx.add(total, nx.bf16_to_f32(slots[source].view(torch.bfloat16)))
-        out.copy_(nx.to_bf16(total))
+        out.copy_(stock_ep.rank_order_sum([slots[source].view(torch.bfloat16) for source in range(box.tp)]))
         box.stage[lamport.NEXT_STAGE] = (active + 1) % lamport.LAMPORT_GENERATIONS
         lamport.rearm(region)
 
@@ -181,6 +184,6 @@ class CpuTpTail:
                 row, deadline=deadline, rank=rank, generation=generation, what="TP token",
                 owner_of=lambda slot, i, t=t: t % tp, word_bits=32,
             )
-            out[t] = final[0, 0].view(torch.float32).to(torch.bfloat16)  # exact: a widened BF16
+            out[t] = _narrow(final[0, 0])
             lamport.rearm(row)
         routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS

@@ -95,9 +95,12 @@ when ceil(m/P)*P <= nsm (single-launch geometry and delivery) else S = 1 (chunke
 delivery). The expert-owner branch and XP = P both divide the 8 routes by P and are not extended.
 Such paths have name "extension", `stock=False`, and `describe()` says "no stock path; extension".
 
-Not modelled: NaN payloads (the reference yields some NaN where the stock yields NaN; compare
-NaN-ness, not NaN bits); timing; the transport, which moves bits unchanged apart from the
-output-copy scrub described under Delivery (`tp_rank_output`).
+NaN. FP32 NaN payloads inside the computation differ between torch and the GPU, but every BF16
+the stock writes comes out of `cvt.rn.bf16x2.f32`, which returns the canonical NaN 0x7FFF for any
+NaN, and `to_bf16` does the same: NaN outputs compare bitwise.
+
+Not modelled: timing; the transport, which moves bits unchanged apart from the output-copy scrub
+described under Delivery (`tp_rank_output`).
 """
 
 from __future__ import annotations

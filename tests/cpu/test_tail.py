@@ -70,3 +70,46 @@ def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
     assert "expert-owner" in row.stock_path
     assert row.passed, (row.error, row.first_mismatch)
     assert len({r.digest for r in row.ranks}) == 1
+
+
+def _run_on(monkeypatch, case, inputs, **options):
+    """run_virtual on given inputs; the row and the reference's per-rank bits."""
+    from musebench.harness import driver
+
+    monkeypatch.setattr(driver, "make_tail_inputs", lambda c: inputs)
+    run_options = RunOptions(iters=1, warmup=0, **options)
+    row = run_virtual([case], run_options)[0]
+    wants, _ = driver.expected_outputs(case, inputs, run_options)
+    return row, wants
+
+
+@pytest.mark.parametrize("mode, tp", [("ep", 2), ("tp", 3), ("tp", 2)])  # EP; TP token-owner copies; TP expert-owner
+def test_nan_outputs_are_the_canonical_nan_on_every_rank(monkeypatch, mode, tp):
+    """NaN of any sign and payload in a row leaves the canonical 0x7FFF (the stock's cvt) in every
+    rank's output, including the copies the TP owners hand over."""
+    import torch
+
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="fp32", norm="before")
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(16, 4096, generator=g).to(torch.bfloat16)
+    bits = rows.view(torch.int16)
+    bits[0, 5], bits[3, 100], bits[9, 4095] = 0x7FC1, -0x3F, 0x7F81  # +qNaN, -qNaN (0xffc1), +sNaN: tokens 0 and 1
+    weights = torch.full((2, 8), 0.125, dtype=torch.float32)
+    index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    per_rank = []
+    for rank in range(tp):
+        if mode == "ep":  # routes alternate between the ranks
+            mine = torch.where(torch.arange(16).reshape(2, 8) % tp == rank, index, torch.full_like(index, -1))
+            per_rank.append(UnfinalizedMoEOutput(rows.clone(), weights, mine))
+        else:
+            per_rank.append(UnfinalizedMoEOutput(rows.clone(), weights, index))
+    inputs = TailInputs(tuple(per_rank), torch.zeros(4096, dtype=torch.bfloat16))
+    row, wants = _run_on(monkeypatch, case, inputs)
+    assert row.passed, (row.error, row.first_mismatch)
+    for want in wants:
+        nan = torch.isnan(want.float())
+        assert bool(nan[0].all()) and bool(nan[1].all())  # a NaN column poisons its route's whole row
+        assert bool((want.view(torch.int16)[nan] == 0x7FFF).all())
