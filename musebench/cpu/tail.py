@@ -11,9 +11,10 @@ of the own mailbox until every word landed (bounded), sum the slots in rank orde
 FP32, round to BF16, advance NEXT_STAGE and re-arm what was read.
 
 TP tail, one call (token-owner layout: token t is owned by rank t % tp): take the generation,
-push the token's eight K-partial route rows to the owner's route mailbox (slot = source rank),
-then, as owner, poll every source's rows, compute the token's row, keep it, and store to row t of
-every other rank's token mailbox what the stock delivers there: on the single launch a copy
+push the token's eight K-partial route rows (their first 4096 columns; a zero row where the
+index is -1) to the owner's route mailbox (slot = source rank), then, as owner, poll every
+source's rows, compute the token's row, keep it, and store to row t of every other rank's token
+mailbox what the stock delivers there: on the single launch a copy
 scrubbed per 32-bit word, on the other paths the owner's own bits; finally poll the own token
 mailbox for the other owners' rows and copy them out. The TP mailboxes' sentinel unit is the
 32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data; token
@@ -50,6 +51,14 @@ class TailOptions:
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16)
+
+
+def _route_rows(rows: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    """The first `width` columns of rows[index] (a row stride of the rows' width), a zero row where
+    the index is outside the rows (-1: no row for that route), as the stock loads them."""
+    held = (index >= 0) & (index < rows.shape[0])
+    picked = rows[index.clamp(0, rows.shape[0] - 1), :width] if rows.shape[0] else rows.new_zeros(len(index), width)
+    return torch.where(held[:, None], picked, torch.zeros((), dtype=rows.dtype))
 
 
 def _narrow(widened: torch.Tensor) -> torch.Tensor:
@@ -139,8 +148,7 @@ class CpuTpTail:
         if o.publish:
             for t in range(m):
                 owner = t % tp
-                rows = unfinalized.gemm2_permuted[index[t]]
-                payload = lamport.scrub_word32(_bits(rows))
+                payload = lamport.scrub_word32(_bits(_route_rows(unfinalized.gemm2_permuted, index[t], routes.width)))
                 base = (t // tp) * k
                 lamport.publish(routes.words[owner][generation, rank, base : base + k], payload, word_bits=32)
 

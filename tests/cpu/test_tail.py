@@ -113,3 +113,35 @@ def test_nan_outputs_are_the_canonical_nan_on_every_rank(monkeypatch, mode, tp):
         nan = torch.isnan(want.float())
         assert bool(nan[0].all()) and bool(nan[1].all())  # a NaN column poisons its route's whole row
         assert bool((want.view(torch.int16)[nan] == 0x7FFF).all())
+
+
+@pytest.mark.parametrize("extra_columns", [0, 40])  # rows of 4096 columns; wider rows
+@pytest.mark.parametrize("mode, tp", [("ep", 2), ("tp", 3), ("tp", 2)])  # EP; TP token-owner; TP expert-owner
+def test_missing_routes_and_wide_rows_match_the_reference(monkeypatch, mode, tp, extra_columns):
+    """Index -1 is a zero row, never the last row; rows wider than 4096 columns (NaN beyond) are
+    read to 4096, at a row stride of their width."""
+    import torch
+
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="bf16", norm="after")
+    g = torch.Generator().manual_seed(11)
+    extra = torch.full((16, extra_columns), float("nan"), dtype=torch.bfloat16)
+    index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    index[0, 3] = -1  # a route no rank holds
+    weights = torch.full((2, 8), 0.25, dtype=torch.bfloat16)
+    per_rank = []
+    for rank in range(tp):
+        rows = torch.randn(16, 4096, generator=g).to(torch.bfloat16)
+        rows[15] = 3.0  # the last row: what index -1 would read
+        mine = index.clone()
+        if mode == "ep":  # routes alternate between the ranks
+            mine = torch.where(torch.arange(16).reshape(2, 8) % tp == rank, index, torch.full_like(index, -1))
+        elif rank == 1:
+            mine[1, 5] = -1  # one rank's K-partial missing
+        per_rank.append(UnfinalizedMoEOutput(torch.cat([rows, extra], dim=1).contiguous(), weights, mine))
+    inputs = TailInputs(tuple(per_rank), (torch.randn(4096, generator=g) * 0.1).to(torch.bfloat16))
+    row, wants = _run_on(monkeypatch, case, inputs)
+    assert row.passed, (row.error, row.first_mismatch)
+    assert not bool(torch.isnan(wants[0].float()).any())
