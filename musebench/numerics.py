@@ -25,6 +25,7 @@ integer mapping makes the ULP distance between two finite values of the same for
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,32 @@ BF16_NEGATIVE_ZERO_BITS = 0x8000
 BF16_CANONICAL_NAN_BITS = 0x7FFF  # what cvt.rn.bf16{x2}.f32 returns for any NaN (CUDART_NAN_BF16)
 F32_NEGATIVE_ZERO_BITS = 0x80000000
 LOG2_E = 1.4426950408889634  # rounded to binary32 where it is used as a multiplier
+MIN_EPS = 2.0**-126  # the smallest normal binary32
+FP32_MAX = 3.4028234663852886e38  # the largest finite binary32
+
+
+
+def check_eps(eps: float) -> float:
+    """The tails' RMSNorm eps as a float, or ValueError: the one eps rule of references, CPU model
+    and kernels.
+
+    eps must be a real number (not a bool) with MIN_EPS = 2^-126 <= eps <= FP32_MAX. The kernels
+    and the stock bake f32(eps) and take `rsqrt(fma(Q, 1/width, f32(eps)))` with Q >= +0.0 (a sum
+    of squares from +0.0) or NaN, so the argument is >= eps: never a subnormal. That is where the
+    instructions differ: the EP stock's `rsqrt.approx.ftz.f32` flushes a subnormal argument to 0
+    (a zero row gives rsqrt(0) = inf and 0 * inf = NaN), the TP stock's `rsqrt.approx.f32` and the
+    references' rsqrt keep it (a finite result). On normal, infinite and NaN arguments the three
+    agree, so under this rule the references need no flush. FlashInfer itself checks no eps;
+    Muse Spark's is 1e-8.
+    """
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ValueError(f"eps must be a real number, got {eps!r}")
+    if not MIN_EPS <= eps <= FP32_MAX:  # NaN fails both comparisons
+        raise ValueError(
+            f"eps must be in [2^-126, FP32 max] (a normal binary32: below 2^-126 the EP stock's "
+            f"rsqrt.approx.ftz.f32 flushes the argument of a zero row), got {eps!r}"
+        )
+    return float(eps)
 
 
 def _f32(x: torch.Tensor | float, like: torch.Tensor | None = None) -> torch.Tensor:

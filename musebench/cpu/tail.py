@@ -48,6 +48,9 @@ class TailOptions:
     approximations: nx.Approximations = nx.PRECISE
     publish: bool = True  # False models a rank that never publishes (fault injection)
 
+    def __post_init__(self) -> None:
+        nx.check_eps(self.eps)
+
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16)

@@ -107,6 +107,7 @@ def ep_partial(
     as the stock (`hidden` columns at a `row_stride` of the rows' width), only their first width
     columns are read.
     """
+    nx.check_eps(eps)
     unfinalized.validate()
     rows = unfinalized.gemm2_permuted
     device = rows.device

@@ -111,7 +111,7 @@ from dataclasses import dataclass
 import torch
 
 from musebench.layout import UnfinalizedMoEOutput
-from musebench.numerics import PRECISE, Approximations, add, f32, fma, mul, scrub_negative_zero, to_bf16
+from musebench.numerics import PRECISE, Approximations, add, check_eps, f32, fma, mul, scrub_negative_zero, to_bf16
 from musebench.tp_dispatch import (  # noqa: F401  (the dispatch, re-exported for the reference's readers)
     _SPLITS, EMPTY, EXPERT_OWNER, EXTENSION, H_DIM, K_EXPERTS, MAX_SPLIT, NSLOT, TOKEN_OWNER, TOKEN_OWNER_CHUNKED,
     TpStockPath, single_launch_ctas, stock_supports_tp, token_crossover, tp_split, tp_stock_path,
@@ -217,6 +217,7 @@ def tp_tail_reference(
     ranks' (scrubbed) copy. path=None picks the stock's path (`tp_stock_path`); a given path forces
     one (e.g. the occupancy fallback, or a combine to compare against).
     """
+    check_eps(eps)
     _validate(partials, norm_weight)
     tp = len(partials)
     m = partials[0].tokens
