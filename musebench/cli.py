@@ -156,7 +156,7 @@ def _is_reporting_rank() -> bool:
 @click.option("--capacity", type=int, default=8, show_default=True, help="Mailbox capacity in tokens.")
 @click.option("--weights", default="bf16,fp32", show_default=True, help="Route-weight dtypes.")
 @click.option("--norm", default="before,after", show_default=True, help="Weight before / after the norm.")
-@click.option("--inputs", default="random", show_default=True, help="Input families: random, adversarial.")
+@click.option("--inputs", default="random", show_default=True, help="Input families: random, adversarial, edge.")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)

@@ -145,3 +145,15 @@ def test_missing_routes_and_wide_rows_match_the_reference(monkeypatch, mode, tp,
     row, wants = _run_on(monkeypatch, case, inputs)
     assert row.passed, (row.error, row.first_mismatch)
     assert not bool(torch.isnan(wants[0].float()).any())
+
+
+@pytest.mark.parametrize("tp", [3, 4])  # token-owner copies (extension); expert-owner
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_cpu_model_matches_reference_on_edge_inputs(mode, tp):
+    """The `edge` family (missing routes, NaN payloads, huge values, ties, wide TP rows): m = 4
+    holds each token role once, m = 8 twice (token 4: every route missing)."""
+    cases = [TailCase(mode=mode, tp=tp, tokens=m, inputs="edge", weight_dtype=w, norm=n)
+             for m, w, n in ((4, "bf16", "before"), (8, "fp32", "after"))]
+    rows = run_virtual(cases, RunOptions(iters=1, warmup=0, timeout_s=20.0))
+    for row in rows:
+        assert row.passed, (row.error, row.first_mismatch)
