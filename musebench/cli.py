@@ -332,14 +332,14 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, hang).")
 def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject) -> None:
     """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
-    from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.cases import ROUTING_INPUT_FAMILIES
     from musebench.harness.driver import Faults
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.routing import RoutingCase, run_routing_case, validate_routing_faults
     from musebench.harness.scenario import validate_tokens, validate_tp
 
     token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")
-    families = _parse_choices(inputs, INPUT_FAMILIES, "--inputs")
+    families = _parse_choices(inputs, ROUTING_INPUT_FAMILIES, "--inputs")
     try:
         validate_tp(tp)
         validate_tokens(token_list, 8)

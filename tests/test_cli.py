@@ -35,6 +35,7 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
         (["tail", "--tp", "4", "--stock", "flashinfer"], "needs its package and a GPU"),
+        (["routing", "--inputs", "edge"], "choose from random, adversarial"),  # a tail-only family
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(args, message):

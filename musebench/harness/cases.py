@@ -48,6 +48,7 @@ MODES = ("ep", "tp")
 WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 NORM_ORDERS = ("before", "after")
 INPUT_FAMILIES = ("random", "adversarial", "edge")
+ROUTING_INPUT_FAMILIES = ("random", "adversarial")  # the routing cases' draws (harness.routing); no edge family
 EP_LAUNCHES = ("two", "single")  # the cute EP tail: publisher + reduction, or one kernel
 
 

@@ -30,7 +30,7 @@ from musebench import config
 from musebench import numerics as nx
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions, graph_median_us
-from musebench.harness.cases import expert_owner
+from musebench.harness.cases import ROUTING_INPUT_FAMILIES, expert_owner
 from musebench.harness.driver import Faults, hold_current_stream
 from musebench.harness.results import CaseResult, RankResult
 
@@ -88,6 +88,8 @@ def local_experts(rank: int, tp: int, num_experts: int = config.NUM_EXPERTS) -> 
 
 def make_routing_inputs(case: RoutingCase) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits fp32 [b, 256], bias fp32 [256]), deterministic in the case, fresh per seed."""
+    if case.inputs not in ROUTING_INPUT_FAMILIES:
+        raise ValueError(f"routing inputs must be one of {ROUTING_INPUT_FAMILIES}, got {case.inputs!r}")
     key = repr((case.tokens, case.inputs, case.seed)).encode()
     g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
     logits = torch.randn(case.tokens, config.NUM_EXPERTS, generator=g) * 2
