@@ -13,11 +13,12 @@ Everything here works elementwise on float32 tensors (CPU or CUDA) and is bit-ex
 - `scrub_negative_zero`: -0.0 -> +0.0, as the Lamport publishers sanitize payload words.
 
 Approximate hardware instructions (`rsqrt.approx.f32`, `ex2.approx.f32`, `div.full.f32`) are
-injectable: `Approximations` carries one callable per instruction. On CPU the defaults are
-correctly rounded stand-ins; on a CUDA device `hardware_approximations()` supplies functions
-that produce the instruction's own bits (measured on the H200: `torch.rsqrt` on CUDA tensors
-compiles to `rsqrt.approx.f32`, 2^24 random inputs, 0 mismatches). The same reference code
-therefore yields the stock's bits wherever the approximations are the hardware's.
+injectable: `Approximations` carries one callable per instruction. This module holds the type and
+the correctly rounded stand-ins (`PRECISE`, the CPU default); the functions that produce the
+instructions' own bits on a CUDA device are device code and live above, in
+`musebench.kernels.approx.hardware_approximations()`, which the harness and the GPU tests pass in.
+The same reference code therefore yields the stock's bits wherever the approximations are the
+hardware's, and nothing here (nor in the references, musebench.stock) imports musebench.kernels.
 
 Bit helpers (`bits16`, `ulp_distance_bf16`, `ulp_distance_f32`) compare raw bits: an ordered
 integer mapping makes the ULP distance between two finite values of the same format exact.
@@ -184,35 +185,6 @@ PRECISE = Approximations(
     div_full=_div_full_correctly_rounded,
 )
 
-
-def _rsqrt_hardware(x: torch.Tensor) -> torch.Tensor:
-    if not x.is_cuda:
-        raise RuntimeError("the hardware rsqrt.approx.f32 needs a CUDA tensor")
-    return torch.rsqrt(x)
-
-
-def hardware_approximations() -> Approximations:
-    """The instructions' own bits on the current CUDA device.
-
-    rsqrt: torch's CUDA rsqrt is `rsqrt.approx.f32` (measured, H200). ex2 and div.full have no
-    torch equivalent with the same bits; they come from musebench.kernels.ptx when CuTe DSL
-    kernels are available and fall back to the precise stand-ins otherwise (name says which).
-    """
-    try:
-        from musebench.kernels import approx  # CuTe DSL, GPU only
-
-        return Approximations(
-            name="hardware", rsqrt=_rsqrt_hardware, ex2=approx.ex2_approx_f32, div_full=approx.div_full_f32
-        )
-    except ImportError:
-        return Approximations(
-            name="hardware-rsqrt", rsqrt=_rsqrt_hardware, ex2=_ex2_correctly_rounded, div_full=_div_full_correctly_rounded
-        )
-
-
-def approximations_for(device: torch.device | str) -> Approximations:
-    """PRECISE on CPU, the hardware's instructions on CUDA."""
-    return hardware_approximations() if torch.device(device).type == "cuda" else PRECISE
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from musebench import config
-from musebench import numerics as nx
 from musebench.harness import checks
 from musebench.harness.bench import BenchOptions, graph_median_us
 from musebench.harness.cases import ROUTING_INPUT_FAMILIES, expert_owner
@@ -120,6 +119,7 @@ def run_routing_case(case: RoutingCase, faults: Faults = Faults(), timeout_s: fl
     Each rank's kernel is waited for at most `timeout_s`; a rank past it ends the case (the ranks
     after it are not run) with the rank named in the row's error.
     """
+    from musebench.kernels.approx import hardware_approximations
     from musebench.kernels.routing import metadata_size, route
     from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
     from musebench.stock.triton_routing import triton_routing
@@ -136,7 +136,7 @@ def run_routing_case(case: RoutingCase, faults: Faults = Faults(), timeout_s: fl
         logits, bias = (t.to(device) for t in make_routing_inputs(case))
         stock_ids, stock_weights = triton_routing(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize)
         ref_ids, ref_weights = routing_reference(logits, bias, route_scale=ROUTE_SCALE, renormalize=case.renormalize,
-                                                 approximations=nx.hardware_approximations())
+                                                 approximations=hardware_approximations())
         stock_ids, stock_weights, ref_ids, ref_weights = (t.cpu() for t in (stock_ids, stock_weights, ref_ids, ref_weights))
         size = metadata_size(case.tile_n)
         digests = set()
@@ -218,6 +218,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
     against the reference with the hardware's approximations, the metadata's live words against
     `pack_metadata(routing_metadata_reference(...))`, so every timed row carries its #wrong.
     """
+    from musebench.kernels.approx import hardware_approximations
     from musebench.kernels.routing import metadata_size, prepare
     from musebench.stock.routing import pack_metadata, routing_metadata_reference, routing_reference
 
@@ -229,7 +230,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
     metadata = torch.empty(metadata_size(tile_n), dtype=torch.int32, device=device)
     offset, count = local_experts(0, case.tp)
     want_ids, want_weights = routing_reference(logits, bias, route_scale=ROUTE_SCALE,
-                                               approximations=nx.hardware_approximations())
+                                               approximations=hardware_approximations())
     want_metadata = pack_metadata(
         routing_metadata_reference(want_ids.cpu(), local_expert_offset=offset, num_local_experts=count, tile_n=tile_n),
         tile_n=tile_n, fill=POISON_WORD,
