@@ -14,11 +14,11 @@ TP tail, one call (token-owner layout: token t is owned by rank t % tp): take th
 push the token's eight K-partial route rows (their first 4096 columns; a zero row where the
 index is -1) to the owner's route mailbox (slot = source rank), then, as owner, poll every
 source's rows, compute the token's row, keep it, and store to row t of every other rank's token
-mailbox what the stock delivers there: on the single launch a copy
-scrubbed per 32-bit word, on the other paths the owner's own bits; finally poll the own token
-mailbox for the other owners' rows and copy them out. The TP mailboxes' sentinel unit is the
-32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data; token
-rows travel widened to FP32, where no word can equal the sentinel.
+mailbox what the stock delivers there: on the single launch a copy scrubbed per 32-bit word, on
+the other paths the owner's own bits; finally poll the own token mailbox for the other owners'
+rows and copy them out. The TP mailboxes' sentinel unit is the 32-bit word (0x80008000), as in
+the stock TP kernel, so a lone -0.0 half travels as data; token rows travel widened to FP32,
+where no word can equal the sentinel, and are narrowed back by their bits.
 
 The per-row arithmetic is the reference's (musebench.stock): this model checks the protocol,
 the harness and the fault paths; the instruction-level contract is checked on the GPU kernels.
