@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from musebench import numerics as nx
-from musebench.comm import lamport
+from musebench.comm import lamport, protocol
 from musebench.harness import checks
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
 from musebench.harness.results import CaseResult, RankResult
@@ -122,14 +122,16 @@ class RankMailboxes:
 
 
 def mailbox_geometry(mode: str, tp: int, capacity: int, width: int, top_k: int) -> dict[str, tuple[int, int, int]]:
-    """name -> (slots, capacity rows, row width in 16-bit words) of the mailboxes a mode needs.
+    """name -> (slots, capacity rows, row width in 16-bit words) of the mailboxes a mode needs:
+    the protocol's shapes (`musebench.comm.protocol`) less the generation axis.
 
     The TP token mailbox carries rows widened to FP32 (2 * width words): a BF16 row can hold the
     32-bit sentinel pattern (two -0.0 side by side), a widened one never does.
     """
     if mode == "ep":
-        return {"ep": (tp, capacity, width)}
-    return {"tp_route": (tp, capacity * top_k, width), "tp_token": (1, capacity, 2 * width)}
+        return {"ep": protocol.ep_mailbox_shape(tp, capacity, width)[1:]}
+    return {"tp_route": protocol.tp_route_mailbox_shape(tp, capacity, width, top_k)[1:],
+            "tp_token": protocol.tp_token_mailbox_shape(capacity, width, fp32_rows=True)[1:]}
 
 
 def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int) -> list[RankMailboxes]:

@@ -45,7 +45,7 @@ of its CTA's token under one timer: the same polls (every trip's in one loop whe
 32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms and fault
 record, inlined.
 
-Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
+Memory ordering (the Lamport protocol, `musebench.comm.protocol`): the data write is the release.
 The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
 sees the whole fragment (each 16-bit half is written once, sentinel -> value, and checked on
 its own, so a torn 16-byte access is harmless). A slot of generation g is written again only at
@@ -112,35 +112,35 @@ import torch
 from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
+from musebench.comm import protocol
+from musebench.comm.protocol import (
+    ARRIVAL_COUNT,
+    DEFAULT_TIMEOUT_NS,
+    FAULT_CLEAR,
+    FAULT_GENERATION,
+    FAULT_PEER,
+    FAULT_RANK,
+    FAULT_WHERE,
+    FAULT_WORD_BYTES,
+    FAULT_WORDS,
+    LAMPORT_GENERATIONS,
+    NEXT_STAGE,
+    SENTINEL_BF16X2,
+    STAGE_WORD_BYTES,
+    STAGE_WORDS,
+)
 from musebench.kernels import ptx
-from musebench.kernels.occupancy import LaunchDemand
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.kernels.occupancy import LaunchDemand
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
-
-# The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_ptx.py).
-LAMPORT_GENERATIONS = 3
-NEXT_STAGE = 0
-ARRIVAL_COUNT = 1  # the kernels' second stage word: CTAs of this call that read NEXT_STAGE; 0 between calls
-SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
-SENTINEL_BF16X2 = 0x80008000  # two sentinel halves in one 32-bit word
 
 WARP = 32
 FRAGMENT = 8  # BF16 elements per 16-byte fragment
 FRAGMENT_WORDS = 4  # 32-bit words per fragment
 BF16_BYTES = 2
-STAGE_WORDS = 2
 GENERATION_SLOT_BYTES = 16  # a CTA's shared generation word (thread 0 reads it), padded to its alignment
-STAGE_WORD_BYTES = 4
-
-# Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
-FAULT_WORDS = 4
-FAULT_CLEAR = -1
-FAULT_RANK = 0  # the waiting rank (written by the atom.cas that claims the record)
-FAULT_PEER = 1  # the first source rank whose fragment never landed
-FAULT_ROW = 2  # mailbox row within the generation: slot * capacity + token
-FAULT_GENERATION = 3
 
 DEFAULT_WIDTH = 4096
 DEFAULT_TOP_K = 8
@@ -148,7 +148,6 @@ DEFAULT_THREADS = 128
 # The single launch polls all its trips' tp vectors in one loop up to this many 16-byte vectors
 # (4 registers each: 128 at tp 8); beyond, trip by trip.
 SINGLE_LAUNCH_POLL_VECTORS = 32
-DEFAULT_TIMEOUT_NS = 2_000_000_000
 TRANSPORTS = ("unicast", "multicast")
 WEIGHT_DTYPES = ("bf16", "fp32")
 _CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
@@ -167,8 +166,9 @@ def _require(condition: bool, message: str) -> None:
 
 
 def mailbox_shape(tp: int, capacity: int, width: int = DEFAULT_WIDTH) -> tuple[int, int, int, int]:
-    """[generations, source slots, capacity, width] of one rank's EP mailbox (int16 words)."""
-    return (LAMPORT_GENERATIONS, tp, capacity, width)
+    """[generations, source slots, capacity, width] of one rank's EP mailbox (int16 words):
+    `musebench.comm.protocol.ep_mailbox_shape` at this module's default width."""
+    return protocol.ep_mailbox_shape(tp, capacity, width)
 
 
 def slot_element(stage: int, slot: int, token: int, column: int, *, tp: int, capacity: int, width: int) -> int:
@@ -599,11 +599,11 @@ class _EpReduceKernel:
                         dirty = dirty | ptx.has_negative_zero_u32(landed[(f * self.tp + source) * FRAGMENT_WORDS + j])
                     if dirty != 0:
                         missing = Int32(source)
-                previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
+                previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * FAULT_WORD_BYTES, Int32(FAULT_CLEAR), Int32(self.rank))
                 if previous == Int32(FAULT_CLEAR):
-                    ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
-                    ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + token)
-                    ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
+                    ptx.st_global_u32(fault_base + FAULT_PEER * FAULT_WORD_BYTES, missing)
+                    ptx.st_global_u32(fault_base + FAULT_WHERE * FAULT_WORD_BYTES, missing * self.capacity + token)
+                    ptx.st_global_u32(fault_base + FAULT_GENERATION * FAULT_WORD_BYTES, generation)
             else:
                 total = []
                 for _ in cutlass.range_constexpr(FRAGMENT):
@@ -676,7 +676,7 @@ def compile_publisher(
         make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
         peers,
         Int64(0),
-        make_fake_compact_tensor(Int16, (LAMPORT_GENERATIONS * tp * capacity * width,), assumed_align=16),
+        make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
         fake_flat(BFloat16, width, 16),
         make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
         Int32(1),
@@ -708,7 +708,7 @@ def compile_reduce(
     kernel = _EpReduceKernel(
         width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
     )
-    words = LAMPORT_GENERATIONS * tp * capacity * width
+    words = math.prod(mailbox_shape(tp, capacity, width))
     compiled = compiler(arch, ptx_dir)(
         kernel,
         make_fake_compact_tensor(Int16, (words,), assumed_align=16),
@@ -749,7 +749,7 @@ def decode_fault(words: list[int], capacity: int) -> EpFault | None:
         raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
     if words[FAULT_RANK] == FAULT_CLEAR:
         return None
-    row = words[FAULT_ROW]
+    row = words[FAULT_WHERE]
     return EpFault(
         rank=words[FAULT_RANK], peer=words[FAULT_PEER], slot=row // capacity, token=row % capacity,
         generation=words[FAULT_GENERATION],

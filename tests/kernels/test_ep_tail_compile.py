@@ -33,6 +33,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -42,7 +43,7 @@ TRIPS = WIDTH // (THREADS * 8)
 VALUES = TRIPS * 8
 TRIP_BYTES = THREADS * 16
 EPS_BITS, INV_WIDTH_BITS, ONE_BITS = 0x322BCC77, 0x39800000, 0x3F800000
-SENTINEL_I32 = tail.SENTINEL_BF16X2 - (1 << 32)  # how PTX prints 0x80008000
+SENTINEL_I32 = protocol.SENTINEL_BF16X2 - (1 << 32)  # how PTX prints 0x80008000
 
 _DUMP = tempfile.mkdtemp(prefix="musebench-ptx-")
 

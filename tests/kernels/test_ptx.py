@@ -1,4 +1,4 @@
-"""The PTX wrappers' pure helpers, the protocol constants and the host-side helpers of the EP tail.
+"""The PTX wrappers' pure helpers and the host-side helpers of the EP tail.
 
 CPU only: the integer helpers of musebench.kernels.ptx are the same Python functions the kernels
 trace, so they are checked here exhaustively over one 16-bit half against torch's own BF16 bits.
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from musebench import numerics as nx  # noqa: E402
-from musebench.comm import lamport  # noqa: E402
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels import approx, ptx  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
 
@@ -27,15 +27,6 @@ def _words(other: int) -> list[tuple[str, torch.Tensor]]:
 
 def _halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words & 0xFFFF, words >> 16
-
-
-def test_protocol_constants_equal_the_lamport_module():
-    assert tail.LAMPORT_GENERATIONS == lamport.LAMPORT_GENERATIONS
-    assert tail.NEXT_STAGE == lamport.NEXT_STAGE
-    assert tail.SENTINEL_BF16_BITS == lamport.SENTINEL_BF16_BITS
-    half = lamport.SENTINEL_BF16_BITS & 0xFFFF
-    assert tail.SENTINEL_BF16X2 == ptx.SENTINEL_BF16X2 == (half << 16) | half
-    assert ptx.BF16_NEGATIVE_ZERO_BITS == nx.BF16_NEGATIVE_ZERO_BITS == half
 
 
 @pytest.mark.parametrize("other", PARTNERS, ids=hex)
@@ -75,9 +66,10 @@ def test_helpers_take_python_ints():
     assert ptx.bf16x2_low_bits(0xABCD3F80) == 0x3F800000 and ptx.bf16x2_high_bits(0x3F80ABCD) == 0x3F800000
 
 
-def test_mailbox_layout_matches_the_lamport_module():
+def test_mailbox_layout_is_the_protocols():
     tp, capacity, width = 3, 5, 4096
-    assert tail.mailbox_shape(tp, capacity, width) == lamport.mailbox_shape(tp, capacity, width)
+    assert tail.mailbox_shape(tp, capacity, width) == protocol.ep_mailbox_shape(tp, capacity, width)
+    assert tail.mailbox_shape(tp, capacity) == protocol.ep_mailbox_shape(tp, capacity, tail.DEFAULT_WIDTH)
     flat = torch.arange(torch.Size(tail.mailbox_shape(tp, capacity, width)).numel()).view(tail.mailbox_shape(tp, capacity, width))
     for stage, slot, token, column in [(0, 0, 0, 0), (2, 1, 4, 4095), (1, 2, 3, 8)]:
         element = tail.slot_element(stage, slot, token, column, tp=tp, capacity=capacity, width=width)
@@ -93,7 +85,7 @@ def test_peer_order_visits_every_rank_once_own_last(tp):
 
 
 def test_fault_record_decodes_and_clear_means_none():
-    assert tail.decode_fault([tail.FAULT_CLEAR] * tail.FAULT_WORDS, capacity=8) is None
+    assert tail.decode_fault([protocol.FAULT_CLEAR] * protocol.FAULT_WORDS, capacity=8) is None
     record = tail.decode_fault([2, 5, 5 * 8 + 3, 1], capacity=8)
     assert (record.rank, record.peer, record.slot, record.token, record.generation) == (2, 5, 5, 3, 1)
     assert "rank 2" in record.message() and "rank 5" in record.message() and "generation 1" in record.message()
