@@ -129,8 +129,8 @@ from musebench.comm.protocol import (
     STAGE_WORD_BYTES,
     STAGE_WORDS,
 )
-from musebench.kernels import ptx
-from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.kernels import compilation, ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat
 from musebench.kernels.occupancy import LaunchDemand
 
 if TYPE_CHECKING:
@@ -622,11 +622,7 @@ class _EpReduceKernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
-
-_PUBLISHERS: dict[tuple, Any] = {}
-_REDUCERS: dict[tuple, Any] = {}
-
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
 def compile_publisher(
     *,
@@ -654,37 +650,36 @@ def compile_publisher(
     PTX there (`compiled.artifacts.PTX`). Both are part of the cache key.
     """
     timeout_ns = int(timeout_ns) if single_launch else DEFAULT_TIMEOUT_NS  # the publisher alone never waits
-    key = (width, top_k, tp, rank, capacity, threads, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
-           transport, bool(enable_pdl), bool(single_launch), timeout_ns, arch, ptx_dir)
-    compiled = _PUBLISHERS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the EP tail kernels")
-    kernel = _EpPublisherKernel(
+    config = dict(
         width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
-        weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-        transport=transport, enable_pdl=enable_pdl, single_launch=single_launch, timeout_ns=timeout_ns,
+        weight_before_norm=bool(weight_before_norm), weight_dtype=weight_dtype, eps=float(eps),
+        gain_center=float(gain_center), transport=transport, enable_pdl=bool(enable_pdl),
+        single_launch=bool(single_launch), timeout_ns=timeout_ns,
     )
-    weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
-    peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        fake_flat(BFloat16, width, 16),
-        fake_flat(weight_type, top_k, weight_type.width // 8),
-        fake_flat(Int32, top_k, 4),
-        make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        peers,
-        Int64(0),
-        make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
-        fake_flat(BFloat16, width, 16),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        Int32(1),
-        Int32(1),
-        cuda.CUstream(0),
-    )
-    _PUBLISHERS[key] = compiled
-    return compiled
+
+    def build() -> Any:
+        kernel = _EpPublisherKernel(**config)
+        weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
+        peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
+        return compiler(arch, ptx_dir)(
+            kernel,
+            fake_flat(BFloat16, width, 16),
+            fake_flat(weight_type, top_k, weight_type.width // 8),
+            fake_flat(Int32, top_k, 4),
+            make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            peers,
+            Int64(0),
+            make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
+            fake_flat(BFloat16, width, 16),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            Int32(1),
+            Int32(1),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_EpPublisherKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the EP tail kernels")
 
 
 def compile_reduce(
@@ -700,26 +695,22 @@ def compile_reduce(
     ptx_dir: str | None = None,
 ) -> Any:
     """The compiled EP reduction for these compile-time values (cached; never during capture)."""
-    key = (width, tp, rank, capacity, threads, bool(enable_pdl), int(timeout_ns), arch, ptx_dir)
-    compiled = _REDUCERS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the EP tail kernels")
-    kernel = _EpReduceKernel(
-        width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
-    )
-    words = math.prod(mailbox_shape(tp, capacity, width))
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        make_fake_compact_tensor(Int16, (words,), assumed_align=16),
-        fake_flat(BFloat16, width, 16),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        Int32(1),
-        cuda.CUstream(0),
-    )
-    _REDUCERS[key] = compiled
-    return compiled
+    config = dict(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=bool(enable_pdl),
+                  timeout_ns=timeout_ns)
+
+    def build() -> Any:
+        return compiler(arch, ptx_dir)(
+            _EpReduceKernel(**config),
+            make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
+            fake_flat(BFloat16, width, 16),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            Int32(1),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_EpReduceKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the EP tail kernels")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -135,8 +135,8 @@ from musebench.comm.protocol import (
     STAGE_WORDS,
     TOKEN_SLOT,
 )
-from musebench.kernels import ptx
-from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.kernels import compilation, ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat
 from musebench.kernels.occupancy import LaunchDemand
 from musebench.tp_dispatch import TpStockPath
 
@@ -720,10 +720,7 @@ class _TpTailKernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
-
-_KERNELS: dict[tuple, Any] = {}
-
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
 def compile_tp_tail(
     *,
@@ -746,41 +743,40 @@ def compile_tp_tail(
     overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the PTX
     there (`compiled.artifacts.PTX`). Both are part of the cache key.
     """
-    key = (tp, capacity, token_width, variant, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
-           int(timeout_ns), bool(enable_pdl), arch, ptx_dir)
-    compiled = _KERNELS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the TP tail kernel")
-    kernel = _TpTailKernel(
+    config = dict(
         tp=tp, capacity=capacity, token_width=token_width, split=variant.split, combine=variant.combine,
-        group=variant.group, delivery=variant.delivery, weight_before_norm=weight_before_norm,
-        weight_dtype=weight_dtype, eps=eps, gain_center=gain_center, timeout_ns=timeout_ns, enable_pdl=enable_pdl,
+        group=variant.group, delivery=variant.delivery, weight_before_norm=bool(weight_before_norm),
+        weight_dtype=weight_dtype, eps=float(eps), gain_center=float(gain_center), timeout_ns=timeout_ns,
+        enable_pdl=bool(enable_pdl),
     )
-    weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
-    route_words = math.prod(route_mailbox_shape(tp, capacity))
-    token_words = math.prod(protocol.mailbox_shape(1, capacity, token_width))
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        fake_flat(BFloat16, VEC, 16),
-        fake_flat(weight_type, TOP_K, weight_type.width // 8),
-        fake_flat(Int32, TOP_K, 4),
-        make_fake_compact_tensor(BFloat16, (H_DIM,), assumed_align=16),
-        make_fake_compact_tensor(Int16, (route_words,), assumed_align=16),
-        make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
-        make_fake_compact_tensor(Int16, (token_words,), assumed_align=16),
-        make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        fake_flat(BFloat16, H_DIM, 16),
-        Int32(1),
-        Int32(1),
-        Int32(H_DIM),
-        Int32(0),
-        cuda.CUstream(0),
-    )
-    _KERNELS[key] = compiled
-    return compiled
+
+    def build() -> Any:
+        kernel = _TpTailKernel(**config)
+        weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
+        route_words = math.prod(route_mailbox_shape(tp, capacity))
+        token_words = math.prod(protocol.mailbox_shape(1, capacity, token_width))
+        return compiler(arch, ptx_dir)(
+            kernel,
+            fake_flat(BFloat16, VEC, 16),
+            fake_flat(weight_type, TOP_K, weight_type.width // 8),
+            fake_flat(Int32, TOP_K, 4),
+            make_fake_compact_tensor(BFloat16, (H_DIM,), assumed_align=16),
+            make_fake_compact_tensor(Int16, (route_words,), assumed_align=16),
+            make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+            make_fake_compact_tensor(Int16, (token_words,), assumed_align=16),
+            make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            fake_flat(BFloat16, H_DIM, 16),
+            Int32(1),
+            Int32(1),
+            Int32(H_DIM),
+            Int32(0),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_TpTailKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the TP tail kernel")
 
 
 # ---------------------------------------------------------------------------------------------
