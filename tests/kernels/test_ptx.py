@@ -81,7 +81,7 @@ def test_peer_order_visits_every_rank_once_own_last(tp):
     for rank in range(tp):
         order = tail.peer_order(rank, tp)
         assert sorted(order) == list(range(tp)) and order[-1] == rank
-        assert order[0] == (rank + 1) % tp
+        assert order == tuple((rank + 1 + step) % tp for step in range(tp))
 
 
 def test_fault_record_decodes_and_clear_means_none():
@@ -98,7 +98,6 @@ def test_fault_record_decodes_and_clear_means_none():
     [
         dict(transport="broadcast"),
         dict(weight_dtype="fp16"),
-        dict(rank=8),
         dict(threads=96),
         dict(width=4000),
         dict(eps=0.0),
@@ -107,17 +106,35 @@ def test_fault_record_decodes_and_clear_means_none():
     ids=lambda knobs: next(iter(knobs)),
 )
 def test_publisher_knobs_are_validated(knobs):
-    base = dict(tp=8, rank=0, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+    base = dict(tp=8, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
                 transport="unicast", enable_pdl=True)
     with pytest.raises(ValueError):
         tail._EpPublisherKernel(**{**base, **knobs})
 
 
-@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0), dict(rank=-1),
+@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0),
                                    dict(fragments=0), dict(fragments=3)], ids=str)
 def test_reduce_knobs_are_validated(knobs):
     with pytest.raises(ValueError):
-        tail._EpReduceKernel(**{**dict(tp=2, rank=0, capacity=4, enable_pdl=True), **knobs})
+        tail._EpReduceKernel(**{**dict(tp=2, capacity=4, enable_pdl=True), **knobs})
+
+
+@pytest.mark.parametrize("rank", [-1, 2])
+def test_a_rank_outside_the_group_is_refused_before_compiling(rank):
+    """The rank is a runtime argument (no kernel takes it at compile time); a rank given to
+    `compile_*` or `EpTail` is still checked."""
+    with pytest.raises(ValueError, match="rank"):
+        tail.compile_publisher(tp=2, rank=rank, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8,
+                               gain_center=1.0, transport="unicast", enable_pdl=True, arch="sm_90a")
+    with pytest.raises(ValueError, match="rank"):
+        tail.compile_reduce(tp=2, rank=rank, capacity=4, enable_pdl=True, arch="sm_90a")
+    with pytest.raises(ValueError, match="rank"):
+        tail.EpTail(
+            rank=rank, tp=2, capacity=4, mailbox=torch.zeros(tail.mailbox_shape(2, 4), dtype=torch.int16),
+            stage=torch.zeros(2, dtype=torch.int32), fault=torch.full((4,), -1, dtype=torch.int32),
+            norm_weight=torch.zeros(4096, dtype=torch.bfloat16), peer_mailboxes=torch.zeros(2, dtype=torch.int64),
+            weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+        )
 
 
 def test_compiling_during_capture_is_refused(monkeypatch):
