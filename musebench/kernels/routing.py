@@ -87,7 +87,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench import config
-from musebench.kernels import ptx
+from musebench.kernels import compilation, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 from musebench.numerics import LOG2_E
 from musebench.routing_metadata import (
@@ -434,7 +434,7 @@ class _RoutingKernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
 
 @dataclass(frozen=True)
@@ -454,17 +454,6 @@ class RoutingOptions:
 
 DEFAULT_OPTIONS = RoutingOptions()
 
-_COMPILED: dict[tuple[bool, bool, RoutingOptions], Any] = {}
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-
-
-
-
 def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions = DEFAULT_OPTIONS) -> Any:
     """The compiled router for (metadata, renormalize, options): cached per process, exact key.
 
@@ -474,29 +463,26 @@ def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions =
     _require(isinstance(metadata, bool), f"metadata must be a bool, got {metadata!r}")
     _require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
     _require(isinstance(options, RoutingOptions), f"options must be RoutingOptions, got {options!r}")
-    key = (metadata, renormalize, options)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        return compiled
-    if _capturing():
-        raise RuntimeError("compile the routing kernels before CUDA graph capture (musebench.kernels.routing.prepare)")
-    kernel = _RoutingKernel(metadata=metadata, renormalize=renormalize, enable_pdl=options.enable_pdl)
-    compiled = compiler(options.arch, options.ptx_dir)(
-        kernel,
-        fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
-        make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
-        fake_flat(Int32, TOP_K, ALIGN_BYTES),
-        fake_flat(Float32, TOP_K, ALIGN_BYTES),
-        fake_flat(Int32, 1, ALIGN_BYTES) if metadata else None,  # any length >= size: a guard word may follow
-        Int32(1),
-        Int32(0),
-        Int32(1),
-        Int32(1),
-        Float32(1.0),
-        cuda.CUstream(0),
-    )
-    _COMPILED[key] = compiled
-    return compiled
+    config = dict(metadata=metadata, renormalize=renormalize, enable_pdl=options.enable_pdl)
+
+    def build() -> Any:
+        return compiler(options.arch, options.ptx_dir)(
+            _RoutingKernel(**config),
+            fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
+            make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
+            fake_flat(Int32, TOP_K, ALIGN_BYTES),
+            fake_flat(Float32, TOP_K, ALIGN_BYTES),
+            fake_flat(Int32, 1, ALIGN_BYTES) if metadata else None,  # any length >= size: a guard word may follow
+            Int32(1),
+            Int32(0),
+            Int32(1),
+            Int32(1),
+            Float32(1.0),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_RoutingKernel, arch=options.arch, ptx_dir=options.ptx_dir, **config)
+    return compilation.compiled(key, build, what="the routing kernels (musebench.kernels.routing.prepare)")
 
 
 def prepare(options: RoutingOptions = DEFAULT_OPTIONS) -> None:
