@@ -12,7 +12,9 @@ A case runs in three steps, whatever the launcher:
    leaves words and generations behind), so one failure never poisons the next case.
 
 A rank never raises out of a case: errors, timeouts (with their fault record) and injected
-faults come back as the outcome's one-line `error`.
+faults come back as the outcome's one-line `error`. A rank's thread reports each call before it
+begins (`run_rank_case`'s `progress` hook; `musebench.harness.progress`), so a launcher can tell
+the rank that stopped making progress from the peers that timed out waiting for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,6 +31,7 @@ from musebench import numerics as nx
 from musebench.comm import lamport
 from musebench.harness import checks
 from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
+from musebench.harness.progress import CALL_GRACE_S, RankProgress, Watch
 from musebench.harness.results import CaseResult, RankResult
 
 DEFAULT_NSM = 148  # B200 / GB200 SM count: the TP stock's dispatch on the racks musebench targets
@@ -242,20 +245,37 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
     return CpuTpTail(boxes.tp_route, boxes.tp_token, inputs.norm_weight, tail_options, nsm=options.nsm, top_k=case.top_k)
 
 
+def call_bound_s(options: RunOptions) -> float:
+    """How long one call of one rank may take: its waits, each bounded by the poll timeout (the
+    CPU model's call waits against one deadline; a CuTe TP tail waits for routes, then tokens),
+    and the host work around them."""
+    waits = 2 if options.backend == "cute" else 1
+    return waits * options.timeout_s + CALL_GRACE_S
+
+
 def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunOptions,
-                  inputs: TailInputs | None = None, tail=None) -> RankOutcome:
-    """Run one rank's calls of a case; never raises (errors come back in the outcome)."""
+                  inputs: TailInputs | None = None, tail=None,
+                  progress: Callable[[int, int], None] | None = None) -> RankOutcome:
+    """Run one rank's calls of a case; never raises (errors come back in the outcome).
+
+    `progress(call, calls)` is called on this rank's thread before each call begins (0-based
+    `call` of `calls` = warmup + iters): a rank stuck in a call is the one whose last report
+    names it.
+    """
     outcome = RankOutcome(rank=rank)
+    progress = progress if progress is not None else (lambda call, calls: None)
     try:
         inputs = inputs if inputs is not None else make_tail_inputs(case)
         tail = tail if tail is not None else bind_tail(case, rank, boxes, inputs, options)
         if options.backend == "cute":
-            _run_device_calls(case, rank, tail, inputs, options, outcome)
+            _run_device_calls(case, rank, tail, inputs, options, outcome, progress)
             return outcome
         unfinalized = inputs.per_rank[rank]
         out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16)
         faults = options.faults
-        for call in range(options.warmup + options.iters):
+        calls = options.warmup + options.iters
+        for call in range(calls):
+            progress(call, calls)
             checks.poison(out)
             if faults.raise_rank == rank:
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
@@ -282,7 +302,7 @@ def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunO
 
 
 def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, options: RunOptions,
-                      outcome: RankOutcome) -> None:
+                      outcome: RankOutcome, progress: Callable[[int, int], None]) -> None:
     """One rank's calls on its own CUDA stream; a device fault record becomes the outcome's error."""
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(device)
@@ -290,8 +310,10 @@ def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, optio
     out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device)
     faults = options.faults
     host = None
+    calls = options.warmup + options.iters
     with torch.cuda.stream(stream):
-        for call in range(options.warmup + options.iters):
+        for call in range(calls):
+            progress(call, calls)
             checks.poison(out)
             if faults.raise_rank == rank:
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
@@ -425,8 +447,9 @@ def identical_where_stock_is(ranks: Sequence[RankResult], wants: Sequence[torch.
 
 
 def _summarize_errors(errors: Sequence[str]) -> str:
-    """Root causes first: an injected fault or crash explains the timeouts it causes."""
-    ordered = sorted(errors, key=lambda e: ("timed out" in e, e))
+    """Root causes first: a rank that stopped making progress, an injected fault or a crash
+    explains the timeouts it causes."""
+    ordered = sorted(errors, key=lambda e: ("stopped making progress" not in e, "timed out" in e, e))
     extra = len(ordered) - 1
     return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
 
@@ -478,7 +501,7 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
         boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
     transport = "local" if options.backend == "cute" else "cpu-local"
     results = []
-    for case in cases:
+    for index, case in enumerate(cases):
         inputs = make_tail_inputs(case)
         outcomes: list[RankOutcome | None] = [None] * tp
         tails: list[object | None] = [None] * tp
@@ -494,24 +517,7 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
             if on_case is not None:
                 on_case(results[-1])
             continue
-        threads = []
-        for rank in range(tp):
-            def work(rank: int = rank) -> None:
-                outcomes[rank] = run_rank_case(case, rank, boxes[rank], options, inputs, tails[rank])
-
-            thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
-            thread.start()
-            threads.append(thread)
-        # a rank's calls are bounded by its polls' timeouts; a thread past that is hung
-        grace = (options.warmup + options.iters) * (options.timeout_s + 5.0) + 30.0
-        deadline = time.monotonic() + grace
-        hung = []
-        for rank, thread in enumerate(threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                hung.append(rank)
-        for rank in hung:
-            outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} hung: no result within {grace:.0f}s")
+        hung = _run_virtual_ranks(case, index, options, boxes, inputs, tails, outcomes)
         result = evaluate_case(case, [o for o in outcomes if o is not None], options, transport, inputs)
         results.append(result)
         if on_case is not None:
@@ -523,3 +529,45 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
             for rank_boxes in boxes:
                 rank_boxes.reset()
     return results
+
+
+def _run_virtual_ranks(case: TailCase, index: int, options: RunOptions, boxes: Sequence[RankMailboxes],
+                       inputs: TailInputs, tails: Sequence[object], outcomes: list[RankOutcome | None]) -> list[int]:
+    """Every rank's calls of case `index` on a thread of its own, into `outcomes`; returns the hung ranks.
+
+    Each thread reports its calls (`run_rank_case`'s progress hook) and its end, with its
+    outcome's error, to a `progress.Watch`: when no rank has kept its promise (a call: the poll
+    timeout and a grace) or the peers' timeouts name a rank still in the call they gave up in,
+    the ranks still running are hung; the watch's line, naming the rank that stopped making
+    progress, is their outcome's error. A hung thread is left behind (daemon).
+    """
+    tp = case.tp
+    records: dict[int, RankProgress] = {}
+    bound_s = call_bound_s(options)
+
+    def work(rank: int) -> None:
+        def report(call: int, calls: int) -> None:
+            records[rank] = RankProgress(rank=rank, phase="call", case=index, call=call, calls=calls, bound_s=bound_s,
+                                         seq=call + 1)
+
+        outcome = run_rank_case(case, rank, boxes[rank], options, inputs, tails[rank], progress=report)
+        outcomes[rank] = outcome
+        last = records.get(rank, RankProgress(rank=rank, case=index))
+        records[rank] = replace(last, phase="finished", error=outcome.error, seq=last.seq + 1)
+
+    threads = [threading.Thread(target=work, args=(rank,), name=f"musebench-rank{rank}", daemon=True)
+               for rank in range(tp)]
+    watch = Watch(tp, options.timeout_s, startup_s=bound_s)  # a thread not yet at its first call
+    for thread in threads:
+        thread.start()
+    while True:
+        alive = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+        if not alive:
+            return []
+        watch.observe(dict(records))  # a copy: the threads replace their records meanwhile
+        if watch.stalled():
+            line = watch.blame()
+            for rank in alive:
+                outcomes[rank] = RankOutcome(rank=rank, error=line)
+            return alive
+        threads[alive[0]].join(0.05)
