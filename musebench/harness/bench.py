@@ -92,7 +92,7 @@ def bench_virtual_tail(case: TailCase, options: BenchOptions, nsm: int) -> CaseR
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="virtual", transport="local",
         stock="reference", iters=options.calls * options.replays,
-        bytes_moved=bytes_moved(case),
+        bytes_moved=bytes_moved(case), measurement="bench",
     )
     try:
         inputs = make_tail_inputs(case)

@@ -249,7 +249,7 @@ def bench_row(case: TailCase, ranks: Sequence[RankTimes], transport: str, option
         kernel=case.kernel, mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend="cute", launcher="torchrun",
         transport=transport, stock="reference", iters=options.calls * options.replays,
-        bytes_moved=bytes_moved(case),
+        bytes_moved=bytes_moved(case), measurement="bench",
         stock_path=f"timed vs {STOCK_BASELINE[case.mode]}",
     )
     errors = [r.check.error for r in ranks if r.check.error is not None]

@@ -1,4 +1,5 @@
-"""One driver for every tail case: make inputs, run the ranks, check them, time them.
+"""One driver for every tail case: make inputs, run the ranks, check them (benches time them:
+`musebench.harness.bench`).
 
 A case runs in three steps, whatever the launcher:
 1. every rank binds its tail over its mailboxes, poisons its output and calls `run` warmup +
@@ -15,13 +16,14 @@ A rank never raises out of a case: errors, timeouts (with their fault record) an
 faults come back as the outcome's one-line `error`. A rank's thread reports each call before it
 begins (`run_rank_case`'s `progress` hook; `musebench.harness.progress`), so a launcher can tell
 the rank that stopped making progress from the peers that timed out waiting for it.
+
+A check times nothing: a host clock around a Python call measures the interpreter, not the
+kernels. Kernel timings are `musebench bench`'s CUDA-graph medians (`musebench.harness.bench`).
 """
 
 from __future__ import annotations
 
-import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -91,7 +93,6 @@ class RankOutcome:
     rank: int
     output: torch.Tensor | None = None
     digests: list[str] = field(default_factory=list)
-    times_us: list[float] = field(default_factory=list)
     error: str | None = None
 
 
@@ -260,7 +261,7 @@ def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunO
 
     `progress(call, calls)` is called on this rank's thread before each call begins (0-based
     `call` of `calls` = warmup + iters): a rank stuck in a call is the one whose last report
-    names it.
+    names it. Nothing is timed (see the module docstring).
     """
     outcome = RankOutcome(rank=rank)
     progress = progress if progress is not None else (lambda call, calls: None)
@@ -285,13 +286,10 @@ def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunO
                 import os
 
                 os._exit(17)
-            started = time.perf_counter()
             tail.run(unfinalized, out)
-            elapsed = time.perf_counter() - started
             if faults.flip_rank == rank and out.numel():
                 checks.flip_one_bit(out, index=out.numel() // 2)
             if call >= options.warmup:
-                outcome.times_us.append(elapsed * 1e6)
                 outcome.digests.append(checks.digest(out))
         outcome.output = out
     except lamport.MailboxTimeout as timeout:
@@ -325,10 +323,8 @@ def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, optio
                 import os
 
                 os._exit(17)
-            started = time.perf_counter()
             tail.run(unfinalized, out)
             stream.synchronize()
-            elapsed = time.perf_counter() - started
             tail.check_fault()
             host = out.cpu()  # the checks read this copy
             if faults.flip_rank == rank and host.numel():
@@ -337,7 +333,6 @@ def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, optio
                 # on the H200 the device-side flip timed out 3 runs in 4
                 checks.flip_one_bit(host, index=host.numel() // 2)
             if call >= options.warmup:
-                outcome.times_us.append(elapsed * 1e6)
                 outcome.digests.append(checks.digest(host))
     outcome.output = host if host is not None else out.cpu()
 
@@ -380,7 +375,8 @@ def row_kernel(case: TailCase, options: RunOptions) -> str:
 
 def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
                   inputs: TailInputs | None = None) -> CaseResult:
-    """Check every rank's outcome against the stock; the case's row."""
+    """Check every rank's outcome against the stock; the case's row (untimed: `tail_us` and
+    `stock_us` stay None, `measurement` "check")."""
     result = CaseResult(
         kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
         norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
@@ -389,9 +385,7 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
     )
     try:
         inputs = inputs if inputs is not None else make_tail_inputs(case)
-        started = time.perf_counter()
         wants, result.stock_path = expected_outputs(case, inputs, options)
-        result.stock_us = (time.perf_counter() - started) * 1e6
     except Exception as error:
         result.error = f"stock: {type(error).__name__}: {error}"
         return result
@@ -411,15 +405,12 @@ def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunO
             errors.append(row.error)
             continue
         check_rank_output(row, outcome.output, wants[rank])
-        row.tail_us = statistics.median(outcome.times_us) if outcome.times_us else None
         add_rank_counts(result, row)
         if len(set(outcome.digests)) > 1:
             result.deterministic = False
     result.rank_identical = identical_where_stock_is(result.ranks, wants) and not errors
     if errors:
         result.error = _summarize_errors(errors)
-    times = [row.tail_us for row in result.ranks if row.tail_us is not None]
-    result.tail_us = max(times) if times else None
     return result
 
 

@@ -241,7 +241,7 @@ def bench_routing(tokens: int, tile_n: int, options: BenchOptions) -> list[CaseR
         row = CaseResult(kernel=name, mode="routing", tp=case.tp, tokens=tokens, weight_dtype="fp32", norm="renorm",
                          inputs="random", seed=0, backend="cute" if name.startswith("routing") else "triton",
                          launcher="virtual", transport="local", stock="triton", stock_path=f"tile {tile_n}",
-                         iters=options.calls * options.replays)
+                         iters=options.calls * options.replays, measurement="bench")
         try:
             for out in (ids, weights):
                 checks.poison(out)

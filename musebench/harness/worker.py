@@ -34,7 +34,6 @@ from musebench.harness.driver import (
     evaluate_case,
     mailbox_geometry,
     run_rank_case,
-    shared_gpu_timing_note,
 )
 from musebench.harness.progress import ProgressFile
 from musebench.harness.results import CaseResult
@@ -105,7 +104,6 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
             # one opaque phase: its cases' calls are graph replays the bench bounds itself
             progress.update(phase="bench", bound_s=compile_bound_s(options) + len(cases) * case_bound_s(options, bench))
             return run_bench_rank(cases, options, bench, boxes, transport, results_path, on_case)
-        timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
         call_s = call_bound_s(options)
         for index, case in enumerate(cases):
             progress.update(phase="bind", case=index, call=-1, calls=0, bound_s=BIND_S + compile_bound_s(options))
@@ -126,7 +124,7 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
                 outcome = RankOutcome(rank=rank, error=bind_error)
             print(f"rank {rank} done case {index}", flush=True)
             progress.update(phase="gather", bound_s=None, error=outcome.error)
-            row = finish_case(outcome, lambda gathered: _evaluate(case, gathered, options, transport, inputs, timing_note),
+            row = finish_case(outcome, lambda gathered: evaluate_case(case, gathered, options, transport, inputs),
                               boxes, results_path, on_case, progress=progress)
             if row is not None:
                 rows.append(row)
@@ -135,13 +133,6 @@ def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path 
         boxes.close()
         dist.destroy_process_group()
     return rows
-
-
-def _evaluate(case: TailCase, gathered: list, options: RunOptions, transport: str, inputs, timing_note: str | None) -> CaseResult:
-    row = evaluate_case(case, gathered, options, transport, inputs)
-    if timing_note is not None:
-        row.notes.append(timing_note)
-    return row
 
 
 def finish_case(outcome, evaluate: Callable[[list], CaseResult], boxes: RankMailboxes, results_path: Path | None,
