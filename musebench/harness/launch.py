@@ -154,13 +154,12 @@ def run_torchrun(
             rows[-1].error = f"torchrun exited with code {code} after the last case: " + _failure_summary(
                 log_path.read_text(errors="replace"), tp)
         if len(rows) < len(cases):
-            text = log_path.read_text(errors="replace")
             if stalled is not None:
                 reason = stalled
             elif killed:
-                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({_progress_note(text)})"
+                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({watch.blame()})"
             else:
-                reason = _failure_summary(text, tp)
+                reason = _failure_summary(log_path.read_text(errors="replace"), tp)
             for case in cases[len(rows):]:
                 row = _error_row(case, options, reason)
                 rows.append(row)
@@ -194,15 +193,6 @@ def _exit_on_termination():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _progress_note(log: str) -> str:
-    """Which ranks started a case they never finished, from the ranks' progress lines."""
-    last: dict[int, tuple[str, int]] = {}
-    for rank, event, case in re.findall(r"rank (\d+) (started|done) case (\d+)", log):
-        last[int(rank)] = (event, int(case))
-    stuck = sorted(f"rank {rank} in case {case}" for rank, (event, case) in last.items() if event == "started")
-    return "stuck: " + ", ".join(stuck) if stuck else "no rank reported being stuck"
 
 
 def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:

@@ -54,6 +54,16 @@ def test_hung_rank_is_killed_with_every_rank(job_id):
     assert "rank 0 timed out waiting for it" in rows[0].error and "killed with every rank" in rows[0].error
 
 
+def test_the_deadline_backs_the_watch(job_id, monkeypatch):
+    """Were the watch never to call a stall, the job's deadline still ends it, every rank killed."""
+    monkeypatch.setattr(launch, "STARTUP_S", 15.0)
+    monkeypatch.setattr(launch, "case_bound_s", lambda options, bench=None: 3.0)
+    monkeypatch.setattr(launch.Watch, "stalled", lambda self, now=None: False)
+    rows = launch.run_torchrun(_cases(tokens=(1,)), RunOptions(**FAST, faults=Faults(hang_rank=1)))
+    assert not rows[0].passed
+    assert "did not finish within 18s: killed with every rank (" in rows[0].error, rows[0].error
+
+
 def test_the_hung_rank_of_the_main_command_is_named_within_the_timeout(job_id):
     """`musebench tail --tp 4 ... --timeout 3 --inject hang:1` exited 1 after 71 s naming rank 0
     (its gather's 60 s gloo timeout); now within 3 + 15 s, naming rank 1, nothing left behind."""
