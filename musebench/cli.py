@@ -124,7 +124,7 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
         for job in running:
             progress.update(task, description=job.name)
             rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
-    notes = sorted({job.backend_note for job in running})
+    notes = sorted({job.backend_note for job in running})  # no µs: the table points to musebench bench
     run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
                        skipped=[job.skipped() for job in skipped])
     if _is_reporting_rank():

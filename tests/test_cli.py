@@ -95,20 +95,59 @@ def test_parity_json_then_report_and_compare(tmp_path):
     assert _run("parity", str(scenario), "--json", str(out)).exit_code == 0
     rendered = _run("report", str(out))
     assert rendered.exit_code == 0 and "ep_tail" in rendered.output
-    # a regression: the old run was fast and correct, the new one is slower
+    # a regression: the old bench row was fast and correct, the new one is slower (check rows
+    # carry no µs: only a bench row's graph medians are compared)
     data = json.loads(out.read_text())
-    data["cases"][0]["tail_us"] = 1.0  # as a bench row's median
-    out.write_text(json.dumps(data))
+    data["cases"][0].update(measurement="bench", tail_us=1.0)
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps(data))
     data["cases"][0]["tail_us"] = 10.0
     slower = tmp_path / "slower.json"
     slower.write_text(json.dumps(data))
-    compared = _run("report", str(slower), "--compare", str(out))
+    compared = _run("report", str(slower), "--compare", str(fast))
     assert compared.exit_code == 1 and "timing" in compared.output
-    both = _run("report", str(slower), "--compare", str(out), "--side-by-side")
+    both = _run("report", str(slower), "--compare", str(fast), "--side-by-side")
     assert both.exit_code == 1 and "side by side" in both.output and "10.00" in both.output
+    assert _run("report", str(out), "--compare", str(out)).exit_code == 0
     alone = _run("report", str(out), "--side-by-side")
     assert alone.exit_code == 2 and "--side-by-side needs --compare" in alone.output
     assert "ep_tail" not in alone.output  # refused before anything is rendered
+
+
+def test_a_check_run_prints_no_us_and_points_to_the_bench(tmp_path):
+    """The CPU model's table held host wall-clock µs ("tail µs / stock µs / ratio") that read like
+    kernel timings; a check has none, in the table or the JSON."""
+    from musebench.harness.report import TIMING_POINTER
+
+    out = tmp_path / "run.json"
+    result = _run("tail", "--tp", "2", "--backend", "cpu", "--tokens", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert "µs" not in result.output and "ratio" not in result.output
+    assert TIMING_POINTER in result.output and "musebench bench tail" in result.output
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == "1.3" and len(data["cases"]) == 8  # ep, tp x bf16, fp32 x before, after
+    for row in data["cases"]:
+        assert row["measurement"] == "check" and row["tail_us"] is None and row["stock_us"] is None
+        assert row["ratio"] is None and all(rank["tail_us"] is None for rank in row["ranks"])
+
+
+def test_report_renders_and_compares_a_1_2_file_with_host_timings(tmp_path):
+    """A check run written before schema 1.3: its host µs are not shown and not compared."""
+    out = tmp_path / "new.json"
+    assert _run("tail", "--tp", "2", "--backend", "cpu", "--tokens", "1", "--mode", "ep", "--weights", "bf16",
+                "--norm", "before", "--json", str(out)).exit_code == 0
+    data = json.loads(out.read_text())
+    data["schema_version"] = "1.2"
+    for row in data["cases"]:
+        del row["measurement"]
+        row.update(tail_us=48015.0, stock_us=176685.0, ratio=0.27)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    rendered = _run("report", str(old))
+    assert rendered.exit_code == 0 and "ep_tail" in rendered.output
+    assert "48015" not in rendered.output and "µs" not in rendered.output
+    compared = _run("report", str(out), "--compare", str(old), "--side-by-side")
+    assert compared.exit_code == 0 and "no regressions" in compared.output, compared.output
 
 
 def test_parity_dry_run_prints_cases_and_launches_nothing(tmp_path):

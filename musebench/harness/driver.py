@@ -46,6 +46,7 @@ from musebench.harness.measure import (
     graph_median_us,
     outputs_digest,
 )
+from musebench.harness.progress import CALL_GRACE_S, ProgressFile, RankProgress, Watch
 from musebench.harness.results import CaseResult
 
 MEASUREMENTS = ("check", "bench")
@@ -88,6 +89,10 @@ def wait_for_device(event: Any, timeout_s: float, what: str, poll_s: float = 1e-
         time.sleep(poll_s)
 
 
+STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
+BIND_S = 30.0  # inputs and a CPU bind on a loaded host; a cute bind adds the compile bound
+EVALUATE_S = 120.0  # rank 0: the stock reference of every rank and the checks
+TEARDOWN_S = 30.0  # the last case reported: mailboxes closed, the process group destroyed, the process gone
 COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
 BENCH_PATHS = 6  # paths a bench case may time: the call, a part, a variant and three baselines
 
@@ -105,6 +110,14 @@ def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> floa
     if bench is not None:
         return BENCH_PATHS * ((3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + bench.timeout_s) + 30.0
     return (options.warmup + options.iters) * (wait_bound_s(options) + 1.0) + 10.0
+
+
+def call_bound_s(options: RunOptions) -> float:
+    """How long one call of one rank may take before the rank has stopped making progress: its
+    waits (the CPU model's call waits against one deadline; a GPU call is waited for at most
+    `wait_bound_s`) and the host work around them, on a loaded host."""
+    waits = wait_bound_s(options) if options.backend == "cute" else options.timeout_s
+    return waits + CALL_GRACE_S
 
 
 def shared_gpu_timing_note(local_world: int) -> str | None:
@@ -159,11 +172,11 @@ def expected_for(case: Any, inputs: Any, options: RunOptions) -> Any:
     return family_of(case).expected(case, inputs, options, approximations)
 
 
-def new_row(case: Any, options: RunOptions, transport: str, iters: int) -> CaseResult:
+def new_row(case: Any, options: RunOptions, transport: str, iters: int, measurement: str = "check") -> CaseResult:
     """A row with the case's key fields, its run's settings and no result yet."""
     family = family_of(case)
     fields = dict(backend=options.backend, launcher=options.launcher, transport=transport, stock=options.stock,
-                  iters=iters, bytes_moved=family.bytes_moved(case))
+                  iters=iters, bytes_moved=family.bytes_moved(case), measurement=measurement)
     return CaseResult(**{**fields, **family.row_fields(case, options)})
 
 
@@ -195,7 +208,8 @@ def _hang_here(options: RunOptions) -> None:
     threading.Event().wait(10 * 365 * 86400.0)
 
 
-def check_calls(case: Any, rank: int, runner: Any, options: RunOptions) -> RankOutcome:
+def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
+                progress: Callable[[int, int], None] | None = None) -> RankOutcome:
     """One rank's calls of a check; never raises (errors come back in the outcome).
 
     On a GPU every call runs on a stream of the rank's own (forked from the current one, so it
@@ -204,9 +218,12 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions) -> RankO
     raises; `hang` stops the host (CPU model, processes) or holds the rank's stream past the
     bound (virtual ranks on a GPU, whose host threads cannot be stopped); `exit` ends the
     process; `flip` flips one bit of the host copy (a torch kernel's first launch on the device
-    could wait behind a peer's spinning reduction).
+    could wait behind a peer's spinning reduction). `progress(call, calls)` is called on this
+    rank's thread before each call begins: a rank stuck in a call is the one whose last report
+    names it (`harness.progress`).
     """
     outcome = RankOutcome(rank=rank)
+    calls = options.warmup + options.iters
     faults = options.faults
     device = options.backend == "cute"
     try:
@@ -214,12 +231,15 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions) -> RankO
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         host: dict[str, torch.Tensor] = {}
-        for call in range(options.warmup + options.iters):
+        for call in range(calls):
+            if progress is not None:
+                progress(call, calls)
             for tensor in runner.outputs.values():
                 checks.poison(tensor)
             if faults.raise_rank == rank:
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
-            hang = faults.hang_rank == rank and call == options.warmup
+            # a GPU rank hangs after its warm-up call (kernels loaded); a host stops at once
+            hang = faults.hang_rank == rank and call == (options.warmup if device else 0)
             if faults.exit_rank == rank and call == options.warmup:
                 os._exit(17)
             if hang and not (device and options.launcher == "virtual"):
@@ -271,10 +291,10 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
     impl = load_impl(options)
     boxes = mailbox_sets.allocate_virtual(mailbox_specs(cases), tp, transport)
     results = []
-    for case in cases:
+    for index, case in enumerate(cases):
         family = family_of(case)
         iters = options.iters if measurement == "check" else bench.calls * bench.replays
-        row = new_row(case, options, transport, iters)
+        row = new_row(case, options, transport, iters, measurement)
         inputs = family.make_inputs(case)
         try:  # compile every rank's variant here, before any rank spins on a peer
             runners = [family.bind(case, impl, rank, boxes[rank], inputs, options) for rank in range(tp)]
@@ -292,7 +312,7 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
             continue
         hung: list[int] = []
         if measurement == "check":
-            outcomes, hung = _virtual_check(case, runners, options)
+            outcomes, hung = _virtual_check(case, index, runners, options)
             evaluate(row, tp, outcomes, expected)
         else:
             _virtual_bench(case, family, runners, boxes, inputs, expected, options, bench, row, impl)
@@ -311,28 +331,46 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
     return results
 
 
-def _virtual_check(case: Any, runners: list, options: RunOptions) -> tuple[list[RankOutcome], list[int]]:
-    """Every rank's calls on its own thread; a thread past the bound stopped making progress."""
-    outcomes: list[RankOutcome | None] = [None] * case.tp
-    threads = []
-    for rank in range(case.tp):
-        def work(rank: int = rank) -> None:
-            outcomes[rank] = check_calls(case, rank, runners[rank], options)
+def _virtual_check(case: Any, index: int, runners: list, options: RunOptions) -> tuple[list[RankOutcome], list[int]]:
+    """Every rank's calls on a thread of its own; returns the outcomes and the hung ranks.
 
-        thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
+    Each thread reports its calls (`check_calls`'s progress hook) and its end, with its outcome's
+    error, to a `progress.Watch`: when no rank has kept its promise (a call: `call_bound_s`) or
+    the peers' timeouts name a rank still in the call they gave up in, the ranks still running
+    are hung; the watch's line, naming the rank that stopped making progress, is their outcome's
+    error. A hung thread is left behind (daemon).
+    """
+    tp = case.tp
+    outcomes: list[RankOutcome | None] = [None] * tp
+    records: dict[int, RankProgress] = {}
+    bound_s = call_bound_s(options)
+
+    def work(rank: int) -> None:
+        def report(call: int, calls: int) -> None:
+            records[rank] = RankProgress(rank=rank, phase="call", case=index, call=call, calls=calls, bound_s=bound_s,
+                                         seq=call + 1)
+
+        outcome = check_calls(case, rank, runners[rank], options, progress=report)
+        outcomes[rank] = outcome
+        last = records.get(rank, RankProgress(rank=rank, case=index))
+        records[rank] = dataclasses.replace(last, phase="finished", error=outcome.error, seq=last.seq + 1)
+
+    threads = [threading.Thread(target=work, args=(rank,), name=f"musebench-rank{rank}", daemon=True)
+               for rank in range(tp)]
+    watch = Watch(tp, options.timeout_s, startup_s=bound_s)  # a thread not yet at its first call
+    for thread in threads:
         thread.start()
-        threads.append(thread)
-    grace = (options.warmup + options.iters) * (wait_bound_s(options) + 1.0) + 10.0
-    deadline = time.monotonic() + grace
-    hung = []
-    for rank, thread in enumerate(threads):
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            hung.append(rank)
-    for rank in hung:
-        outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} stopped making progress: no result within "
-                                                      f"{grace:.0f} s")
-    return [o for o in outcomes if o is not None], hung
+    while True:
+        alive = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+        if not alive:
+            return [o for o in outcomes if o is not None], []
+        watch.observe(dict(records))  # a copy: the threads replace their records meanwhile
+        if watch.stalled():
+            line = watch.blame()
+            for rank in alive:
+                outcomes[rank] = RankOutcome(rank=rank, error=line)
+            return [o for o in outcomes if o is not None], alive
+        threads[alive[0]].join(0.05)
 
 
 def _group_call(streams: list, main: Any, launch: Callable[[int], None], ranks: Sequence[int]) -> None:
@@ -507,6 +545,8 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
         raise SystemExit("musebench: benches run the cute backend")
     say = progress or (lambda line: print(line, flush=True))
     bench = bench or BenchOptions()
+    record = ProgressFile.from_environment(rank)  # what the launcher watches (harness.progress)
+    record.update(phase="start", bound_s=STARTUP_S)
     job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
     bound_s = case_bound_s(options, bench if measurement == "bench" else None) + compile_bound_s(options) + 30.0
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
@@ -526,7 +566,9 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                 collectives = _Collectives()
             except Exception as error:  # the case is still timed; the row says why the baselines are not
                 unavailable = f"NCCL / SymmetricMemory baselines unavailable: {type(error).__name__}: {error}"
+        call_s = call_bound_s(options)
         for index, case in enumerate(cases):
+            record.update(phase="bind", case=index, call=-1, calls=0, bound_s=BIND_S + compile_bound_s(options))
             family = family_of(case)
             inputs = family.make_inputs(case)
             runner, bind_error = None, None
@@ -534,21 +576,26 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                 runner = family.bind(case, impl, rank, boxes, inputs, options)
             except Exception as error:
                 bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
+            record.update(phase="barrier", bound_s=None)
             dist.barrier()
             say(f"rank {rank} started case {index}")
             if bind_error is not None:
                 outcome = RankOutcome(rank=rank, error=bind_error)
             elif measurement == "check":
-                outcome = check_calls(case, rank, runner, options)
+                outcome = check_calls(case, rank, runner, options, progress=lambda call, calls: record.update(
+                    phase="call", call=call, calls=calls, bound_s=call_s))
             else:
+                # one opaque phase: the case's paths are graph replays the bench bounds itself
+                record.update(phase="bench", bound_s=case_bound_s(options, bench))
                 outcome = _process_bench(case, family, rank, runner, boxes, inputs, options, bench, collectives, impl)
                 if unavailable is not None:
                     outcome.notes.append(unavailable)
             say(f"rank {rank} done case {index}")
+            record.update(phase="gather", bound_s=None, error=outcome.error)
             iters = options.iters if measurement == "check" else bench.calls * bench.replays
 
             def evaluate_gathered(gathered: list, case: Any = case, inputs: Any = inputs, iters: int = iters) -> CaseResult:
-                row = new_row(case, options, transport, iters)
+                row = new_row(case, options, transport, iters, measurement)
                 try:
                     expected = expected_for(case, inputs, options)
                 except Exception as error:
@@ -561,9 +608,10 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                     row.notes.append(timing_note)
                 return row
 
-            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, json)
+            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, json, record)
             if row is not None:
                 rows.append(row)
+        record.update(phase="finished", bound_s=TEARDOWN_S)
     finally:
         mailbox_sets.close(boxes)
         dist.destroy_process_group()
@@ -571,10 +619,12 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
 
 
 def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseResult], boxes: dict,
-                 results_path: Any, on_case: Callable[[CaseResult], None] | None, json: Any) -> CaseResult | None:
+                 results_path: Any, on_case: Callable[[CaseResult], None] | None, json: Any,
+                 record: ProgressFile) -> CaseResult | None:
     """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
     the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
-    get None); if the row failed every rank re-arms its mailboxes between two barriers."""
+    get None); if the row failed every rank re-arms its mailboxes between two barriers. Rank 0's
+    evaluation and every re-arm are reported to the launcher's watch (`record`)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -582,6 +632,7 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
     dist.gather_object(outcome, gathered, dst=0)
     row, failed = None, [False]
     if rank == 0:
+        record.update(phase="evaluate", bound_s=EVALUATE_S)
         row = evaluate_gathered(gathered)
         failed = [not row.passed]
         if results_path is not None:
@@ -589,8 +640,10 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
                 out.write(json.dumps(row.to_dict()) + "\n")
         if on_case is not None:
             on_case(row)
+        record.update(phase="gather", bound_s=None)
     dist.broadcast_object_list(failed, src=0)
     if failed[0]:
+        record.update(phase="reset", bound_s=None)
         dist.barrier()  # nobody is still reading before the words are re-armed
         mailbox_sets.reset(boxes)
         dist.barrier()

@@ -1,9 +1,15 @@
 """Launchers: `virtual` (every rank a thread of this process) and `torchrun` (a process per rank).
 
 `run_torchrun` starts `python -m torch.distributed.run --standalone` for one node itself, in a
-new session, and waits for it under a deadline: a rank that crashes, hangs or never reports
-ends the job (torchrun stops the others; past the deadline the whole session is killed), the
-rank and exit code are reported, and the job's shared-memory mailboxes are removed. SIGTERM or
+new session, and watches it: a rank that crashes ends the job (torchrun stops the others; the
+rank and exit code are reported); a rank that stops making progress ends it too. Every rank
+writes its progress record into the job folder (`musebench.harness.progress`: its phase of each
+case and each call it begins, with how long until its next record at the latest); when the
+records say the job has stalled (no rank keeps its promise, or peers timed out waiting for a
+rank still in the call they gave up in) the launcher kills the session and every rank it knows
+by pid, and names the rank that stopped making progress, e.g. "rank 1 stopped making progress
+in case 0 (call 1 of 4); ranks 0, 2, 3 timed out waiting for it". An overall deadline (startup,
+compile and every case's bound) backs the watch. The job's shared-memory mailboxes are removed. SIGTERM or
 SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the session the same way
 before it exits with 128 + the signal's number. The ranks
 (`musebench.harness.worker`) gather their outcomes to rank 0, which checks them and writes one
@@ -32,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from musebench.harness.case import Faults, RunOptions
-from musebench.harness.driver import case_bound_s, compile_bound_s  # noqa: F401  (the launch's deadline)
+from musebench.harness.driver import STARTUP_S, case_bound_s, compile_bound_s  # noqa: F401  (the launch's deadline)
 from musebench.harness.measure import BenchOptions
+from musebench.harness.progress import PROGRESS_DIR_ENV, Watch, read_progress
 from musebench.harness.results import CaseResult
 
-STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +113,18 @@ def run_torchrun(
             "--max-restarts=0", "--monitor-interval=0.2",
             "-m", "musebench.harness.worker", str(spec), str(results_path),
         ]
-        env = dict(os.environ, MUSEBENCH_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        progress_dir = Path(folder) / "progress"
+        progress_dir.mkdir()
+        env = dict(os.environ, MUSEBENCH_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   **{PROGRESS_DIR_ENV: str(progress_dir)})
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         log_path = Path(folder) / "torchrun.log"
         bound_s = STARTUP_S + compile_bound_s(options) + len(cases) * case_bound_s(
             options, bench if measurement == "bench" else None)
         deadline = time.monotonic() + bound_s
-        killed = False
+        watch = Watch(tp, options.timeout_s, startup_s=STARTUP_S)
+        killed, stalled = False, None
         rows: list[CaseResult] = []
         seen = 0
         with open(log_path, "w") as log, _exit_on_termination():
@@ -124,13 +134,19 @@ def run_torchrun(
                     seen = _drain(results_path, rows, seen, on_case)
                     if process.poll() is not None:
                         break
+                    watch.observe(read_progress(progress_dir))
+                    if watch.stalled():
+                        stalled = f"{watch.blame()}: killed with every rank"
+                        _kill_session(process, _rank_pids(watch, folder))
+                        killed = True
+                        break
                     if time.monotonic() > deadline:
-                        _kill_session(process)
+                        _kill_session(process, _rank_pids(watch, folder))
                         killed = True
                         break
                     time.sleep(0.1)
             except BaseException:
-                _kill_session(process)
+                _kill_session(process, _rank_pids(watch, folder))
                 raise
             finally:
                 _cleanup_shm(job)
@@ -141,11 +157,12 @@ def run_torchrun(
             rows[-1].error = f"torchrun exited with code {code} after the last case: " + _failure_summary(
                 log_path.read_text(errors="replace"), tp)
         if len(rows) < len(cases):
-            text = log_path.read_text(errors="replace")
-            if killed:
-                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({_progress_note(text)})"
+            if stalled is not None:
+                reason = stalled
+            elif killed:
+                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({watch.blame()})"
             else:
-                reason = _failure_summary(text, tp)
+                reason = _failure_summary(log_path.read_text(errors="replace"), tp)
             for case in cases[len(rows):]:
                 row = _error_row(case, options, reason)
                 rows.append(row)
@@ -181,15 +198,6 @@ def _exit_on_termination():
             signal.signal(sig, handler)
 
 
-def _progress_note(log: str) -> str:
-    """Which ranks started a case they never finished, from the ranks' progress lines."""
-    last: dict[int, tuple[str, int]] = {}
-    for rank, event, case in re.findall(r"rank (\d+) (started|done) case (\d+)", log):
-        last[int(rank)] = (event, int(case))
-    stuck = sorted(f"rank {rank} in case {case}" for rank, (event, case) in last.items() if event == "started")
-    return "stuck: " + ", ".join(stuck) if stuck else "no rank reported being stuck"
-
-
 def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:
     if not path.exists():
         return seen
@@ -203,22 +211,39 @@ def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:
     return len(complete)
 
 
-def _kill_session(process: subprocess.Popen) -> None:
-    """SIGTERM then SIGKILL to the whole session: torchrun and every rank it started."""
+def _rank_pids(watch: Watch, folder: str) -> list[int]:
+    """The pids of the job's ranks from their progress records, each still a rank of this job
+    (its command line names the job folder: a pid reused since is not touched)."""
+    pids = []
+    for record in watch.records.values():
+        try:
+            command = Path(f"/proc/{record.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone already
+            continue
+        if folder in command:
+            pids.append(record.pid)
+    return pids
+
+
+def _kill_session(process: subprocess.Popen, ranks: Sequence[int] = ()) -> None:
+    """SIGTERM then SIGKILL to the whole session: torchrun and every rank it started; then SIGKILL
+    to the sessions of `ranks` (pids), which torchrun starts in sessions of their own: a rank
+    torchrun could not stop in time is not left behind."""
     for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             process.wait(wait_s)
             # the leader may be gone while ranks linger: one more sweep below
         except subprocess.TimeoutExpired:
             continue
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _cleanup_shm(job: str) -> None:

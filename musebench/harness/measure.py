@@ -96,8 +96,9 @@ def identical_where_stock_is(ranks: Sequence[RankResult], expected: Expected) ->
 
 
 def summarize_errors(errors: Sequence[str]) -> str:
-    """Root causes first: an injected fault, a hang or a crash explains the timeouts it causes."""
-    ordered = sorted(errors, key=lambda e: ("timed out" in e, e))
+    """Root causes first: a rank that stopped making progress, an injected fault or a crash
+    explains the timeouts it causes."""
+    ordered = sorted(errors, key=lambda e: ("stopped making progress" not in e, "timed out" in e, e))
     extra = len(ordered) - 1
     return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
 

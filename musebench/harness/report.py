@@ -3,7 +3,10 @@
 Contract:
 
 - `render_table` prints one rich table per run, one row per case, in the report's case order;
-  nothing is grouped or aggregated away. A failed case's row is red, and under the table each
+  nothing is grouped or aggregated away. Only bench rows (`measurement` "bench": CUDA-graph
+  medians) fill µs columns, and the columns exist only where such rows are: a check run (the
+  CPU model always) has no µs or ratio column, and one line under the table (`TIMING_POINTER`)
+  says where kernel timings come from. A failed case's row is red, and under the table each
   failed case gets exactly one diagnostic line (`diagnostic`), each skipped run one line
   (`skipped_line`: "routing: skipped, REASON — NAME, N cases"); a run with no case rows
   but skipped runs prints no empty table, then one summary line
@@ -16,8 +19,9 @@ Contract:
   carrying the diagnostic line, per failed case; each skipped run is one <testcase> holding a
   <skipped> with its reason.
 - `compare` lists what got worse from one run to the next: cases that passed and now fail, cases
-  whose median tail time grew by more than a relative threshold, and cases that disappeared.
-  Improvements and cases new in the second run are not reported.
+  whose median tail time grew by more than a relative threshold (bench rows on both sides: the
+  host wall-clock µs of check rows in files before schema 1.3 are ignored), and cases that
+  disappeared. Improvements and cases new in the second run are not reported.
 - `machine_info`, `version_info`, `git_commit` and `now_utc` fill a report's provenance fields;
   none of them raises for a missing tool or package, they report it as absent instead.
 
@@ -60,12 +64,18 @@ __all__ = [
     "render_comparison",
     "render_table",
     "skipped_line",
+    "timed",
     "version_info",
     "write_json",
     "write_junit",
 ]
 
 _MISSING = "—"
+# Under a table with check rows: a check times nothing (a host clock around a Python call would
+# time the interpreter); kernel timings are the benches' graph medians.
+TIMING_POINTER = ("timings: a check times nothing; kernel timings (CUDA-graph medians, GPU) come from "
+                  "`musebench bench tail`")
+ROUTING_POINTER = " and `musebench bench routing`"
 # Long stock paths would push the numeric columns off an ordinary terminal; the tail of a dotted
 # path names the function, which is what tells two stock paths apart.
 _STOCK_PATH_WIDTH = 32
@@ -116,6 +126,11 @@ def _format_us(value: float | None) -> str:
     if math.isnan(value):
         return "nan"
     return f"{value:.2f}"
+
+
+def timed(case: CaseResult) -> bool:
+    """The row's µs are kernel timings (a bench's graph medians), not absent or host wall-clock."""
+    return case.measurement == "bench"
 
 
 def _format_ratio(value: float | None) -> str:
@@ -195,13 +210,15 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     table.add_column("✓/✗", justify="center")
     table.add_column("#wrong", justify="right")
     table.add_column("max ulp", justify="right")
-    table.add_column("tail µs", justify="right")
-    table.add_column("stock µs", justify="right")
-    table.add_column("ratio", justify="right")
-    baselines = list(dict.fromkeys(name for case in report.cases for name in case.baselines_us))
+    benches = [case for case in report.cases if timed(case)]
+    if benches:
+        table.add_column("tail µs", justify="right")
+        table.add_column("stock µs", justify="right")
+        table.add_column("ratio", justify="right")
+    baselines = list(dict.fromkeys(name for case in benches for name in case.baselines_us))
     for name in baselines:
         table.add_column(f"{name} µs", justify="right")
-    parts = list(dict.fromkeys(name for case in report.cases for name in case.kernels_us))
+    parts = list(dict.fromkeys(name for case in benches for name in case.kernels_us))
     for name in parts:
         table.add_column(f"{name} µs", justify="right")
 
@@ -222,15 +239,16 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
         # Text cells keep brackets in stock paths or kernel names from being read as rich markup.
         row = [Text(cell) for cell in cells]
         row.append(mark)
-        row += [
-            Text(str(case.mismatches)),
-            Text(str(case.max_ulp)),
-            Text(_format_us(case.tail_us)),
-            Text(_format_us(case.stock_us)),
-            Text(_format_ratio(case.ratio)),
-        ]
-        row += [Text(_format_us(case.baselines_us.get(name))) for name in baselines]
-        row += [Text(_format_us(case.kernels_us.get(name))) for name in parts]
+        row += [Text(str(case.mismatches)), Text(str(case.max_ulp))]
+        if benches:  # a check row beside bench rows: its µs are absent, never host wall-clock
+            bench = timed(case)
+            row += [
+                Text(_format_us(case.tail_us if bench else None)),
+                Text(_format_us(case.stock_us if bench else None)),
+                Text(_format_ratio(case.ratio if bench else None)),
+            ]
+            row += [Text(_format_us(case.baselines_us.get(name) if bench else None)) for name in baselines]
+            row += [Text(_format_us(case.kernels_us.get(name) if bench else None)) for name in parts]
         table.add_row(*row, style=None if passed else "red")
 
     if report.cases or not report.skipped:
@@ -240,6 +258,10 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     notes = list(dict.fromkeys(note for case in report.cases for note in case.notes))
     for note in notes:
         console.print(Text(f"note: {note}"), soft_wrap=True)
+    checks = [case for case in report.cases if not timed(case)]
+    if checks:
+        routing = any(case.mode == "routing" for case in checks)
+        console.print(Text(TIMING_POINTER + (ROUTING_POINTER if routing else "")), soft_wrap=True)
 
     failed = [case for case in report.cases if not case.passed]
     for case in failed:
@@ -432,7 +454,7 @@ def _xml_text(value: Any) -> str:
 
 
 def _case_seconds(case: CaseResult) -> float:
-    if case.tail_us is None or not case.iters or not math.isfinite(case.tail_us):
+    if not timed(case) or case.tail_us is None or not case.iters or not math.isfinite(case.tail_us):
         return 0.0
     return case.tail_us * case.iters / 1e6
 
@@ -441,7 +463,7 @@ def write_junit(report: RunReport, path: str | os.PathLike[str]) -> None:
     """Write the report as JUnit XML for CI test views.
 
     Each case is a <testcase> named `case_name(case)` with classname = its kernel and time =
-    tail_us × iters / 1e6 seconds (0 when untimed). A failed case holds one <failure> whose
+    tail_us × iters / 1e6 seconds (0 when untimed: every check row). A failed case holds one <failure> whose
     message is its diagnostic line and whose type is "error" for a crashed case, else "mismatch".
     A skipped run is one <testcase> named `skipped_name(run)`, classname its kernel, time 0, holding
     a <skipped> whose message is its `skipped_line`; it counts in `tests` and `skipped`.
@@ -548,8 +570,9 @@ def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Reg
 
     Cases are matched by `CaseResult.key`; cases sharing a key (e.g. several seeds) are paired in
     their order of appearance, and an unpaired old one counts as missing. A timing regression is
-    new.tail_us > old.tail_us × (1 + threshold) with both timed and old.tail_us > 0; it is
-    reported whether or not the case still passes. Raises ValueError for a negative threshold.
+    new.tail_us > old.tail_us × (1 + threshold) with both bench rows (`timed`), both timed and
+    old.tail_us > 0; it is reported whether or not the case still passes. Check rows are compared
+    for correctness only. Raises ValueError for a negative threshold.
     """
     if threshold < 0 or math.isnan(threshold):
         raise ValueError(f"threshold must be a non-negative fraction, got {threshold!r}")
@@ -564,7 +587,7 @@ def compare(old: RunReport, new: RunReport, threshold: float = 0.05) -> list[Reg
         if old_case.passed and not new_case.passed:
             regressions.append(Regression(key, "correctness", "passed", "failed", diagnostic(new_case)))
 
-        before, after = old_case.tail_us, new_case.tail_us
+        before, after = _kernel_us(old_case), _kernel_us(new_case)
         if _comparable(before, after):
             change = (after - before) / before
             if change > threshold:
@@ -593,15 +616,22 @@ class Pairing:
 
 def side_by_side(old: RunReport, new: RunReport) -> list[Pairing]:
     """The cases both runs hold, matched as `compare` matches them, in `old`'s order: for an A/B of
-    two builds on one machine, where every ratio matters, not only the regressions."""
+    two builds on one machine, where every ratio matters, not only the regressions. A check row's
+    µs are None (a 1.2 file's host wall-clock is not shown)."""
     pairs: list[Pairing] = []
     for key, old_case, new_case in _matched(old, new):
         if new_case is None:
             continue
+        both = timed(old_case) and timed(new_case)
         kernels = {name: (old_case.kernels_us[name], new_case.kernels_us[name])
-                   for name in old_case.kernels_us if name in new_case.kernels_us}
-        pairs.append(Pairing(key, (old_case.tail_us, new_case.tail_us), kernels))
+                   for name in old_case.kernels_us if both and name in new_case.kernels_us}
+        pairs.append(Pairing(key, (_kernel_us(old_case), _kernel_us(new_case)), kernels))
     return pairs
+
+
+def _kernel_us(case: CaseResult) -> float | None:
+    """The row's tail µs where they are kernel timings (a bench row), else None."""
+    return case.tail_us if timed(case) else None
 
 
 def _comparable(before: float | None, after: float | None) -> bool:

@@ -9,8 +9,13 @@ file written with the same `SCHEMA_VERSION` major.
 Schema history: 1.0 the cases; 1.1 adds the top-level `skipped` list (a 1.0 file reads with none,
 and a 1.0 reader, which reads top-level fields by name, ignores it) and, on rows, `baselines_us`
 (other paths timed in the same bench run) and `notes` (a 1.0 file reads with neither); 1.2 adds,
-on rows, `kernels_us` (the tail's own kernels timed apart). Readers ignore row fields they do
-not know, so a file of a later minor reads with an earlier one.
+on rows, `kernels_us` (the tail's own kernels timed apart); 1.3 adds, on rows, `measurement`:
+"check" (bits checked, nothing timed: `tail_us`, `stock_us` and the ranks' µs are None) or
+"bench" (µs are CUDA-graph medians). A file before 1.3 reads with its rows' measurement inferred
+(`infer_measurement`): "bench" where the row has `baselines_us` or `kernels_us` or the report's
+command is a `musebench bench ...`, else "check"; the host wall-clock µs that 1.2 check rows
+carry are read but mean nothing, and the report layer ignores them. Readers ignore row fields
+they do not know, so a file of a later minor reads with an earlier one.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
+MEASUREMENTS = ("check", "bench")
 
 
 @dataclass
@@ -40,7 +46,7 @@ class RankResult:
     mismatches: int = 0  # elements whose bits differ from the stock
     max_ulp: int = 0
     first_mismatch: Mismatch | None = None
-    tail_us: float | None = None  # median per call
+    tail_us: float | None = None  # benches: median per call
     stock_us: float | None = None
     error: str | None = None  # crash, timeout or fault record, as one line
 
@@ -66,7 +72,8 @@ class CaseResult:
     rank_identical: bool = True
     deterministic: bool = True
     error: str | None = None
-    tail_us: float | None = None  # median per call, max over ranks
+    # benches (measurement "bench"): CUDA-graph median per call, max over ranks; checks: None
+    tail_us: float | None = None
     stock_us: float | None = None
     bytes_moved: int = 0  # per rank per call, payload bytes written to peers
     iters: int = 0
@@ -78,6 +85,7 @@ class CaseResult:
     # benches: the tail's kernels apart (name -> µs per call, max over ranks), e.g. the EP
     # "publisher" alone and "reduce (call - publisher)"; `tail_us` is the whole call
     kernels_us: dict[str, float] = field(default_factory=dict)
+    measurement: str = "check"  # "check": bits only, untimed; "bench": µs are CUDA-graph medians
 
     @property
     def passed(self) -> bool:
@@ -101,12 +109,28 @@ class CaseResult:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CaseResult:
+    def from_dict(cls, data: dict[str, Any], command: str = "") -> CaseResult:
+        """A row from its JSON; without `measurement` (before 1.3) it is inferred from the row and
+        the report's `command` (`infer_measurement`)."""
         known = {f.name for f in fields(cls)}
         data = {k: v for k, v in data.items() if k in known}
+        data.setdefault("measurement", infer_measurement(data, command))
+        if data["measurement"] not in MEASUREMENTS:
+            raise ValueError(f"unknown measurement {data['measurement']!r} (expected one of {', '.join(MEASUREMENTS)})")
         ranks = [_rank_from_dict(r) for r in data.pop("ranks", [])]
         first = data.pop("first_mismatch", None)
         return cls(**data, ranks=ranks, first_mismatch=_mismatch_from_dict(first))
+
+
+def infer_measurement(row: dict[str, Any], command: str = "") -> str:
+    """A pre-1.3 row's measurement: "bench" if it holds other paths' or its kernels' µs (tail
+    benches) or its report's command is `musebench bench ...` (routing benches), else "check"."""
+    if row.get("baselines_us") or row.get("kernels_us"):
+        return "bench"
+    words = command.split()
+    if words and words[0].rsplit("/", 1)[-1] == "musebench":
+        words = words[1:]
+    return "bench" if words[:1] == ["bench"] else "check"
 
 
 def _mismatch_from_dict(data: dict[str, Any] | None) -> Mismatch | None:
@@ -176,7 +200,7 @@ class RunReport:
             machine=data.get("machine", {}),
             versions=data.get("versions", {}),
             git_commit=data.get("git_commit", ""),
-            cases=[CaseResult.from_dict(case) for case in data.get("cases", [])],
+            cases=[CaseResult.from_dict(case, command=data["command"]) for case in data.get("cases", [])],
             schema_version=version,
             skipped=[SkippedRun(**run) for run in data.get("skipped", [])],
         )

@@ -44,14 +44,44 @@ def test_flipped_bit_in_a_process(job_id):
     assert rows[0].mismatches == 1 and rows[0].first_mismatch.rank == 1
 
 
-def test_hung_rank_is_killed_with_every_rank(job_id, monkeypatch):
-    monkeypatch.setattr(launch, "STARTUP_S", 25.0)
-    monkeypatch.setattr(launch, "case_bound_s", lambda options, bench=None: 5.0)
+def test_hung_rank_is_killed_with_every_rank(job_id):
+    """Its peers time out waiting for it: the watch names it, not the peer whose gather ran out."""
+    options = RunOptions(**FAST, faults=Faults(hang_rank=1))
     started = time.monotonic()
+    rows = launch.run_torchrun(_cases(tokens=(1, 2)), options)
+    assert time.monotonic() - started < options.timeout_s + 15
+    assert [row.passed for row in rows] == [False, False]
+    assert rows[0].error.startswith("rank 1 stopped making progress in case 0 (call 1 of 1)"), rows[0].error
+    assert "rank 0 timed out waiting for it" in rows[0].error and "killed with every rank" in rows[0].error
+
+
+def test_the_deadline_backs_the_watch(job_id, monkeypatch):
+    """Were the watch never to call a stall, the job's deadline still ends it, every rank killed."""
+    monkeypatch.setattr(launch, "STARTUP_S", 15.0)
+    monkeypatch.setattr(launch, "case_bound_s", lambda options, bench=None: 3.0)
+    monkeypatch.setattr(launch.Watch, "stalled", lambda self, now=None: False)
     rows = launch.run_torchrun(_cases(tokens=(1,)), RunOptions(**FAST, faults=Faults(hang_rank=1)))
-    assert time.monotonic() - started < 60
     assert not rows[0].passed
-    assert "killed with every rank" in rows[0].error and "stuck: rank 1 in case 0" in rows[0].error
+    assert "did not finish within 18s: killed with every rank (" in rows[0].error, rows[0].error
+
+
+def test_the_hung_rank_of_the_main_command_is_named_within_the_timeout(job_id):
+    """`musebench tail --tp 4 ... --timeout 3 --inject hang:1` exited 1 after 71 s naming rank 0
+    (its gather's 60 s gloo timeout); now within 3 + 15 s, naming rank 1, nothing left behind."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "musebench", "tail", "--tp", "4", "--launcher", "torchrun", "--mode", "ep",
+               "--tokens", "2", "--weights", "bf16", "--norm", "before", "--timeout", "3", "--inject", "hang:1",
+               "--backend", "cpu"]
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert elapsed < 3 + 15, f"{elapsed:.1f}s\n{done.stdout}"
+    assert ("rank 1 stopped making progress in case 0 (call 1 of 4)" in done.stdout
+            and "ranks 0, 2, 3 timed out waiting for it" in done.stdout), done.stdout
+    assert "rank 0 exited" not in done.stdout and "rank 2 exited" not in done.stdout
 
 
 def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):

@@ -13,6 +13,7 @@ import pytest
 from rich.console import Console
 
 from musebench.harness.report import (
+    TIMING_POINTER,
     Regression,
     case_name,
     compare,
@@ -22,6 +23,7 @@ from musebench.harness.report import (
     read_json,
     render_comparison,
     render_table,
+    side_by_side,
     skipped_line,
     version_info,
     write_json,
@@ -31,6 +33,7 @@ from musebench.harness.results import SCHEMA_VERSION, CaseResult, Mismatch, Rank
 
 
 def make_case(**overrides) -> CaseResult:
+    """A bench row (µs are graph medians); `check_case` makes a check row."""
     fields = dict(
         kernel="ep_tail",
         mode="ep",
@@ -49,9 +52,18 @@ def make_case(**overrides) -> CaseResult:
         stock_us=12.5,
         iters=100,
         ranks=[RankResult(rank=r, digest=f"{r:064x}", tail_us=10.0, stock_us=12.5) for r in range(4)],
+        measurement="bench",
     )
     fields.update(overrides)
     return CaseResult(**fields)
+
+
+def check_case(**overrides) -> CaseResult:
+    """A check row: bits checked, nothing timed."""
+    fields = dict(tail_us=None, stock_us=None, measurement="check",
+                  ranks=[RankResult(rank=r, digest=f"{r:064x}") for r in range(4)])
+    fields.update(overrides)
+    return make_case(**fields)
 
 
 def wrong_case(**overrides) -> CaseResult:
@@ -148,6 +160,62 @@ def test_kernel_medians_round_trip_and_rows_of_other_minors_read(tmp_path):
     data["schema_version"] = "1.9"
     path.write_text(json.dumps(data))
     assert read_json(path).cases[0].tail_us == case.tail_us
+
+
+def _a_1_2_check_file(tmp_path, tail_us: float, command: str = "musebench tail --tp 4") -> Path:
+    """A check run as schema 1.2 wrote it: host wall-clock µs in its rows, no `measurement`."""
+    data = make_report([check_case(tail_us=tail_us, stock_us=4 * tail_us,
+                                   ranks=[RankResult(rank=r, digest=f"{r:064x}", tail_us=tail_us) for r in range(4)])]
+                       ).to_dict()
+    data["schema_version"], data["command"] = "1.2", command
+    for row in data["cases"]:
+        del row["measurement"]
+    path = tmp_path / f"old-{tail_us}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_1_2_file_reads_with_its_rows_measurement_inferred(tmp_path):
+    assert read_json(_a_1_2_check_file(tmp_path, 48015.0)).cases[0].measurement == "check"
+    bench = _a_1_2_check_file(tmp_path, 5.0, command="musebench bench routing --tokens 1")  # no kernels_us
+    assert read_json(bench).cases[0].measurement == "bench"
+    data = json.loads(_a_1_2_check_file(tmp_path, 6.0).read_text())
+    data["cases"][0]["kernels_us"] = {"publisher": 2.0}  # a tail bench row
+    assert RunReport.from_dict(data).cases[0].measurement == "bench"
+    data["cases"][0]["measurement"] = "guess"
+    with pytest.raises(ValueError, match="unknown measurement"):
+        RunReport.from_dict(data)
+
+
+def test_check_rows_have_no_us_columns_and_point_to_the_bench(tmp_path):
+    """The 48,015 µs vs 176,685 µs "0.27×" of a CPU check, host wall-clock, is no longer shown."""
+    console = Console(record=True, width=200)
+    render_table(read_json(_a_1_2_check_file(tmp_path, 48015.0)), console)
+    text = console.export_text()
+    assert "µs" not in text and "ratio" not in text and "48015" not in text and "×" not in text
+    assert TIMING_POINTER in text and "1 passed, 0 failed" in text
+
+
+def test_a_check_row_beside_bench_rows_shows_no_timing():
+    console = Console(record=True, width=200)
+    render_table(make_report([make_case(tokens=1), check_case(tokens=2, tail_us=48015.0)]), console)
+    text = console.export_text()
+    assert "tail µs" in text and "10.00" in text and "48015" not in text
+    assert TIMING_POINTER in text  # for the check row
+    console = Console(record=True, width=200)
+    render_table(make_report([make_case()]), console)
+    assert TIMING_POINTER not in console.export_text()
+
+
+def test_compare_ignores_the_host_timings_of_check_rows(tmp_path):
+    """Old check files carry host µs: a slower host is no regression; a failure still is."""
+    old = read_json(_a_1_2_check_file(tmp_path, 10.0))
+    slower = read_json(_a_1_2_check_file(tmp_path, 1000.0))
+    assert compare(old, slower) == []
+    failed = make_report([check_case(error="rank 1 stopped making progress in case 0 (call 1 of 4)")])
+    assert [r.kind for r in compare(old, failed)] == ["correctness"]
+    assert side_by_side(old, slower)[0].tail == (None, None)
+    assert compare(make_report([make_case(tail_us=10.0)]), make_report([check_case()])) == []  # bench → check
 
 
 def test_a_skipped_run_is_no_pass_and_no_failure():
