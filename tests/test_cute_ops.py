@@ -6,7 +6,6 @@ target (no GPU needed); calls that would launch stop at the device check.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import subprocess
@@ -18,10 +17,9 @@ import torch
 
 from musebench import config, cute_ops, routing_metadata
 from musebench.layout import MuseRouter
+from tests._seeds import EMPTY, POS, assert_seed_signature
 
 E, K = config.NUM_EXPERTS, config.TOP_K
-EMPTY = inspect.Parameter.empty
-POS = inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 # name -> [(parameter, kind, default)] as the seed documents them.
 SEED_SIGNATURES = {
@@ -43,13 +41,9 @@ def _resolve(name: str):
     return target
 
 
-def _parameters(function) -> list[tuple[str, object, object]]:
-    return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
-
-
 @pytest.mark.parametrize("name", sorted(SEED_SIGNATURES))
 def test_seed_signatures(name):
-    assert _parameters(_resolve(name)) == SEED_SIGNATURES[name]
+    assert_seed_signature(_resolve(name), SEED_SIGNATURES[name])  # no extras
 
 
 def test_routing_metadata_is_the_seeds_named_tuple():
