@@ -393,10 +393,12 @@ class BoundTail:
 
     def launch_demands(self, m: int, weight_dtype: torch.dtype | None = None) -> list[LaunchDemand]:
         """This rank's launches for m tokens (compiled kernel and geometry), for the co-residency
-        check of virtual ranks (`musebench.kernels.occupancy`); `weight_dtype` defaults to the
-        first dtype bind prepared."""
+        check of virtual ranks (`musebench.kernels.occupancy`): none for m = 0; `weight_dtype`
+        defaults to the first dtype bind prepared."""
         dtype = self._weight_dtypes[0] if weight_dtype is None else weight_dtype
         _check_weight_dtype(dtype)
+        if m == 0:
+            return []
         kernel = self.tail.select(self.constants, dtype, m)
         return self._weight_view.runner(kernel, dtype, m).launch_demands(m)
 

@@ -300,6 +300,8 @@ def test_bind_refusals_come_before_any_compile():
     assert not group._publishers
     with pytest.raises(ValueError, match="bind a layer first"):
         group.launch_demands(1)
+    bound = tail.BoundTail(tp_tail_on_cpu(), tail.tail_constants(norm()), tail.tail_weight(norm(), "cpu"))
+    assert bound.launch_demands(0) == []  # nothing launches for an empty batch
 
 
 def test_moe_tail_select_compiles_once_per_constants_and_dtype():
