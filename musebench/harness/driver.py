@@ -28,7 +28,7 @@ import torch
 from musebench import numerics as nx
 from musebench.comm import lamport
 from musebench.harness import checks
-from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
+from musebench.harness.cases import WEIGHT_DTYPES, TailCase, TailInputs, make_tail_inputs
 from musebench.harness.results import CaseResult, RankResult
 
 DEFAULT_NSM = 148  # B200 / GB200 SM count: the TP stock's dispatch on the racks musebench targets
@@ -204,31 +204,24 @@ def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInput
     Binding compiles (cute backend): do it for every rank before any rank runs, outside capture.
     `options.ep_launch == "single"`: the cute EP tail as one kernel.
     """
-    if options.backend == "cute" and case.mode == "tp":
-        from musebench.kernels.tp_tail import TpTail, TpVariant
-        from musebench.tp_dispatch import tp_stock_path
-
-        route, token = boxes.device_tp_route, boxes.device_tp_token
-        capacity = token.capacity
-        return TpTail(
-            rank=rank, tp=case.tp, capacity=capacity, route_mailbox=route.words, route_peers=route.peer_table,
-            token_mailbox=token.words, token_peers=token.peer_table, stage=route.stage, fault=route.fault,
-            norm_weight=inputs.norm_weight.to(route.words.device), weight_before_norm=case.weight_before_norm,
-            weight_dtype=case.weight_dtype, eps=case.eps, gain_center=case.gain_center,
-            variants={m: TpVariant.from_path(tp_stock_path(m, case.tp, options.nsm)) for m in range(1, capacity + 1)},
-            timeout_ns=int(options.timeout_s * 1e9),
-        )
     if options.backend == "cute":
-        from musebench.kernels.ep_tail import EpTail
+        from musebench.kernels.tail import MoETail, TpTail
+        from musebench.layout import PostExpertNorm
 
-        box = boxes.device_ep
-        return EpTail(
-            rank=rank, tp=case.tp, capacity=box.capacity, mailbox=box.words, stage=box.stage, fault=box.fault,
-            norm_weight=inputs.norm_weight.to(box.words.device), peer_mailboxes=box.peer_table,
-            weight_before_norm=case.weight_before_norm, weight_dtype=case.weight_dtype, eps=case.eps,
-            gain_center=case.gain_center, timeout_ns=int(options.timeout_s * 1e9),
-            single_launch=options.ep_launch == "single",
-        )
+        norm = PostExpertNorm(hidden_size=case.width, variance_epsilon=case.eps, fused_gain_center=case.gain_center,
+                              applies_weight_before_norm=case.weight_before_norm, weight=inputs.norm_weight)
+        dtypes = (WEIGHT_DTYPES[case.weight_dtype],)
+        timeout_ns = int(options.timeout_s * 1e9)
+        if case.mode == "tp":
+            route, token = boxes.device_tp_route, boxes.device_tp_token
+            tail = TpTail(None, tp=case.tp, rank=rank, device=route.words.device, capacity=token.capacity,
+                          batches=range(1, token.capacity + 1), timeout_ns=timeout_ns, nsm=options.nsm, routes=route,
+                          tokens=token)
+        else:
+            box = boxes.device_ep
+            tail = MoETail(None, tp=case.tp, rank=rank, device=box.words.device, capacity=box.capacity,
+                           timeout_ns=timeout_ns, single_launch=options.ep_launch == "single", mailbox=box)
+        return tail.bind(norm, weight_dtypes=dtypes)
     if options.backend != "cpu":
         raise ValueError(f"unknown backend {options.backend!r}")
     from musebench.cpu.tail import CpuEpTail, CpuTpTail, TailOptions
