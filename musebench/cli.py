@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import click
 
+from musebench.comm.transport import REQUESTS as TRANSPORT_REQUESTS
+
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 # Virtual ranks put tp streams on one GPU; with the default 8 hardware queues, streams share a
@@ -107,10 +109,10 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
     cannot run is reported as skipped, never as passed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from musebench.harness.jobs import RoutingJob, build_report, run_job
+    from musebench.harness.jobs import build_report, run_job
 
     def skips(job) -> bool:
-        return isinstance(job, RoutingJob) and job.skip_reason is not None
+        return job.skip_reason is not None
 
     skipped = [job for job in jobs if skips(job)]
     running = [job for job in jobs if not skips(job)]
@@ -123,8 +125,6 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
             progress.update(task, description=job.name)
             rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
     notes = sorted({job.backend_note for job in running})
-    if any(not isinstance(job, RoutingJob) for job in running):
-        notes.append("µs are host wall-clock per call (stock: the torch reference); kernel timings: musebench bench")
     run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
                        skipped=[job.skipped() for job in skipped])
     if _is_reporting_rank():
@@ -161,22 +161,25 @@ def _is_reporting_rank() -> bool:
 @click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default="auto", show_default=True)
-@click.option("--stock", type=click.Choice(["reference", "flashinfer"]), default="reference", show_default=True)
 @click.option("--iters", type=int, default=3, show_default=True, help="Timed calls per case.")
 @click.option("--warmup", type=int, default=1, show_default=True)
 @click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds any wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
-@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default="auto", show_default=True)
+@click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default="auto", show_default=True,
+              help="Mailbox transport: auto picks the layout's (local, unicast, ipc; the CPU model's cpu-local, shm); "
+                   "a transport the layout or machine cannot have exits 2 (multicast, everywhere until issue 14).")
 @click.option("--ep-launch", type=click.Choice(["two", "single"]), default="two", show_default=True,
               help="The cute EP tail as two kernels (publisher, reduction) or one (rows: ep_tail_single).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
-def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, stock, iters, warmup,
-         timeout, nsm, transport, ep_launch, json_path, junit_path, inject) -> None:
+@click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
+              help="The implementation under test: a module providing the seeds' API.")
+def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, iters, warmup,
+         timeout, nsm, transport, ep_launch, json_path, junit_path, inject, impl) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
+    from musebench.harness.case import Faults
     from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
-    from musebench.harness.driver import Faults
     from musebench.harness.jobs import make_tail_job
 
     token_list = _parse_ints(tokens, "--tokens")
@@ -190,8 +193,8 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             norms=_parse_choices(norm, NORM_ORDERS, "--norm"),
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
-            timeout_s=timeout, stock=stock, nsm=nsm, transport=transport, faults=Faults.parse(inject),
-            ep_launch=ep_launch,
+            timeout_s=timeout, nsm=nsm, transport=transport, faults=Faults.parse(inject),
+            ep_launch=ep_launch, impl=impl,
         )
     except ValueError as error:
         _usage_error(str(error))
@@ -207,7 +210,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
               help="Override the files' launcher (tail runs; routing runs on virtual ranks of one GPU).")
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cute"]), default=None,
               help="Override the files' backend (routing: auto skips it without a GPU, cpu always, cute refuses).")
-@click.option("--transport", type=click.Choice(["auto", "unicast", "multicast"]), default=None,
+@click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default=None,
               help="Override the files' transport (tail runs).")
 def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport) -> None:
     """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock.
@@ -215,7 +218,7 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
     Tail runs go first, then routing runs. A routing run needs a GPU with SM >= 90 and CuTe DSL;
     elsewhere it is reported as skipped (exit 0 if nothing failed), never as passed.
     """
-    from musebench.harness.jobs import RoutingJob, jobs_from_scenario
+    from musebench.harness.jobs import jobs_from_scenario
     from musebench.harness.scenario import load_scenario
 
     paths = scenarios or (DEFAULT_SCENARIO,)
@@ -227,11 +230,11 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
         _usage_error(str(error))
     # Routing last: inside a torchrun job only the reporting rank routes (virtual ranks on its own
     # GPU), so no rank may be left waiting at a tail barrier for a peer that is still routing.
-    jobs.sort(key=lambda job: isinstance(job, RoutingJob))  # stable: file order within each kind
+    jobs.sort(key=lambda job: job.kernel == "routing")  # stable: file order within each kind
     if dry_run:
         out = _stdout()
         for job in jobs:
-            if isinstance(job, RoutingJob):
+            if job.kernel == "routing":
                 how = f"backend {job.backend}, virtual ranks"
             else:
                 how = f"backend {job.options.backend}, launcher {job.options.launcher}"
@@ -241,7 +244,7 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
                 out.print(f"  {case.label()}")
         return
     if not _is_reporting_rank():
-        jobs = [job for job in jobs if not isinstance(job, RoutingJob)]
+        jobs = [job for job in jobs if job.kernel != "routing"]
     _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
 
 
@@ -266,7 +269,7 @@ def bench() -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, timeout, nsm, json_path) -> None:
     """The cute tails, CUDA-graph timed against the stock finalize (and, per process, NCCL paths)."""
-    from musebench.harness.cases import NORM_ORDERS, WEIGHT_DTYPES, TailCase
+    from musebench.harness.cases import NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.scenario import validate_tokens, validate_tp
 
@@ -285,37 +288,40 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
         _, note = resolve_backend("cute")
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness.bench import BenchOptions, bench_empty_kernel, bench_virtual_tail
-    from musebench.harness.driver import RunOptions
-    from musebench.harness.jobs import build_report, gpu_sm_count
+    from musebench.harness.jobs import gpu_sm_count, make_tail_job
+    from musebench.harness.measure import BenchOptions
 
-    nsm = nsm if nsm is not None else gpu_sm_count()
     options = BenchOptions(calls=calls, replays=replays, timeout_s=timeout)
+    try:
+        jobs = [make_tail_job(name=f"bench tail tp={tp}", tp=tp, modes=modes, tokens=token_list, capacity=8,
+                              weights=weight_list, norms=norms, inputs=("random",), seeds=(0,), launcher=launcher,
+                              backend="cute", iters=1, warmup=0, timeout_s=timeout,
+                              nsm=nsm if nsm is not None else gpu_sm_count(), measurement="bench", bench=options)
+                for tp in tps]
+    except ValueError as error:
+        _usage_error(str(error))
+    if launcher == "virtual":
+        note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group"
+    else:
+        note = f"{note}; a process per rank: µs per call, max over ranks"
+    _bench_and_report(jobs, options, note, title="musebench bench tail", json_path=json_path)
+
+
+def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None) -> None:
+    """Run bench jobs after timing an empty launch (the floor every row sits on), and report."""
+    from musebench.harness.jobs import build_report, run_job
+    from musebench.harness.measure import bench_empty_kernel
+
     rows = []
     with _stderr().status("benchmarking") as status:
         floor = bench_empty_kernel(options)
-        for tp in tps:
-            cases = [TailCase(mode=kind, tp=tp, tokens=m, weight_dtype=w, norm=n)
-                     for kind in modes for w in weight_list for n in norms for m in token_list]
-            if launcher == "virtual":
-                for case in cases:
-                    status.update(case.label())
-                    rows.append(bench_virtual_tail(case, options, nsm))
-            else:
-                from musebench.harness import launch
-
-                status.update(f"tp={tp}: {len(cases)} cases, one process per rank")
-                run_options = RunOptions(backend="cute", launcher="torchrun", timeout_s=timeout, nsm=nsm)
-                run = launch.run_in_job if launch.in_torchrun_job() else launch.run_torchrun
-                rows.extend(run(cases, run_options, bench=options))
-    if launcher == "virtual":
-        note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group; empty launch {floor:.2f} µs"
-    else:
-        note = f"{note}; a process per rank: µs per call, max over ranks; empty launch {floor:.2f} µs"
-    run_report = build_report(rows, command=_command_line(), backend_note=note)
+        for job in jobs:
+            status.update(f"{job.name}: {len(job.cases)} cases")
+            rows.extend(run_job(job))
+    run_report = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
     run_report.machine["empty_launch_us"] = floor
     if _is_reporting_rank():
-        _emit(run_report, title="musebench bench tail", json_path=json_path)
+        _emit(run_report, title=title, json_path=json_path)
 
 
 @main.command()
@@ -330,41 +336,25 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 @click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, hang).")
-def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject) -> None:
+@click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
+              help="The implementation under test: a module providing the seeds' API.")
+def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject, impl) -> None:
     """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
+    from musebench.harness.case import Faults
     from musebench.harness.cases import INPUT_FAMILIES
-    from musebench.harness.driver import Faults
-    from musebench.harness.jobs import resolve_backend
-    from musebench.harness.routing import RoutingCase, run_routing_case, validate_routing_faults
-    from musebench.harness.scenario import validate_tokens, validate_tp
+    from musebench.harness.jobs import make_routing_job
 
     token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")
     families = _parse_choices(inputs, INPUT_FAMILIES, "--inputs")
     try:
-        validate_tp(tp)
-        validate_tokens(token_list, 8)
-        if any(not 1 <= tile <= 256 for tile in tile_list):
-            raise ValueError(f"--tile must be in 1..256, got {tile_list}")
         if seeds < 1:
             raise ValueError("--seeds must be >= 1")
-        if timeout <= 0:
-            raise ValueError("--timeout must be positive")
-        faults = Faults.parse(inject)
-        validate_routing_faults(faults, tp)
-        _, note = resolve_backend("cute")
+        job = make_routing_job(name=f"routing tp={tp}", tp=tp, tokens=token_list, tiles=tile_list,
+                               renormalize=(renormalize,), inputs=families, seeds=tuple(range(seed, seed + seeds)),
+                               backend="cute", timeout_s=timeout, faults=Faults.parse(inject), impl=impl)
     except ValueError as error:
         _usage_error(str(error))
-    from musebench.harness.jobs import build_report
-
-    cases = [RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renormalize, inputs=family, seed=s)
-             for family in families for tile in tile_list for m in token_list for s in range(seed, seed + seeds)]
-    rows = []
-    with _stderr().status("routing") as status:
-        for case in cases:
-            status.update(case.label())
-            rows.append(run_routing_case(case, faults=faults, timeout_s=timeout))
-    run = build_report(rows, command=_command_line(), backend_note=note)
-    _emit(run, title=f"musebench routing --tp {tp}", json_path=json_path, junit_path=junit_path)
+    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench routing --tp {tp}")
 
 
 @bench.command("routing")
@@ -374,31 +364,21 @@ def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_p
 @click.option("--replays", type=int, default=30, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_routing_command(tokens, tile, calls, replays, json_path) -> None:
-    """GPU: the routing kernel alone and with metadata vs the Triton stock, alone and with metadata (µs per call)."""
-    from musebench.harness.jobs import resolve_backend
-    from musebench.harness.scenario import validate_tokens
-
-    token_list = _parse_ints(tokens, "--tokens")
-    try:
-        validate_tokens(token_list, 8)
-        if not 1 <= tile <= 256 or calls < 1 or replays < 1:
-            raise ValueError("--tile must be in 1..256, --calls and --replays >= 1")
-        _, note = resolve_backend("cute")
-    except ValueError as error:
-        _usage_error(str(error))
-    from musebench.harness.bench import BenchOptions, bench_empty_kernel
-    from musebench.harness.jobs import build_report
-    from musebench.harness.routing import bench_routing
+    """GPU: the routing kernel with its metadata (and without) vs the Triton stock followed by the
+    separate metadata pass (and alone), rank 0's expert range of tp 8 (µs per call)."""
+    from musebench.harness.jobs import make_routing_job
+    from musebench.harness.measure import BenchOptions
 
     options = BenchOptions(calls=calls, replays=replays)
-    rows = []
-    with _stderr().status("benchmarking routing"):
-        floor = bench_empty_kernel(options)
-        for m in token_list:
-            rows.extend(bench_routing(m, tile, options))
-    run = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
-    run.machine["empty_launch_us"] = floor
-    _emit(run, title="musebench bench routing", json_path=json_path)
+    try:
+        if calls < 1 or replays < 1:
+            raise ValueError("--calls and --replays must be >= 1")
+        job = make_routing_job(name="bench routing", tp=8, tokens=_parse_ints(tokens, "--tokens"), tiles=(tile,),
+                               renormalize=(True,), inputs=("random",), seeds=(0,), backend="cute",
+                               measurement="bench", bench=options)
+    except ValueError as error:
+        _usage_error(str(error))
+    _bench_and_report([job], options, job.backend_note, title="musebench bench routing", json_path=json_path)
 
 
 @main.command("report")

@@ -16,25 +16,23 @@ from __future__ import annotations
 
 import torch
 
-from musebench import config
-from musebench.harness.routing import RoutingCase, local_experts, make_routing_inputs, routing_paths
-from musebench.kernels.routing import metadata_size, prepare
+from musebench.cases import routing
+from musebench.harness.case import RunOptions
+from musebench.harness.driver import load_impl
 
 LAUNCHES = 3  # per path and batch, after one warm-up launch
 TILE_N = 8
 
 
 def main() -> None:
-    device = torch.device("cuda")
-    prepare()
-    offset, count = local_experts(0, 8)
+    options = RunOptions(backend="cute", launcher="virtual")
+    impl = load_impl(options)
     for tokens in (1, 8):
-        logits, bias = (t.to(device) for t in make_routing_inputs(RoutingCase(tp=8, tokens=tokens, tile_n=TILE_N)))
-        ids = torch.empty(tokens, config.TOP_K, dtype=torch.int32, device=device)
-        weights = torch.empty(tokens, config.TOP_K, dtype=torch.float32, device=device)
-        metadata = torch.empty(metadata_size(TILE_N), dtype=torch.int32, device=device)
-        paths = routing_paths(logits, bias, ids, weights, metadata, local_expert_offset=offset,
-                              num_local_experts=count, tile_n=TILE_N)
+        case = routing.RoutingCase(tp=8, tokens=tokens, tile_n=TILE_N)
+        inputs = routing.make_inputs(case)
+        runner = routing.bind(case, impl, 0, {}, inputs, options)
+        paths = {"routing": runner.parts()["without metadata"], "routing+metadata": runner.call}
+        paths.update({name: baseline.call for name, baseline in routing.baselines(case, inputs, 0, runner, None).items()})
         for name, call in paths.items():
             call()  # compiles and loads outside the profiled launches' count
             torch.cuda.synchronize()

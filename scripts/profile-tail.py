@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from musebench.harness.cases import TailCase, make_tail_inputs
-from musebench.harness.driver import RunOptions, bind_tail, device_mailboxes
-from musebench.stock.triton_finalize import triton_finalize
+from musebench.cases import ep_tail
+from musebench.comm import mailboxes
+from musebench.harness.case import RunOptions
+from musebench.harness.cases import TailCase
+from musebench.harness.driver import load_impl
 
 LAUNCHES = 3  # per path and m, after one warm-up launch
 TP = 2
@@ -31,30 +33,23 @@ TP = 2
 def main() -> None:
     device = torch.device("cuda")
     options = RunOptions(backend="cute", launcher="virtual", timeout_s=2.0)
+    impl = load_impl(options)
     for tokens in (1, 8):
         case = TailCase(mode="ep", tp=TP, tokens=tokens, weight_dtype="bf16", norm="before", inputs="random")
-        inputs = make_tail_inputs(case)
-        boxes = device_mailboxes(("ep",), TP, case.tokens, case.width, case.top_k)
-        tails = [bind_tail(case, rank, boxes[rank], inputs, options) for rank in range(TP)]
-        unfinalized = [u.to(device) for u in inputs.per_rank]
-        outs = [torch.empty(tokens, case.width, dtype=torch.bfloat16, device=device) for _ in range(TP)]
-        norm_weight = inputs.norm_weight.to(device)
+        inputs = ep_tail.make_inputs(case)
+        boxes = mailboxes.allocate_virtual(ep_tail.mailboxes(case, case.tokens), TP, "local")
+        runners = [ep_tail.bind(case, impl, rank, boxes[rank], inputs, options) for rank in range(TP)]
+        finalize = ep_tail.baselines(case, inputs, 0, runners[0], None)["finalize"].call
+        publisher = runners[0].parts()["publisher"]
         streams = [torch.cuda.Stream(device) for _ in range(TP)]
-
-        def finalize() -> None:
-            triton_finalize(unfinalized[0], norm_weight, outs[0], eps=case.eps, gain_center=case.gain_center,
-                            weight_before_norm=case.weight_before_norm)
-
-        def publisher() -> None:
-            tails[0].run_publisher(unfinalized[0], outs[0])
 
         def whole_call() -> None:
             for rank in range(TP):
                 with torch.cuda.stream(streams[rank]):
-                    tails[rank].run_publisher(unfinalized[rank], outs[rank])
+                    runners[rank].parts()["publisher"]()
             for rank in range(TP):
                 with torch.cuda.stream(streams[rank]):
-                    tails[rank].run_reduce(outs[rank])
+                    runners[rank].tail.run_reduce(runners[rank].outputs["out"])
 
         for name, call in (("finalize", finalize), ("publisher", publisher), ("publishers, then reductions", whole_call)):
             for launch in range(LAUNCHES + 1):  # the first compiles and loads outside the count
@@ -62,10 +57,10 @@ def main() -> None:
                     print(f"== {name}, m = {tokens}: {LAUNCHES} launches", flush=True)
                 call()
                 torch.cuda.synchronize()
-                for box in boxes:
-                    box.device_ep.reset()
-        for tail in tails:
-            tail.check_fault()
+                for rank_boxes in boxes:
+                    mailboxes.reset(rank_boxes)
+        for runner in runners:
+            runner.check_fault()
 
 
 if __name__ == "__main__":

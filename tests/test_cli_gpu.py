@@ -41,3 +41,24 @@ def test_routing_with_an_injected_flip_exits_1_naming_the_rank(tmp_path):
     assert result.exit_code == 1, result.output
     cases = json.loads(out.read_text())["cases"]
     assert cases and all(not case["passed"] and case["first_mismatch"]["rank"] == 1 for case in cases)
+
+
+@pytest.mark.parametrize("launcher", ["virtual", "torchrun"])
+def test_an_implementation_that_reexports_musebench_passes(tmp_path, launcher):
+    out = tmp_path / "impl.json"
+    result = CliRunner().invoke(main, ["tail", "--tp", "2", "--tokens", "1,8", "--weights", "bf16", "--norm", "before",
+                                       "--iters", "1", "--warmup", "0", "--launcher", launcher,
+                                       "--impl", "tests.impls.reexport", "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert all(case["passed"] for case in json.loads(out.read_text())["cases"])
+
+
+def test_an_implementation_wrong_on_one_rank_fails_naming_it(tmp_path):
+    out = tmp_path / "impl.json"
+    result = CliRunner().invoke(main, ["tail", "--tp", "2", "--tokens", "2", "--weights", "bf16", "--norm", "before",
+                                       "--iters", "1", "--warmup", "0", "--impl", "tests.impls.flip_rank1",
+                                       "--json", str(out)], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    cases = json.loads(out.read_text())["cases"]
+    assert cases and all(not case["passed"] and case["first_mismatch"]["rank"] == 1 for case in cases)
+    assert "first at rank 1" in result.output

@@ -11,8 +11,8 @@ Transports here:
 - `ipc`: processes sharing GPUs; CUDA IPC handles gathered over the process group (peers on
   another GPU opened on this rank's device);
 - `unicast`: one process per GPU; torch SymmetricMemory peer pointers.
-Multicast objects are never created here: NVLink multicast is for GB200 racks, compile-tested
-only.
+Which one a launch gets is decided in `musebench.comm.transport` alone. Multicast objects are
+never created here: NVLink multicast is for GB200 racks, compile-tested only.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from musebench.comm import lamport
+from musebench.comm.transport import IPC_OPEN_MODES
 
 FAULT_CLEAR = -1
 
@@ -61,7 +62,7 @@ def local_device_group(tp: int, slots: int, capacity: int, width: int, device: t
 
 
 def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, device: torch.device,
-                     group=None) -> DeviceMailbox:
+                     group=None, open_mode: str = "auto") -> DeviceMailbox:
     """This process's mailbox among `tp` processes sharing GPUs (transport `ipc`), collective.
 
     Each rank allocates and arms its own words and gathers every rank's GPU and torch's CUDA IPC
@@ -72,12 +73,15 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     GPU's words faulted with an illegal address on two H200s, peer access granted or not (tp 4
     over two GPUs, 2026-11-29); a peer on another GPU is therefore opened on this rank's device
     with lazy peer access (`IpcMapping`), as NCCL's P2P transport opens its peers.
-    MUSEBENCH_IPC_OPEN=this-device opens every peer that way (a diagnostic, and how one GPU tests
-    that path). The table holds the mapped addresses.
+    `open_mode` "this-device" opens every peer that way (a diagnostic, and how one GPU tests that
+    path: MUSEBENCH_IPC_OPEN, read by `musebench.comm.transport.decide`, which hands it here as
+    `Transport.ipc_open`). The table holds the mapped addresses.
     """
     import torch.distributed as dist
     from torch.multiprocessing.reductions import reduce_tensor
 
+    if open_mode not in IPC_OPEN_MODES:  # before the collective: every rank refuses alike
+        raise ValueError(f"open_mode must be one of {', '.join(IPC_OPEN_MODES)}, got {open_mode!r}")
     shape = lamport.mailbox_shape(slots, capacity, width)
     words = torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
     torch.cuda.synchronize(device)  # armed before any peer can map and write it
@@ -85,7 +89,7 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     shared: list[object] = [None] * tp
     dist.all_gather_object(shared, (here, reduce_tensor(words)), group=group)
     devices = [peer_device for peer_device, _ in shared]
-    every_peer_here = ipc_open_mode() == "this-device"
+    every_peer_here = open_mode == "this-device"
     exports: list[object] = [None] * tp
     if every_peer_here or len(set(devices)) > 1:  # the same answer on every rank: a collective
         dist.all_gather_object(exports, export_words(words), group=group)
@@ -110,19 +114,7 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
     return box
 
 
-IPC_OPEN_MODES = ("auto", "this-device")
 IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
-
-
-def ipc_open_mode() -> str:
-    """MUSEBENCH_IPC_OPEN: `auto` (peers on this GPU through torch, others opened on this device)
-    or `this-device` (every peer opened on this device)."""
-    import os
-
-    mode = os.environ.get("MUSEBENCH_IPC_OPEN", "auto")
-    if mode not in IPC_OPEN_MODES:
-        raise ValueError(f"MUSEBENCH_IPC_OPEN must be one of {', '.join(IPC_OPEN_MODES)}, got {mode!r}")
-    return mode
 
 
 @dataclass(frozen=True)
@@ -250,24 +242,6 @@ def enable_symmetric_memory(group=None):
             warnings.simplefilter("ignore", FutureWarning)
             enable(name)
     return symmetric_memory
-
-
-PEER_MAPPINGS = ("auto", "symmetric", "ipc")
-
-
-def peer_mapping(local_world: int, gpus: int) -> str:
-    """How a process launch maps its peers' mailboxes: `symmetric` (torch SymmetricMemory, one
-    process per GPU) or `ipc` (CUDA IPC handles, processes sharing GPUs). MUSEBENCH_PEER_MAPPING
-    forces one (`ipc` also works across GPUs with peer access: a diagnostic when SymmetricMemory
-    fails on a machine)."""
-    import os
-
-    forced = os.environ.get("MUSEBENCH_PEER_MAPPING", "auto")
-    if forced not in PEER_MAPPINGS:
-        raise ValueError(f"MUSEBENCH_PEER_MAPPING must be one of {', '.join(PEER_MAPPINGS)}, got {forced!r}")
-    if forced != "auto":
-        return forced
-    return "symmetric" if local_world <= gpus else "ipc"
 
 
 def enable_peer_access(device: int, peer: int) -> None:

@@ -63,6 +63,11 @@ class TailCase:
         return f"{self.mode}_tail"
 
     @property
+    def family(self) -> str:
+        """The case family (`musebench.cases.FAMILIES`) that runs it."""
+        return f"{self.mode}_tail"
+
+    @property
     def weight_before_norm(self) -> bool:
         return self.norm == "before"
 

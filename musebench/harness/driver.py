@@ -1,145 +1,110 @@
-"""One driver for every tail case: make inputs, run the ranks, check them, time them.
+"""One driver: launcher (virtual ranks | processes) x measurement (check | bench) x case.
 
-A case runs in three steps, whatever the launcher:
-1. every rank binds its tail over its mailboxes, poisons its output and calls `run` warmup +
-   iters times back to back (no barrier between calls), keeping the digest of every call's
-   output and the last output (`RankOutcome`);
-2. the outcomes meet on one rank (the virtual launcher's only thread of control, or rank 0 of
-   a torchrun job) which computes the stock output once and checks every rank: bits vs the
-   stock (count, first mismatch, max ULP), digests identical across ranks, identical across
-   repeats (`evaluate_case`);
-3. if any rank failed, every rank re-arms its mailboxes before the next case (a failed call
-   leaves words and generations behind), so one failure never poisons the next case.
+Every case of every family runs the same way (`harness.case` names the steps): the driver
+allocates the run's mailboxes once, then per case draws the inputs, binds every rank's runner
+through the implementation under test (compiling, before any rank runs and outside capture),
+runs the measurement on every rank and checks the ranks' outputs against the stock's bits:
 
-A rank never raises out of a case: errors, timeouts (with their fault record) and injected
-faults come back as the outcome's one-line `error`.
+- check: every rank poisons its outputs and makes warmup + iters calls back to back on its own
+  CUDA stream (or host thread), each waited for at most `wait_bound_s`, reading its fault record
+  and keeping the digest of every checked call and the last outputs (`RankOutcome`); the
+  outcomes meet on one rank (the virtual launcher's only thread of control, or rank 0 of a
+  process job: gathered over gloo), which computes the stock's bits once and checks every rank
+  (`measure.evaluate`). Check rows carry no timings.
+- bench: the case's call, its parts (kernels timed apart), its variants (another form of the
+  kernel, checked like the call) and the family's baselines, each as CUDA-graph medians
+  (`measure.graph_median_us`); the timed outputs are checked like a check row's.
+
+A rank never raises out of a case: errors, timeouts (with their fault record) and injected faults
+come back as the outcome's one-line `error`. If any rank failed, every rank re-arms its mailboxes
+before the next case, so one failure never poisons the next case; a rank that stopped making
+progress ends the run (it still holds its mailboxes), named in the row.
 """
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from musebench import numerics as nx
-from musebench.comm import lamport
+from musebench.comm import mailboxes as mailbox_sets
+from musebench.comm.transport import TransportRefused, decide, layout_here
 from musebench.harness import checks
-from musebench.harness.cases import WEIGHT_DTYPES, TailCase, TailInputs, make_tail_inputs
-from musebench.harness.results import CaseResult, RankResult
+from musebench.harness.case import DEFAULT_NSM, FAULT_KINDS, Faults, MailboxSpec, RunOptions  # noqa: F401
+from musebench.harness.measure import (
+    PUBLISHER,
+    REDUCE_EXPOSED,
+    SINGLE_LAUNCH,
+    BenchOptions,
+    RankOutcome,
+    evaluate,
+    graph_median_us,
+    outputs_digest,
+)
+from musebench.harness.results import CaseResult
 
-DEFAULT_NSM = 148  # B200 / GB200 SM count: the TP stock's dispatch on the racks musebench targets
-
-
-FAULT_KINDS = ("flip", "silent", "raise", "hang", "exit")  # each a `<kind>_rank` field of Faults
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Fault injection, for proving that every check can fail (each field a rank or None)."""
-
-    flip_rank: int | None = None  # flips one bit of its output
-    silent_rank: int | None = None  # never publishes: its peers must time out, not hang
-    raise_rank: int | None = None  # raises inside its call
-    hang_rank: int | None = None  # its host thread/process stops responding
-    exit_rank: int | None = None  # its process dies (process launcher only)
-
-    @classmethod
-    def parse(cls, specs: Sequence[str]) -> Faults:
-        """From `KIND:RANK` strings (`flip:1`, `silent:0`, `raise:2`, `hang:1`, `exit:3`)."""
-        values: dict[str, int] = {}
-        for spec in specs:
-            kind, _, rank = spec.partition(":")
-            if kind not in FAULT_KINDS or not rank.isdigit():
-                raise ValueError(f"bad fault {spec!r}: expected KIND:RANK with KIND in {', '.join(FAULT_KINDS)}")
-            values[f"{kind}_rank"] = int(rank)
-        return cls(**values)
-
-    def kinds(self) -> tuple[str, ...]:
-        """The kinds of fault injected, in FAULT_KINDS order."""
-        return tuple(kind for kind in FAULT_KINDS if getattr(self, f"{kind}_rank") is not None)
-
-    def any(self) -> bool:
-        return any(v is not None for v in vars(self).values())
-
-    def max_rank(self) -> int:
-        return max((v for v in vars(self).values() if v is not None), default=-1)
+MEASUREMENTS = ("check", "bench")
+_SLEEP_CYCLES_PER_NS = 2  # torch.cuda._sleep spins clock cycles: two per ns hold >= `ns` at <= 2 GHz
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    backend: str = "cpu"
-    launcher: str = "virtual"
-    iters: int = 3
-    warmup: int = 1
-    timeout_s: float = 10.0
-    stock: str = "reference"
-    nsm: int = DEFAULT_NSM
-    transport: str = "auto"  # requested: auto | unicast | multicast (multicast: GB200 racks only)
-    faults: Faults = field(default_factory=Faults)
-    ep_launch: str = "two"  # the cute EP tail: "two" kernels (publisher, reduction) or a "single" one
+class InjectedFault(RuntimeError):
+    pass
 
 
-@dataclass
-class RankOutcome:
-    rank: int
-    output: torch.Tensor | None = None
-    digests: list[str] = field(default_factory=list)
-    times_us: list[float] = field(default_factory=list)
-    error: str | None = None
+class RankStalled(RuntimeError):
+    """A rank's call did not finish within the bound: the rank stopped making progress."""
 
 
-@dataclass
-class RankMailboxes:
-    """The mailboxes one rank's tails run over (EP: `ep`; TP: `tp_route` + `tp_token`)."""
+def family_of(case: Any) -> Any:
+    from musebench.cases import FAMILIES
 
-    ep: lamport.Mailbox | None = None
-    tp_route: lamport.Mailbox | None = None
-    tp_token: lamport.Mailbox | None = None
-    device_ep: object | None = None  # musebench.comm.device.DeviceMailbox (cute backend)
-    device_tp_route: object | None = None
-    device_tp_token: object | None = None
-
-    def reset(self) -> None:
-        """Re-arm this rank's own words and restart its generations (collective: after a barrier)."""
-        for box in (self.ep, self.tp_route, self.tp_token):
-            if box is not None:
-                lamport.rearm(box.own)
-                box.stage.zero_()
-        device_boxes = [b for b in (self.device_ep, self.device_tp_route, self.device_tp_token) if b is not None]
-        for box in device_boxes:
-            box.reset()
-        if device_boxes:  # re-armed before the caller's barrier lets a peer write again
-            torch.cuda.synchronize()
-
-    def close(self) -> None:
-        for box in (self.ep, self.tp_route, self.tp_token):
-            if box is not None:
-                box.close()
+    return FAMILIES[case.family]
 
 
-def mailbox_geometry(mode: str, tp: int, capacity: int, width: int, top_k: int) -> dict[str, tuple[int, int, int]]:
-    """name -> (slots, capacity rows, row width in 16-bit words) of the mailboxes a mode needs.
+def wait_bound_s(options: RunOptions) -> float:
+    """How long the host waits for one call of one rank: every device wait inside it is bounded
+    by `timeout_s`, and a call holds at most two waits in sequence (publisher, reduction)."""
+    return 2.0 * options.timeout_s + 1.0
 
-    The TP token mailbox carries rows widened to FP32 (2 * width words): a BF16 row can hold the
-    32-bit sentinel pattern (two -0.0 side by side), a widened one never does.
+
+def hold_current_stream(ns: int) -> None:
+    """Keep the current stream busy for at least `ns` of GPU time (an injected hang; in tests, a
+    hold that lets ranks forked from the stream start together), then free it."""
+    if ns > 0:
+        torch.cuda._sleep(ns * _SLEEP_CYCLES_PER_NS)
+
+
+def wait_for_device(event: Any, timeout_s: float, what: str, poll_s: float = 1e-4) -> None:
+    """Wait for a recorded CUDA event at most `timeout_s`; RankStalled naming `what` after that."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RankStalled(f"{what} did not finish within {timeout_s:g} s: the rank stopped making progress")
+        time.sleep(poll_s)
+
+
+COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
+BENCH_PATHS = 6  # paths a bench case may time: the call, a part, a variant and three baselines
+
+
+def compile_bound_s(options: RunOptions) -> float:
+    return COMPILE_S if options.backend == "cute" else 0.0
+
+
+def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> float:
+    """How long one case may take on one rank: its calls, each bounded by `wait_bound_s`.
+
+    A bench case times up to BENCH_PATHS paths, each a warm-up, a capture and 3 + replays replays
+    of a one-call and a `calls`-call graph, every call bounded by the bench's poll timeout.
     """
-    if mode == "ep":
-        return {"ep": (tp, capacity, width)}
-    return {"tp_route": (tp, capacity * top_k, width), "tp_token": (1, capacity, 2 * width)}
-
-
-def local_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int) -> list[RankMailboxes]:
-    """Mailboxes of `tp` virtual ranks sharing host memory."""
-    sets = [RankMailboxes() for _ in range(tp)]
-    for mode in modes:
-        for name, (slots, rows, row_width) in mailbox_geometry(mode, tp, capacity, width, top_k).items():
-            for rank, box in enumerate(lamport.local_group(tp, slots, rows, row_width)):
-                setattr(sets[rank], name, box)
-    return sets
+    if bench is not None:
+        return BENCH_PATHS * ((3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + bench.timeout_s) + 30.0
+    return (options.warmup + options.iters) * (wait_bound_s(options) + 1.0) + 10.0
 
 
 def shared_gpu_timing_note(local_world: int) -> str | None:
@@ -155,293 +120,65 @@ def shared_gpu_timing_note(local_world: int) -> str | None:
             "driver's scheduling, not the kernels; time kernels one process per GPU or on virtual ranks")
 
 
-def device_mailboxes(modes: Sequence[str], tp: int, capacity: int, width: int, top_k: int,
-                     rank: int | None = None) -> list[RankMailboxes]:
-    """Device mailboxes of the cute tails: every virtual rank's (rank None, transport `local`) or,
-    in a process launch, this rank's alone: CUDA IPC where processes share GPUs (`ipc`), torch
-    SymmetricMemory peer pointers where each process has a GPU of its own (`unicast`)."""
-    import os
-
-    from musebench.comm.device import ipc_device_group, local_device_group, peer_mapping, symmetric_device_group
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    mapping = peer_mapping(local_world, torch.cuda.device_count())
-    group_of = symmetric_device_group if mapping == "symmetric" else ipc_device_group
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    # the TP token mailbox carries FP32 rows (2 * width words): the stock's exact delivery paths
-    shapes = {"device_ep": (tp, capacity, width), "device_tp_route": (tp, capacity * top_k, width),
-              "device_tp_token": (1, capacity, 2 * width)}
-    wanted = [name for name in shapes if (name == "device_ep" and "ep" in modes) or (name != "device_ep" and "tp" in modes)]
-    sets = [RankMailboxes() for _ in range(tp if rank is None else 1)]
-    for name in wanted:
-        slots, rows, row_width = shapes[name]
-        if rank is None:
-            for r, box in enumerate(local_device_group(tp, slots, rows, row_width, device)):
-                setattr(sets[r], name, box)
-        else:
-            setattr(sets[0], name, group_of(rank, tp, slots, rows, row_width, device))
-    return sets
+# ---------------------------------------------------------------------------------------------
+# What every launcher shares
 
 
-class InjectedFault(RuntimeError):
-    pass
+def mailbox_specs(cases: Sequence[Any]) -> dict[str, MailboxSpec]:
+    """The union of the cases' mailboxes, sized for the largest token count."""
+    capacity = max(max(case.tokens for case in cases), 1)
+    specs: dict[str, MailboxSpec] = {}
+    for case in cases:
+        for name, spec in family_of(case).mailboxes(case, capacity).items():
+            if specs.setdefault(name, spec) != spec:
+                raise ValueError(f"mailbox {name!r} is asked for with two shapes in one run")
+    return specs
 
 
-_SLEEP_CYCLES_PER_NS = 2  # torch.cuda._sleep spins clock cycles: two per ns hold >= `ns` at <= 2 GHz
+def load_impl(options: RunOptions) -> Any:
+    """The implementation under test where the backend runs one (cute); None for the CPU model."""
+    if options.backend != "cute":
+        return None
+    from musebench.harness.impl import load_impl as load
+
+    impl = load(options.impl)
+    impl.require_process_group(options.launcher)
+    return impl
 
 
-def hold_current_stream(ns: int) -> None:
-    """Keep the current stream busy for at least `ns` of GPU time (an injected hang; in tests, a
-    hold that lets ranks forked from the stream start together), then free it."""
-    if ns > 0:
-        torch.cuda._sleep(ns * _SLEEP_CYCLES_PER_NS)
+def expected_for(case: Any, inputs: Any, options: RunOptions) -> Any:
+    """The stock's bits for the case: with the GPU's own approximate instructions on the cute
+    backend (run on the GPU), the exact emulations on the CPU model."""
+    from musebench import numerics as nx
 
-
-def bind_tail(case: TailCase, rank: int, boxes: RankMailboxes, inputs: TailInputs, options: RunOptions):
-    """The backend's bound tail for one rank: an object with run(unfinalized, out).
-
-    Binding compiles (cute backend): do it for every rank before any rank runs, outside capture.
-    `options.ep_launch == "single"`: the cute EP tail as one kernel.
-    """
-    if options.backend == "cute":
-        from musebench.kernels.tail import MoETail, TpTail
-        from musebench.layout import PostExpertNorm
-
-        norm = PostExpertNorm(hidden_size=case.width, variance_epsilon=case.eps, fused_gain_center=case.gain_center,
-                              applies_weight_before_norm=case.weight_before_norm, weight=inputs.norm_weight)
-        dtypes = (WEIGHT_DTYPES[case.weight_dtype],)
-        timeout_ns = int(options.timeout_s * 1e9)
-        if case.mode == "tp":
-            route, token = boxes.device_tp_route, boxes.device_tp_token
-            tail = TpTail(None, tp=case.tp, rank=rank, device=route.words.device, capacity=token.capacity,
-                          batches=range(1, token.capacity + 1), timeout_ns=timeout_ns, nsm=options.nsm, routes=route,
-                          tokens=token)
-        else:
-            box = boxes.device_ep
-            tail = MoETail(None, tp=case.tp, rank=rank, device=box.words.device, capacity=box.capacity,
-                           timeout_ns=timeout_ns, single_launch=options.ep_launch == "single", mailbox=box)
-        return tail.bind(norm, weight_dtypes=dtypes)
-    if options.backend != "cpu":
-        raise ValueError(f"unknown backend {options.backend!r}")
-    from musebench.cpu.tail import CpuEpTail, CpuTpTail, TailOptions
-
-    tail_options = TailOptions(
-        eps=case.eps, gain_center=case.gain_center, weight_before_norm=case.weight_before_norm,
-        timeout_s=options.timeout_s, publish=options.faults.silent_rank != rank,
-    )
-    if case.mode == "ep":
-        return CpuEpTail(boxes.ep, inputs.norm_weight, tail_options)
-    return CpuTpTail(boxes.tp_route, boxes.tp_token, inputs.norm_weight, tail_options, nsm=options.nsm, top_k=case.top_k)
-
-
-def run_rank_case(case: TailCase, rank: int, boxes: RankMailboxes, options: RunOptions,
-                  inputs: TailInputs | None = None, tail=None) -> RankOutcome:
-    """Run one rank's calls of a case; never raises (errors come back in the outcome)."""
-    outcome = RankOutcome(rank=rank)
-    try:
-        inputs = inputs if inputs is not None else make_tail_inputs(case)
-        tail = tail if tail is not None else bind_tail(case, rank, boxes, inputs, options)
-        if options.backend == "cute":
-            _run_device_calls(case, rank, tail, inputs, options, outcome)
-            return outcome
-        unfinalized = inputs.per_rank[rank]
-        out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16)
-        faults = options.faults
-        for call in range(options.warmup + options.iters):
-            checks.poison(out)
-            if faults.raise_rank == rank:
-                raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
-            if faults.hang_rank == rank:
-                threading.Event().wait(10 * 365 * 86400.0)  # models a host that stops responding
-            if faults.exit_rank == rank:
-                import os
-
-                os._exit(17)
-            started = time.perf_counter()
-            tail.run(unfinalized, out)
-            elapsed = time.perf_counter() - started
-            if faults.flip_rank == rank and out.numel():
-                checks.flip_one_bit(out, index=out.numel() // 2)
-            if call >= options.warmup:
-                outcome.times_us.append(elapsed * 1e6)
-                outcome.digests.append(checks.digest(out))
-        outcome.output = out
-    except lamport.MailboxTimeout as timeout:
-        outcome.error = str(timeout)
-    except Exception as error:  # a rank reports, it never takes the run down
-        outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
-    return outcome
-
-
-def _run_device_calls(case: TailCase, rank: int, tail, inputs: TailInputs, options: RunOptions,
-                      outcome: RankOutcome) -> None:
-    """One rank's calls on its own CUDA stream; a device fault record becomes the outcome's error."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    stream = torch.cuda.Stream(device)
-    unfinalized = inputs.per_rank[rank].to(device)
-    out = torch.empty(case.tokens, case.width, dtype=torch.bfloat16, device=device)
-    faults = options.faults
-    host = None
-    with torch.cuda.stream(stream):
-        for call in range(options.warmup + options.iters):
-            checks.poison(out)
-            if faults.raise_rank == rank:
-                raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
-            if faults.silent_rank == rank:  # never launches: its peers' bounded waits must report it
-                raise InjectedFault(f"injected fault: rank {rank} never published")
-            if call == options.warmup and faults.hang_rank == rank:  # mid-run: its host stops responding
-                threading.Event().wait(10 * 365 * 86400.0)
-            if call == options.warmup and faults.exit_rank == rank:  # mid-run: its process dies
-                import os
-
-                os._exit(17)
-            started = time.perf_counter()
-            tail.run(unfinalized, out)
-            stream.synchronize()
-            elapsed = time.perf_counter() - started
-            tail.check_fault()
-            host = out.cpu()  # the checks read this copy
-            if faults.flip_rank == rank and host.numel():
-                # flipped on the host: a torch kernel's first launch here could wait for a peer's
-                # spinning reduction until it times out (lazy module loading, as in EpTail._warm_up);
-                # on the H200 the device-side flip timed out 3 runs in 4
-                checks.flip_one_bit(host, index=host.numel() // 2)
-            if call >= options.warmup:
-                outcome.times_us.append(elapsed * 1e6)
-                outcome.digests.append(checks.digest(host))
-    outcome.output = host if host is not None else out.cpu()
-
-
-def expected_outputs(case: TailCase, inputs: TailInputs, options: RunOptions) -> tuple[list[torch.Tensor], str]:
-    """The stock's output on every rank and the stock path it took.
-
-    The EP tail's bits are the same on every rank. The TP stock's single launch is not: a
-    token's owner keeps its row while the other ranks receive a copy scrubbed per 32-bit word
-    (`stock.tp.tp_rank_output`), so each rank is checked against its own expected bits.
-    """
     approximations = nx.PRECISE
-    if options.backend == "cute":  # the GPU's own approximate instructions, on the GPU
-        approximations = nx.hardware_approximations()
-        device = torch.device("cuda", torch.cuda.current_device())
-        inputs = TailInputs(tuple(u.to(device) for u in inputs.per_rank), inputs.norm_weight.to(device))
-    if case.mode == "ep":
-        from musebench.stock.ep import ep_tail_reference
+    if options.backend == "cute":
+        from musebench.kernels.approx import hardware_approximations
 
-        out = ep_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
-                                weight_before_norm=case.weight_before_norm, approximations=approximations)
-        return [out.cpu()] * case.tp, "ep-ll one-shot"
-    from musebench.stock.tp import tp_rank_output, tp_tail_reference
-
-    out, path = tp_tail_reference(inputs.per_rank, inputs.norm_weight, eps=case.eps, gain_center=case.gain_center,
-                                  weight_before_norm=case.weight_before_norm, nsm=options.nsm,
-                                  approximations=approximations)
-    return [tp_rank_output(out, path, rank).cpu() for rank in range(case.tp)], path.describe()
+        approximations = hardware_approximations()
+    return family_of(case).expected(case, inputs, options, approximations)
 
 
-SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the cute EP tail run as one kernel (--ep-launch single)
+def new_row(case: Any, options: RunOptions, transport: str, iters: int) -> CaseResult:
+    """A row with the case's key fields, its run's settings and no result yet."""
+    family = family_of(case)
+    fields = dict(backend=options.backend, launcher=options.launcher, transport=transport, stock=options.stock,
+                  iters=iters, bytes_moved=family.bytes_moved(case))
+    return CaseResult(**{**fields, **family.row_fields(case, options)})
 
 
-def row_kernel(case: TailCase, options: RunOptions) -> str:
-    """The kernel a case's row names: the single-launch EP tail's rows apart from the two launches'."""
-    if case.mode == "ep" and options.backend == "cute" and options.ep_launch == "single":
-        return SINGLE_LAUNCH_KERNEL
-    return case.kernel
-
-
-def evaluate_case(case: TailCase, outcomes: Sequence[RankOutcome], options: RunOptions, transport: str,
-                  inputs: TailInputs | None = None) -> CaseResult:
-    """Check every rank's outcome against the stock; the case's row."""
-    result = CaseResult(
-        kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
-        norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
-        transport=transport, stock=options.stock, iters=options.iters,
-        bytes_moved=bytes_moved(case),
-    )
-    try:
-        inputs = inputs if inputs is not None else make_tail_inputs(case)
-        started = time.perf_counter()
-        wants, result.stock_path = expected_outputs(case, inputs, options)
-        result.stock_us = (time.perf_counter() - started) * 1e6
-    except Exception as error:
-        result.error = f"stock: {type(error).__name__}: {error}"
-        return result
-    by_rank = {o.rank: o for o in outcomes}
-    errors = []
-    for rank in range(case.tp):
-        outcome = by_rank.get(rank)
-        row = RankResult(rank=rank)
-        result.ranks.append(row)
-        if outcome is None:
-            row.error = f"rank {rank} returned no result"
-        elif outcome.error is not None:
-            row.error = outcome.error
-        elif outcome.output is None:
-            row.error = f"rank {rank} produced no output"
-        if row.error is not None:
-            errors.append(row.error)
-            continue
-        check_rank_output(row, outcome.output, wants[rank])
-        row.tail_us = statistics.median(outcome.times_us) if outcome.times_us else None
-        add_rank_counts(result, row)
-        if len(set(outcome.digests)) > 1:
-            result.deterministic = False
-    result.rank_identical = identical_where_stock_is(result.ranks, wants) and not errors
-    if errors:
-        result.error = _summarize_errors(errors)
-    times = [row.tail_us for row in result.ranks if row.tail_us is not None]
-    result.tail_us = max(times) if times else None
-    return result
-
-
-def check_rank_output(row: RankResult, output: torch.Tensor, want: torch.Tensor) -> None:
-    """Fill `row` (digest, mismatches, max ULP, first mismatch) from one rank's output vs its stock bits."""
-    row.digest = checks.digest(output)
-    row.mismatches, row.max_ulp, row.first_mismatch = checks.compare_bits(output, want, rank=row.rank)
-
-
-def add_rank_counts(result: CaseResult, row: RankResult) -> None:
-    """Add one rank's mismatch counts to its case's row (the first mismatch is the lowest rank's)."""
-    result.mismatches += row.mismatches
-    result.max_ulp = max(result.max_ulp, row.max_ulp)
-    if row.first_mismatch is not None and result.first_mismatch is None:
-        result.first_mismatch = row.first_mismatch
-
-
-def identical_where_stock_is(ranks: Sequence[RankResult], wants: Sequence[torch.Tensor]) -> bool:
-    """Ranks the stock gives the same bits agree with each other (ranks that errored aside)."""
-    groups: dict[str, set[str]] = {}
-    for row in ranks:
-        if row.error is None:
-            groups.setdefault(checks.digest(wants[row.rank]), set()).add(row.digest)
-    return all(len(digests) == 1 for digests in groups.values())
-
-
-def _summarize_errors(errors: Sequence[str]) -> str:
-    """Root causes first: an injected fault or crash explains the timeouts it causes."""
-    ordered = sorted(errors, key=lambda e: ("timed out" in e, e))
-    extra = len(ordered) - 1
-    return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
-
-
-def bytes_moved(case: TailCase) -> int:
-    """Payload bytes one rank stores to peers per call (BF16)."""
-    row = case.width * 2
-    if case.mode == "ep":
-        return case.tp * case.tokens * row
-    return case.tokens * case.top_k * row + ((case.tokens + case.tp - 1) // case.tp) * case.tp * row
-
-
-def co_residency_refusal(tail, case: TailCase) -> str | None:
-    """Why tp virtual ranks of this tail cannot all be resident on this GPU at once, or None.
+def co_residency_refusal(runner: Any, case: Any) -> str | None:
+    """Why tp virtual ranks of this runner cannot all be resident on this GPU at once, or None.
 
     A Lamport wait ends only when its peers' CTAs run: every rank's grid must be resident at once,
     or, for launches whose waits split into groups, enough of them that one group is always whole;
     the occupancy API says how many CTAs of each kernel the GPU holds (musebench.kernels.occupancy).
     """
+    demands = runner.launch_demands()
+    if not demands:
+        return None
     from musebench.kernels import occupancy
 
-    demands = tail.launch_demands(case.tokens)
     sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     resident = [occupancy.resident_ctas(demand, sm_count) for demand in demands]
     load = occupancy.group_load(demands, case.tp, resident)
@@ -449,13 +186,79 @@ def co_residency_refusal(tail, case: TailCase) -> str | None:
         return None
     needed = ", ".join(f"{d.needed_ctas(case.tp)} CTAs of {d.threads} threads at once (GPU holds {r})"
                        for d, r in zip(demands, resident))
-    return (f"{case.tp} virtual ranks of the {case.kernel} at m={case.tokens} cannot all be resident on one GPU "
+    return (f"{case.tp} virtual ranks of the {case.family} at m={case.tokens} cannot all be resident on one GPU "
             f"({needed}; load {load:.2f}): use --launcher torchrun")
 
 
-def run_virtual(cases: Sequence[TailCase], options: RunOptions,
-                on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-    """All ranks in this process, one thread per rank, over shared host mailboxes."""
+def _hang_here(options: RunOptions) -> None:
+    """This rank's host stops making progress (a stuck host thread or process)."""
+    threading.Event().wait(10 * 365 * 86400.0)
+
+
+def check_calls(case: Any, rank: int, runner: Any, options: RunOptions) -> RankOutcome:
+    """One rank's calls of a check; never raises (errors come back in the outcome).
+
+    On a GPU every call runs on a stream of the rank's own (forked from the current one, so it
+    follows what made the inputs) and is waited for at most `wait_bound_s`. Faults: `silent`
+    never launches (its outputs keep the poison, its peers' bounded waits report it); `raise`
+    raises; `hang` stops the host (CPU model, processes) or holds the rank's stream past the
+    bound (virtual ranks on a GPU, whose host threads cannot be stopped); `exit` ends the
+    process; `flip` flips one bit of the host copy (a torch kernel's first launch on the device
+    could wait behind a peer's spinning reduction).
+    """
+    outcome = RankOutcome(rank=rank)
+    faults = options.faults
+    device = options.backend == "cute"
+    try:
+        stream = torch.cuda.Stream() if device else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        host: dict[str, torch.Tensor] = {}
+        for call in range(options.warmup + options.iters):
+            for tensor in runner.outputs.values():
+                checks.poison(tensor)
+            if faults.raise_rank == rank:
+                raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
+            hang = faults.hang_rank == rank and call == options.warmup
+            if faults.exit_rank == rank and call == options.warmup:
+                os._exit(17)
+            if hang and not (device and options.launcher == "virtual"):
+                _hang_here(options)
+            if faults.silent_rank == rank:
+                pass  # never launched: the check must find the poison, the peers' waits must report it
+            elif device:
+                with torch.cuda.stream(stream):
+                    if hang:
+                        hold_current_stream(int((wait_bound_s(options) + 1.0) * 1e9))
+                    runner.call()
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                wait_for_device(done, wait_bound_s(options), f"rank {rank}: call {call} of {case.label()}")
+            else:
+                runner.call()
+            runner.check_fault()
+            host = {name: tensor.detach().cpu().clone() for name, tensor in runner.outputs.items()}
+            if faults.flip_rank == rank:
+                first = next(iter(host.values()))
+                if first.numel():
+                    checks.flip_one_bit(first, index=first.numel() // 2)
+            if call >= options.warmup:
+                outcome.digests.append(outputs_digest(host))
+        outcome.outputs = host
+    except Exception as error:  # a rank reports, it never takes the run down
+        message = str(error)  # timeouts and stalls name their rank already
+        outcome.error = message if message.startswith("rank ") else f"rank {rank}: {type(error).__name__}: {error}"
+    return outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# Virtual ranks: every rank a thread of this process
+
+
+def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[CaseResult], None] | None = None,
+                *, measurement: str = "check", bench: BenchOptions | None = None) -> list[CaseResult]:
+    """All ranks in this process (one thread, and on a GPU one stream, per rank), over shared
+    mailboxes; the rows in case order."""
     if not cases:
         return []
     tp = cases[0].tp
@@ -463,56 +266,443 @@ def run_virtual(cases: Sequence[TailCase], options: RunOptions,
         raise ValueError("one virtual run serves one tp")
     if options.faults.exit_rank is not None:
         raise ValueError("the exit fault needs the torchrun launcher (virtual ranks share one process)")
-    capacity = max(max(case.tokens for case in cases), 1)
-    modes = tuple(sorted({case.mode for case in cases}))
-    if options.backend == "cute":
-        boxes = device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
-    else:
-        boxes = local_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k)
-    transport = "local" if options.backend == "cute" else "cpu-local"
+    bench = bench or BenchOptions()
+    transport = decide(layout_here(options.backend, "virtual", tp), options.transport).name  # refused: nothing made
+    impl = load_impl(options)
+    boxes = mailbox_sets.allocate_virtual(mailbox_specs(cases), tp, transport)
     results = []
     for case in cases:
-        inputs = make_tail_inputs(case)
-        outcomes: list[RankOutcome | None] = [None] * tp
-        tails: list[object | None] = [None] * tp
+        family = family_of(case)
+        iters = options.iters if measurement == "check" else bench.calls * bench.replays
+        row = new_row(case, options, transport, iters)
+        inputs = family.make_inputs(case)
         try:  # compile every rank's variant here, before any rank spins on a peer
-            tails = [bind_tail(case, rank, boxes[rank], inputs, options) for rank in range(tp)]
+            runners = [family.bind(case, impl, rank, boxes[rank], inputs, options) for rank in range(tp)]
             if options.backend == "cute":
-                refusal = co_residency_refusal(tails[0], case)
+                refusal = co_residency_refusal(runners[0], case)
                 if refusal is not None:
                     raise ValueError(refusal)
+            expected = expected_for(case, inputs, options)
         except Exception as error:
-            failed = [RankOutcome(rank=rank, error=f"bind: {type(error).__name__}: {error}") for rank in range(tp)]
-            results.append(evaluate_case(case, failed, options, transport, inputs))
+            row.error = f"bind: {type(error).__name__}: {error}"
+            row.rank_identical = False
+            results.append(row)
             if on_case is not None:
-                on_case(results[-1])
+                on_case(row)
             continue
-        threads = []
-        for rank in range(tp):
-            def work(rank: int = rank) -> None:
-                outcomes[rank] = run_rank_case(case, rank, boxes[rank], options, inputs, tails[rank])
-
-            thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
-            thread.start()
-            threads.append(thread)
-        # a rank's calls are bounded by its polls' timeouts; a thread past that is hung
-        grace = (options.warmup + options.iters) * (options.timeout_s + 5.0) + 30.0
-        deadline = time.monotonic() + grace
-        hung = []
-        for rank, thread in enumerate(threads):
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                hung.append(rank)
-        for rank in hung:
-            outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} hung: no result within {grace:.0f}s")
-        result = evaluate_case(case, [o for o in outcomes if o is not None], options, transport, inputs)
-        results.append(result)
+        hung: list[int] = []
+        if measurement == "check":
+            outcomes, hung = _virtual_check(case, runners, options)
+            evaluate(row, tp, outcomes, expected)
+        else:
+            _virtual_bench(case, family, runners, boxes, inputs, expected, options, bench, row, impl)
+        results.append(row)
         if on_case is not None:
-            on_case(result)
+            on_case(row)
         if hung:
-            # A hung rank still holds its mailboxes: later cases cannot run on this group.
-            break
-        if not result.passed:
+            break  # a hung rank still holds its mailboxes: later cases cannot run on this group
+        if not row.passed:
+            if options.backend == "cute":
+                torch.cuda.synchronize()  # nothing still in flight before the words are re-armed
             for rank_boxes in boxes:
-                rank_boxes.reset()
+                mailbox_sets.reset(rank_boxes)
+    for rank_boxes in boxes:
+        mailbox_sets.close(rank_boxes)
     return results
+
+
+def _virtual_check(case: Any, runners: list, options: RunOptions) -> tuple[list[RankOutcome], list[int]]:
+    """Every rank's calls on its own thread; a thread past the bound stopped making progress."""
+    outcomes: list[RankOutcome | None] = [None] * case.tp
+    threads = []
+    for rank in range(case.tp):
+        def work(rank: int = rank) -> None:
+            outcomes[rank] = check_calls(case, rank, runners[rank], options)
+
+        thread = threading.Thread(target=work, name=f"musebench-rank{rank}", daemon=True)
+        thread.start()
+        threads.append(thread)
+    grace = (options.warmup + options.iters) * (wait_bound_s(options) + 1.0) + 10.0
+    deadline = time.monotonic() + grace
+    hung = []
+    for rank, thread in enumerate(threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            hung.append(rank)
+    for rank in hung:
+        outcomes[rank] = RankOutcome(rank=rank, error=f"rank {rank} stopped making progress: no result within "
+                                                      f"{grace:.0f} s")
+    return [o for o in outcomes if o is not None], hung
+
+
+def _group_call(streams: list, main: Any, launch: Callable[[int], None], ranks: Sequence[int]) -> None:
+    """One call of every rank in `ranks`: the main stream forks to one stream per rank and joins."""
+    fork = torch.cuda.Event()
+    fork.record(main)
+    for rank in ranks:
+        streams[rank].wait_event(fork)
+        with torch.cuda.stream(streams[rank]):
+            launch(rank)
+    for rank in ranks:
+        join = torch.cuda.Event()
+        join.record(streams[rank])
+        main.wait_event(join)
+
+
+def _eager_check(call: Callable[[], None], main: Any, runners: list, row: CaseResult, tp: int,
+                 expected: Any) -> None:
+    """One eager call into poisoned outputs (compiling and loading what it needs before capture),
+    then every rank's fault record and bits into `row`."""
+    for runner in runners:
+        for tensor in runner.outputs.values():
+            checks.poison(tensor)
+    with torch.cuda.stream(main):
+        call()
+    torch.cuda.synchronize()
+    _checked(runners, row, tp, expected)
+
+
+def _checked(runners: list, row: CaseResult, tp: int, expected: Any) -> None:
+    """Every rank's fault record and current outputs checked into `row` (its checks replaced)."""
+    row.ranks, row.mismatches, row.max_ulp, row.first_mismatch, row.error = [], 0, 0, None, None
+    outcomes = []
+    for rank, runner in enumerate(runners):
+        outcome = RankOutcome(rank=rank)
+        try:
+            runner.check_fault()
+            outcome.outputs = {name: t.detach().cpu() for name, t in runner.outputs.items()}
+        except Exception as error:
+            outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
+        outcomes.append(outcome)
+    evaluate(row, tp, outcomes, expected)
+
+
+def _virtual_bench(case: Any, family: Any, runners: list, boxes: list, inputs: Any, expected: Any,
+                   options: RunOptions, bench: BenchOptions, row: CaseResult, impl: Any) -> None:
+    """One timed row on virtual ranks of this GPU (see `harness.measure`): ranks that share
+    mailboxes are timed as one call of the whole group; ranks without any (routing) never wait on
+    each other, so rank 0's call alone is timed."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    streams = [torch.cuda.Stream(device) for _ in range(case.tp)]
+    main = torch.cuda.Stream(device)
+    timed_ranks = range(case.tp) if boxes[0] else (0,)
+    note = "" if boxes[0] else "; one rank's call (ranks do not communicate)"
+    try:
+        def call_of(group: list) -> Callable[[], None]:
+            return lambda: _group_call(streams, main, lambda rank: group[rank].call(), timed_ranks)
+
+        _eager_check(lambda: _group_call(streams, main, lambda rank: runners[rank].call(), range(case.tp)), main,
+                     runners, row, case.tp, expected)
+        if not row.passed:
+            return
+        for name in runners[0].parts():
+            row.kernels_us[name] = graph_median_us(
+                lambda name=name: _group_call(streams, main, lambda rank: runners[rank].parts()[name](), timed_ranks),
+                main, bench)
+            torch.cuda.synchronize()
+            for rank_boxes in boxes:  # a part leaves slots published: every mailbox re-armed after
+                mailbox_sets.reset(rank_boxes)
+        for runner in runners:
+            for tensor in runner.outputs.values():
+                checks.poison(tensor)
+        row.tail_us = graph_median_us(call_of(runners), main, bench)
+        _checked(runners, row, case.tp, expected)
+        if PUBLISHER in row.kernels_us:
+            row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
+        for name, baseline in family.baselines(case, inputs, 0, runners[0], None).items():
+            row.baselines_us[name] = graph_median_us(baseline.call, main, bench)
+        row.stock_us = row.baselines_us.get(family.VIRTUAL_STOCK)
+        row.stock_path = f"{row.stock_path}; timed vs {family.VIRTUAL_STOCK} (one rank, no communication){note}"
+        if row.passed:
+            for name, variant in family.variants(case, options).items():
+                _virtual_variant(case, family, name, variant, boxes, inputs, expected, bench, row, impl, streams,
+                                 main, timed_ranks)
+    except Exception as error:
+        row.error = f"{type(error).__name__}: {error}"
+
+
+def _virtual_variant(case: Any, family: Any, name: str, variant: RunOptions, boxes: list, inputs: Any,
+                     expected: Any, bench: BenchOptions, row: CaseResult, impl: Any, streams: list, main: Any,
+                     timed_ranks: Sequence[int]) -> None:
+    """Another form of the case's kernel over the same (re-armed) mailboxes: its median as
+    `kernels_us[name]`, its outputs checked like the row's (a difference fails the row)."""
+    for rank_boxes in boxes:
+        mailbox_sets.reset(rank_boxes)
+    others = [family.bind(case, impl, rank, boxes[rank], inputs, variant) for rank in range(case.tp)]
+    checked = dataclasses.replace(row, ranks=[])
+    call = lambda: _group_call(streams, main, lambda rank: others[rank].call(), timed_ranks)  # noqa: E731
+    _eager_check(lambda: _group_call(streams, main, lambda rank: others[rank].call(), range(case.tp)), main, others,
+                 checked, case.tp, expected)
+    if checked.passed:
+        for runner in others:
+            for tensor in runner.outputs.values():
+                checks.poison(tensor)
+        row.kernels_us[name] = graph_median_us(call, main, bench)
+        _checked(others, checked, case.tp, expected)
+    for rank_boxes in boxes:
+        mailbox_sets.reset(rank_boxes)
+    if not checked.passed:
+        _fail_with_variant(row, checked, name)
+
+
+def _fail_with_variant(row: CaseResult, checked: CaseResult, name: str) -> None:
+    first = checked.first_mismatch
+    row.mismatches, row.max_ulp, row.first_mismatch = checked.mismatches, checked.max_ulp, first
+    row.rank_identical, row.ranks = checked.rank_identical, checked.ranks
+    row.error = checked.error or (f"the {name} form differs from the stock: {checked.mismatches} words"
+                                  + (f", first on rank {first.rank} at {first.index}" if first is not None else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes: this process is one rank of a torchrun (or srun) job
+
+
+class _Collectives:
+    """The baselines' communication: an NCCL group and SymmetricMemory on it (one process per GPU)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        from musebench.comm.device import enable_symmetric_memory
+
+        self.group = dist.new_group(backend="nccl")
+        self.symmetric_memory = enable_symmetric_memory(self.group)
+
+    def symmetric_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        buffer = self.symmetric_memory.empty(*shape, dtype=torch.bfloat16, device=device)
+        buffer.zero_()
+        self.symmetric_memory.rendezvous(buffer, self.group)
+        return buffer
+
+    def one_shot(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        torch.ops.symm_mem.one_shot_all_reduce_out(source, "sum", self.group.group_name, out)
+
+
+def process_transport(options: RunOptions, tp: int) -> Any:
+    """The transport this host's processes get (`comm.transport.decide`, as every rank asks it)."""
+    return decide(layout_here(options.backend, "torchrun", tp), options.transport)
+
+
+def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None,
+             on_case: Callable[[CaseResult], None] | None = None, *, measurement: str = "check",
+             bench: BenchOptions | None = None, progress: Callable[[str], None] | None = None) -> list[CaseResult]:
+    """This process's rank of the run (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE set by torchrun); rank 0
+    returns the checked rows, the others []. Every row is also appended as a JSON line to
+    `results_path` by rank 0 (the launcher reads them as they come)."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    tp = cases[0].tp if cases else world
+    if world != tp:
+        raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
+    try:  # before the process group: every rank refuses alike (the CPU model on several hosts, ...)
+        transport = process_transport(options, tp)
+    except TransportRefused as refusal:
+        raise SystemExit(f"musebench: {refusal}") from None
+    if measurement == "bench" and options.backend != "cute":
+        raise SystemExit("musebench: benches run the cute backend")
+    say = progress or (lambda line: print(line, flush=True))
+    bench = bench or BenchOptions()
+    job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
+    bound_s = case_bound_s(options, bench if measurement == "bench" else None) + compile_bound_s(options) + 30.0
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
+    if options.backend == "cute":
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
+    specs = mailbox_specs(cases) if cases else {}
+    boxes = mailbox_sets.allocate_process(specs, rank, tp, transport, job) if specs else {}
+    transport = transport.name
+    rows: list[CaseResult] = []
+    try:
+        impl = load_impl(options)
+        timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
+        collectives, unavailable = None, None
+        if measurement == "bench" and local_world <= torch.cuda.device_count():
+            try:  # collective: every rank takes the same branch (same host, same GPU count)
+                collectives = _Collectives()
+            except Exception as error:  # the case is still timed; the row says why the baselines are not
+                unavailable = f"NCCL / SymmetricMemory baselines unavailable: {type(error).__name__}: {error}"
+        for index, case in enumerate(cases):
+            family = family_of(case)
+            inputs = family.make_inputs(case)
+            runner, bind_error = None, None
+            try:  # compile before the barrier: no rank may spin on a peer that is still compiling
+                runner = family.bind(case, impl, rank, boxes, inputs, options)
+            except Exception as error:
+                bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
+            dist.barrier()
+            say(f"rank {rank} started case {index}")
+            if bind_error is not None:
+                outcome = RankOutcome(rank=rank, error=bind_error)
+            elif measurement == "check":
+                outcome = check_calls(case, rank, runner, options)
+            else:
+                outcome = _process_bench(case, family, rank, runner, boxes, inputs, options, bench, collectives, impl)
+                if unavailable is not None:
+                    outcome.notes.append(unavailable)
+            say(f"rank {rank} done case {index}")
+            iters = options.iters if measurement == "check" else bench.calls * bench.replays
+
+            def evaluate_gathered(gathered: list, case: Any = case, inputs: Any = inputs, iters: int = iters) -> CaseResult:
+                row = new_row(case, options, transport, iters)
+                try:
+                    expected = expected_for(case, inputs, options)
+                except Exception as error:
+                    row.error = f"stock: {type(error).__name__}: {error}"
+                    return row
+                evaluate(row, case.tp, [o for o in gathered if o is not None], expected)
+                if measurement == "bench":
+                    bench_row(row, family_of(case), gathered, expected)
+                elif timing_note is not None:
+                    row.notes.append(timing_note)
+                return row
+
+            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, json)
+            if row is not None:
+                rows.append(row)
+    finally:
+        mailbox_sets.close(boxes)
+        dist.destroy_process_group()
+    return rows
+
+
+def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseResult], boxes: dict,
+                 results_path: Any, on_case: Callable[[CaseResult], None] | None, json: Any) -> CaseResult | None:
+    """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
+    the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
+    get None); if the row failed every rank re-arms its mailboxes between two barriers."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(outcome, gathered, dst=0)
+    row, failed = None, [False]
+    if rank == 0:
+        row = evaluate_gathered(gathered)
+        failed = [not row.passed]
+        if results_path is not None:
+            with open(results_path, "a") as out:
+                out.write(json.dumps(row.to_dict()) + "\n")
+        if on_case is not None:
+            on_case(row)
+    dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        dist.barrier()  # nobody is still reading before the words are re-armed
+        mailbox_sets.reset(boxes)
+        dist.barrier()
+    return row
+
+
+def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, inputs: Any, options: RunOptions,
+                   bench: BenchOptions, collectives: Any, impl: Any) -> RankOutcome:
+    """This rank's medians of the case's call, parts, variants and baselines (collective: every
+    rank times the same paths in the same order); its outputs after the call's replays."""
+    import torch.distributed as dist
+
+    outcome = RankOutcome(rank=rank)
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device)
+
+    def time_path(call: Callable[[], None], collective: bool) -> float:
+        return graph_median_us(call, stream, bench, barrier=dist.barrier, sync=call if collective else None)
+
+    def poisoned(r: Any) -> Any:
+        for tensor in r.outputs.values():
+            checks.poison(tensor)
+        return r
+
+    try:
+        outcome.times_us[family.name] = time_path(poisoned(runner).call, collective=True)
+        runner.check_fault()
+        outcome.outputs = {name: t.detach().cpu() for name, t in runner.outputs.items()}
+    except Exception as error:
+        outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
+        return outcome
+    for name, part in runner.parts().items():
+        try:  # a part alone may leave slots published: every rank re-arms after
+            outcome.times_us[name] = time_path(part, collective=False)
+        except Exception as error:
+            outcome.notes.append(f"{name} not timed: {type(error).__name__}: {error}")
+        dist.barrier()
+        mailbox_sets.reset(boxes)
+        dist.barrier()
+    for name, variant in family.variants(case, options).items():
+        # a difference is this rank's error, but the collective paths below still run on every rank
+        _process_variant(case, family, name, variant, rank, boxes, inputs, bench, time_path, outcome, impl)
+    try:
+        paths = family.baselines(case, inputs, rank, runner, collectives)
+    except Exception as error:
+        outcome.notes.append(f"baselines not timed: {type(error).__name__}: {error}")
+        return outcome
+    for name, baseline in paths.items():
+        try:
+            outcome.times_us[name] = time_path(baseline.call, collective=baseline.collective)
+        except Exception as error:
+            outcome.notes.append(f"{name} not timed: {type(error).__name__}: {error}")
+    if collectives is None:
+        note = shared_gpu_timing_note(int(os.environ.get("LOCAL_WORLD_SIZE", case.tp)))
+        if note is not None and boxes:
+            outcome.notes.append(note)
+            outcome.notes.append("NCCL and SymmetricMemory baselines need one process per GPU "
+                                 "(NCCL refuses two ranks on one GPU)")
+    return outcome
+
+
+def _process_variant(case: Any, family: Any, name: str, variant: RunOptions, rank: int, boxes: dict, inputs: Any,
+                     bench: BenchOptions, time_path: Callable, outcome: RankOutcome, impl: Any) -> None:
+    """Collective: another form of the kernel over this rank's re-armed mailboxes, timed like the
+    call and checked against the same bits (on rank 0, from the gathered outcome's
+    `variant_outputs`); every rank re-arms again after it."""
+    import torch.distributed as dist
+
+    try:
+        other = family.bind(case, impl, rank, boxes, inputs, variant)
+        dist.barrier()  # every rank compiled and warmed up before any spins on a peer
+        for tensor in other.outputs.values():
+            checks.poison(tensor)
+        outcome.times_us[name] = time_path(other.call, collective=True)
+        other.check_fault()
+        outputs = {name_: t.detach().cpu() for name_, t in other.outputs.items()}
+        outcome.variant_outputs[name] = outputs
+    except Exception as error:
+        outcome.error = outcome.error or f"rank {rank}: {name}: {type(error).__name__}: {error}"
+        outcome.times_us.pop(name, None)
+    dist.barrier()
+    mailbox_sets.reset(boxes)
+    dist.barrier()
+
+
+def bench_row(row: CaseResult, family: Any, gathered: list, expected: Any) -> None:
+    """Rank 0's timings: every path's max over ranks; variants checked like the call."""
+    ranks = [o for o in gathered if o is not None]
+    for outcome in ranks:
+        row.notes.extend(note for note in outcome.notes if note not in row.notes)
+    if row.error is not None:
+        return
+    names = dict.fromkeys(name for o in ranks for name in o.times_us)
+    worst = {name: max(o.times_us[name] for o in ranks if name in o.times_us) for name in names}
+    for name in [name for name in names if any(name not in o.times_us for o in ranks)]:
+        row.notes.append(f"{name}: timed on some ranks only")
+        worst.pop(name)
+    for result, outcome in zip(sorted(row.ranks, key=lambda r: r.rank), sorted(ranks, key=lambda o: o.rank)):
+        result.tail_us = outcome.times_us.get(family.name)
+    row.tail_us = worst.pop(family.name, None)
+    variant_names = {name for o in ranks for name in o.variant_outputs}
+    for name in variant_names:
+        checked = dataclasses.replace(row, ranks=[], error=None, mismatches=0, max_ulp=0, first_mismatch=None)
+        outs = [RankOutcome(rank=o.rank, outputs=o.variant_outputs.get(name)) for o in ranks]
+        evaluate(checked, row.tp, outs, expected)
+        if not checked.passed:
+            _fail_with_variant(row, checked, name)
+    for name in list(worst):
+        if name in variant_names or name in family.PARTS:
+            row.kernels_us[name] = worst.pop(name)
+    if PUBLISHER in row.kernels_us and row.tail_us is not None:
+        row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
+    row.baselines_us = worst
+    row.stock_us = worst.get(family.PROCESS_STOCK)  # None where it was not timed: no ratio, never another one's
+    row.stock_path = f"{row.stock_path}; timed vs {family.PROCESS_STOCK}"

@@ -6,21 +6,14 @@ Contract:
   `gpus`, `p2p`, `multicast`, `fabric`, `transports` and `backends` (each described at the
   function that builds it). It never raises for a missing GPU, driver, package or tool: each is
   reported as absent, with the reason where one is known.
-- Multicast is never exercised. `multicast_policy` reads the environment only; the driver is asked
-  for `CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED` (a device attribute, no allocation) only when the
-  policy allows multicast and there are at least two GPUs. No multicast object is ever created.
-  TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0 and NVSHMEM_DISABLE_NVLS=1 each forbid it,
-  because a program using NVLink multicast on a shared host can take every GPU on it out of
-  service; any one of them forbids it for musebench as a whole.
+- Multicast is never exercised: `multicast_status` reports `musebench.comm.transport.multicast_support`
+  (the environment's policy, then, only when it allows multicast and there are at least two GPUs,
+  the driver's CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED; no multicast object is ever created).
 - `transports(info)` maps each launch layout to the transports its ranks' mailboxes can use,
-  preferred first:
-  `virtual` (virtual ranks in one process): "local" (plain device buffers) with a CUDA GPU, else
-  "cpu-local"; `shared_gpu` (processes sharing one GPU): "ipc" (CUDA IPC handles) with a CUDA GPU,
-  else "shm" (POSIX shared memory, the CPU model); `distinct_gpus` (one process per GPU):
-  "unicast" (torch SymmetricMemory peer pointers) when there are at least two GPUs, every pair has
-  peer access and SymmetricMemory is importable, then "multicast" when it is also allowed and
-  every GPU supports it; nothing on a machine with fewer than two GPUs; `shared_gpus` (more
-  processes than GPUs): "ipc" when there are at least two GPUs and every pair has peer access.
+  preferred first, each one what `musebench.comm.transport.decide` answers for that layout (the
+  one place the transport is decided): `virtual` (virtual ranks in one process), `shared_gpu`
+  (processes sharing one GPU), `distinct_gpus` (one process per GPU), `shared_gpus` (more
+  processes than GPUs); the note gives the refusals' reasons.
 - `backends` says which kernel backends can run: "cpu" always; "cute" when a CUDA GPU of SM 90 or
   newer is present and `import cutlass` succeeds.
 
@@ -34,7 +27,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import re
 import shutil
 import subprocess
@@ -44,6 +36,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+from musebench.comm import transport as _transport
+from musebench.comm.transport import MULTICAST_SWITCHES
 
 __all__ = [
     "MULTICAST_SWITCHES",
@@ -59,15 +54,6 @@ __all__ = [
     "torch_status",
     "transports",
 ]
-
-# (variable, the values that forbid multicast). Matching is case-insensitive after stripping, and
-# errs towards forbidding: any value a user could mean as "disable" counts.
-_FALSE_WORDS = frozenset({"0", "false", "no", "off", "n", "f"})
-MULTICAST_SWITCHES: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("TORCH_SYMM_MEM_DISABLE_MULTICAST", lambda value: value.strip().lower() not in _FALSE_WORDS | {""}),
-    ("NCCL_NVLS_ENABLE", lambda value: value.strip().lower() in _FALSE_WORDS),
-    ("NVSHMEM_DISABLE_NVLS", lambda value: value.strip().lower() not in _FALSE_WORDS | {""}),
-)
 
 CUTE_MIN_SM = 90  # the CuTe DSL kernels use Hopper instructions (TMA, wgmma, distributed shared memory)
 
@@ -221,68 +207,40 @@ def p2p_matrix(device_count: int) -> list[list[bool | None]]:
 
 def multicast_policy(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Whether the environment allows NVLink multicast: {"allowed": bool, "forbidden_by": ["VAR=value", ...]}."""
-    environ = os.environ if environ is None else environ
-    forbidden_by = [
-        f"{name}={environ[name]}" for name, forbids in MULTICAST_SWITCHES if name in environ and forbids(environ[name])
-    ]
+    forbidden_by = list(_transport.multicast_policy(environ))
     return {"allowed": not forbidden_by, "forbidden_by": forbidden_by}
 
 
 def _query_multicast_attribute(device_count: int) -> list[bool]:
-    """CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED for each device ordinal; raises when it cannot ask.
-
-    Only the attribute is read: creating a multicast object to test support is exactly what a
-    shared host must not see.
-    """
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        from cuda import cuda as driver  # cuda-python before 12.6 named the module this way
-
-    def checked(result: tuple) -> Any:
-        error, *values = result
-        if error != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"CUDA driver call failed: {error}")
-        return values[0] if values else None
-
-    checked(driver.cuInit(0))
-    attribute = driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED
-    supported = []
-    for ordinal in range(device_count):
-        device = checked(driver.cuDeviceGet(ordinal))
-        supported.append(bool(checked(driver.cuDeviceGetAttribute(attribute, device))))
-    return supported
+    """CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED for each device ordinal; raises when it cannot ask."""
+    return _transport.query_device_attribute(device_count, _transport.MULTICAST_ATTRIBUTE)
 
 
 def multicast_status(
     device_count: int,
     environ: Mapping[str, str] | None = None,
     query: Callable[[int], list[bool]] = _query_multicast_attribute,
+    active_nvlinks: list[int | None] | None = None,
 ) -> dict[str, Any]:
-    """Multicast policy, hardware support and whether the distinct-GPU layout may use it.
+    """`musebench.comm.transport.multicast_support` for this host's GPUs, as a JSON-native dict.
 
-    Keys: allowed, forbidden_by (from `multicast_policy`); supported (True/False when every GPU's
-    attribute was read, None when it was not asked: forbidden, fewer than two GPUs, or the query
-    failed); per_gpu (the attribute per GPU, or None); usable (allowed and supported); note.
-    `query` is called only when multicast is allowed and there are at least two GPUs.
+    Keys: allowed, forbidden_by (the policy); supported (True/False when every GPU's attribute was
+    read, None when it was not: forbidden, fewer than two GPUs, no active NVLink, or the query
+    failed); per_gpu (the attribute per GPU, or None); usable (multicast may and can be used);
+    note (the reason, one line). `query` is called only when multicast is allowed and there are at
+    least two GPUs.
     """
-    status = {**multicast_policy(environ), "supported": None, "per_gpu": None, "usable": False, "note": ""}
-    if not status["allowed"]:
-        status["note"] = "forbidden by " + ", ".join(status["forbidden_by"]) + "; support not queried"
-        return status
-    if device_count < 2:
-        status["note"] = "needs at least two GPUs; support not queried"
-        return status
-    try:
-        per_gpu = query(device_count)
-    except Exception as exc:
-        status["note"] = f"support unknown ({_one_line(exc)})"
-        return status
-    status["per_gpu"] = per_gpu
-    status["supported"] = bool(per_gpu) and all(per_gpu)
-    status["usable"] = status["supported"]
-    status["note"] = "supported by every GPU" if status["supported"] else "not supported by every GPU"
-    return status
+    support = _transport.multicast_support(device_count, environ=environ, active_nvlinks=active_nvlinks,
+                                           query=lambda count, attribute: query(count))
+    per_gpu = list(support.per_gpu) if support.per_gpu is not None else None
+    return {
+        "allowed": not support.forbidden_by,
+        "forbidden_by": list(support.forbidden_by),
+        "supported": (bool(per_gpu) and all(per_gpu)) if per_gpu is not None else None,
+        "per_gpu": per_gpu,
+        "usable": support.supported,
+        "note": support.reason,
+    }
 
 
 _NVLINK_GPU_LINE = re.compile(r"^GPU\s+\d+:.*\(UUID:\s*(?P<uuid>[^)]+)\)")
@@ -366,11 +324,31 @@ def _missing_peer_pairs(p2p: list[list[bool | None]]) -> list[tuple[int, int]]:
     return [(i, j) for i, row in enumerate(p2p) for j, ok in enumerate(row) if i != j and not ok]
 
 
+def _transports_of(layout: _transport.Layout, requests: tuple[str, ...],
+                   multicast: _transport.MulticastSupport) -> tuple[list[str], str]:
+    """(transports `decide` grants the layout, auto's first; a note: what auto's maps, and why
+    each other request is refused)."""
+    granted: list[str] = []
+    notes: list[str] = []
+    for request in ("auto", *requests):
+        try:
+            chosen = _transport.decide(layout, request, multicast=multicast)
+        except _transport.TransportRefused as refusal:
+            notes.append(refusal.reason if request == "auto" else f"{request}: {refusal.reason}")
+            continue
+        if chosen.name not in granted:
+            granted.append(chosen.name)
+            if request == "auto":
+                notes.insert(0, chosen.peers)
+    return granted, "; ".join(notes)
+
+
 def transports(info: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Transports per launch layout, preferred first, from a `probe()` dict (probed now when None).
 
     Each layout maps to {"layout": description, "launcher": "virtual"|"torchrun",
-    "transports": [...], "note": why a transport is absent, or ""}. Only `gpus`, `p2p`,
+    "transports": [...], "note": how auto's transport maps peers and why the others are refused}.
+    Each entry is `musebench.comm.transport.decide` over that layout. Only `gpus`, `p2p`,
     `multicast` and `torch.symmetric_memory` of `info` are read.
     """
     if info is None:
@@ -383,62 +361,41 @@ def transports(info: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any
         }
     gpu_count = len(info.get("gpus") or [])
     has_gpu = gpu_count > 0
-    multicast = info.get("multicast") or {}
+    backend = "cute" if has_gpu else "cpu"
+    status = info.get("multicast") or {}
+    multicast = _transport.MulticastSupport(supported=bool(status.get("usable")),
+                                            reason=str(status.get("note") or "multicast support not probed"))
+    peer_access = not _missing_peer_pairs(info.get("p2p") or [])
     symmetric_memory = bool((info.get("torch") or {}).get("symmetric_memory"))
 
-    table: dict[str, dict[str, Any]] = {
-        "virtual": {
-            "layout": "virtual ranks in one process",
-            "launcher": "virtual",
-            "transports": ["local"] if has_gpu else ["cpu-local"],
-            "note": "plain device buffers" if has_gpu else "host buffers (CPU model; no CUDA GPU)",
-        },
-        "shared_gpu": {
-            "layout": "processes sharing one GPU" if has_gpu else "processes on the host (CPU model)",
-            "launcher": "torchrun",
-            "transports": ["ipc"] if has_gpu else ["shm"],
-            "note": "CUDA IPC handles" if has_gpu else "POSIX shared memory (no CUDA GPU)",
-        },
-    }
+    def layout(launcher: str, tp: int, local_world: int, gpus_seen: int) -> _transport.Layout:
+        return _transport.Layout(backend=backend, launcher=launcher, tp=tp, local_world=local_world, gpus=gpus_seen,
+                                 peer_access=peer_access if gpus_seen >= 2 else True,
+                                 symmetric_memory=symmetric_memory)
 
-    distinct: list[str] = []
-    notes: list[str] = []
-    missing = _missing_peer_pairs(info.get("p2p") or []) if gpu_count >= 2 else []
-    if gpu_count < 2:
-        notes.append(f"needs at least two CUDA GPUs ({gpu_count} present)")
-    else:
-        if missing:
-            pairs = ", ".join(f"{i}→{j}" for i, j in missing[:8]) + (" …" if len(missing) > 8 else "")
-            notes.append(f"unicast: no peer access {pairs}")
-        elif not symmetric_memory:
-            notes.append("unicast: torch SymmetricMemory unavailable")
-        else:
-            distinct.append("unicast")
-        if "unicast" in distinct and multicast.get("usable"):
-            distinct.append("multicast")
-        elif multicast.get("note"):
-            notes.append(f"multicast: {multicast['note']}")
-    table["distinct_gpus"] = {
-        "layout": "processes on distinct GPUs",
-        "launcher": "torchrun",
-        "transports": distinct,
-        "note": "; ".join(notes),
+    table: dict[str, dict[str, Any]] = {}
+    names, note = _transports_of(layout("virtual", 2, 1, min(gpu_count, 1)), (), multicast)
+    table["virtual"] = {"layout": "virtual ranks in one process", "launcher": "virtual", "transports": names,
+                        "note": note if has_gpu else f"{note} (CPU model; no CUDA GPU)"}
+    names, note = _transports_of(layout("torchrun", 2, 2, min(gpu_count, 1)), (), multicast)
+    table["shared_gpu"] = {
+        "layout": "processes sharing one GPU" if has_gpu else "processes on the host (CPU model)",
+        "launcher": "torchrun", "transports": names, "note": note if has_gpu else f"{note} (no CUDA GPU)",
     }
-    # More processes than GPUs (two per GPU, ...): CUDA IPC, a peer on another GPU opened on the
-    # rank's own device, which needs peer access between every pair.
-    spread: list[str] = []
-    if gpu_count < 2:
-        spread_note = f"needs at least two CUDA GPUs ({gpu_count} present)"
-    elif missing:
-        spread_note = "ipc: no peer access between some GPUs"
+    several = f"needs at least two CUDA GPUs ({gpu_count} present)"
+    if gpu_count >= 2:  # the layouts below exist only with two GPUs or more
+        names, note = _transports_of(layout("torchrun", gpu_count, gpu_count, gpu_count), ("ipc", "multicast"),
+                                     multicast)
     else:
-        spread, spread_note = ["ipc"], "CUDA IPC handles; a peer on another GPU opened on this rank's device"
-    table["shared_gpus"] = {
-        "layout": "processes sharing several GPUs",
-        "launcher": "torchrun",
-        "transports": spread,
-        "note": spread_note,
-    }
+        names, note = [], several
+    table["distinct_gpus"] = {"layout": "processes on distinct GPUs", "launcher": "torchrun", "transports": names,
+                              "note": note}
+    if gpu_count >= 2:
+        names, note = _transports_of(layout("torchrun", 2 * gpu_count, 2 * gpu_count, gpu_count), (), multicast)
+    else:
+        names, note = [], several
+    table["shared_gpus"] = {"layout": "processes sharing several GPUs", "launcher": "torchrun", "transports": names,
+                            "note": note}
     return table
 
 
@@ -469,9 +426,9 @@ def probe(try_cutlass_import: bool = True, query_nvidia_smi: bool = True) -> dic
         "cuda_python": _distribution_version("cuda-bindings", "cuda-python"),
         "gpus": gpu_list,
         "p2p": p2p_matrix(len(gpu_list)),
-        "multicast": multicast_status(len(gpu_list)),
         "fabric": fabric(gpu_list, query_nvidia_smi),
     }
+    info["multicast"] = multicast_status(len(gpu_list), active_nvlinks=info["fabric"]["active_nvlinks"])
     info["transports"] = transports(info)
     info["backends"] = backends(info)
     return info

@@ -1,8 +1,10 @@
-"""Jobs: a list of cases with their run options, resolved, launched and turned into a report.
+"""Jobs: a list of cases of one family kind with their run options, resolved, launched and
+turned into a report.
 
-The CLI builds `TailJob`s (from options or scenario files) and `RoutingJob`s (scenario files) and
-runs them with `run_job`; everything that can be refused is refused in `make_tail_job` /
-`make_routing_job` / `resolve_backend`, before any rank starts.
+The CLI builds jobs (`make_tail_job`, `make_routing_job`: from options or scenario files; a
+measurement, check or bench, each) and runs them with `run_job`, which hands every job to the one
+driver (`harness.driver`) through its launcher; everything that can be refused is refused in
+`make_tail_job` / `make_routing_job` / `resolve_backend`, before any rank starts.
 
 A routing job runs only where `resolve_backend` picks cute (a GPU with SM >= 90 and CuTe DSL):
 routing has no CPU model, so where auto would fall back to the CPU model, or the backend is cpu,
@@ -18,8 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from musebench.harness.cases import EP_LAUNCHES, TailCase, tail_cases
-from musebench.harness.driver import DEFAULT_NSM, Faults, RunOptions
+from musebench.comm.transport import REQUESTS, decide, layout_here
+from musebench.harness.case import DEFAULT_NSM, MEASUREMENTS, Faults, RunOptions
+from musebench.harness.cases import EP_LAUNCHES, tail_cases
+from musebench.harness.measure import BenchOptions
 from musebench.harness.results import CaseResult, RunReport, SkippedRun
 from musebench.harness.scenario import (
     RoutingScenarioRun,
@@ -31,7 +35,7 @@ from musebench.harness.scenario import (
 )
 
 if TYPE_CHECKING:
-    from musebench.harness.routing import RoutingCase
+    from typing import Any
 
 CPU_NOTE_NO_GPU = "CPU model (no GPU present)"
 CPU_NOTE_NO_DSL = "CPU model (CuTe DSL does not import here)"
@@ -42,21 +46,45 @@ _ROUTING_WHY_NOT = {CPU_NOTE_NO_GPU: "no such GPU here", CPU_NOTE_NO_DSL: "CuTe 
 
 
 @dataclass(frozen=True)
-class TailJob:
+class Job:
+    """Cases of one tp and family kind with the options they run under; `skip_reason` set: the
+    machine cannot run them and the job runs nothing (reported as skipped, never as passed);
+    `resolved` False: built for a dry run, never to be run."""
+
     name: str
-    cases: tuple[TailCase, ...]
+    cases: tuple[Any, ...]
     options: RunOptions
     backend_note: str
+    measurement: str = "check"
+    bench: BenchOptions | None = None
+    skip_reason: str | None = None
+    resolved: bool = True
+    kernel: str = "tail"  # what a skipped job's report names
+
+    @property
+    def backend(self) -> str:
+        return "skipped" if self.skip_reason is not None else self.options.backend
 
     def launch_command(self) -> str:
         """What runs the job, for --dry-run."""
         tp = self.cases[0].tp if self.cases else 0
         if self.options.launcher == "virtual":
-            return f"(in process) {tp} virtual ranks, {len(self.cases)} cases"
+            where = {
+                "auto": "; skipped unless this machine has a CUDA GPU with SM >= 90 and CuTe DSL",
+                "cpu": "; skipped: routing has no CPU model",
+            }.get(self.options.backend, "") if self.kernel == "routing" else ""
+            if self.skip_reason is not None:
+                where = f"; skipped: {self.skip_reason}"
+            gpu = " on one GPU" if self.kernel == "routing" else ""
+            return f"(in process) {tp} virtual ranks{gpu}, {len(self.cases)} cases{where}"
         return shlex.join(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
              "--max-restarts=0", "-m", "musebench.harness.worker", "SPEC.json", "RESULTS.jsonl"]
         )
+
+    def skipped(self) -> SkippedRun:
+        return SkippedRun(name=self.name, kernel=self.kernel, cases=len(self.cases), reason=self.skip_reason or "")
+
 
 
 def _gpu_name() -> str | None:
@@ -107,23 +135,24 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
-TRANSPORTS = ("auto", "unicast", "multicast")
+def check_transport(transport: str, backend: str, launcher: str, tp: int) -> None:
+    """Refuse a transport this run cannot have (musebench.comm.transport.decide: TransportRefused,
+    a ValueError); never creates a multicast object to find out."""
+    decide(layout_here(backend, launcher, tp), transport)
 
 
-def check_transport(transport: str, backend: str, launcher: str) -> None:
-    """Refuse a transport this run cannot have; never creates a multicast object to find out."""
-    if transport == "auto":
+def check_impl(impl: str, backend: str, launcher: str) -> None:
+    """Refuse, before anything launches, an implementation this run cannot check: one that does
+    not import or provides none of the seeds' modules, one whose tails need a process group on
+    virtual ranks, or any `--impl` on the CPU model (which runs no implementation)."""
+    from musebench.harness.impl import DEFAULT_IMPL, load_impl
+
+    if backend != "cute":
+        if impl != DEFAULT_IMPL:
+            raise ValueError(f"--impl {impl}: the {backend} backend runs the CPU model, not an implementation; "
+                             "an implementation needs the cute backend")
         return
-    if backend == "cpu":
-        raise ValueError(f"the CPU model moves data through host memory; --transport {transport} needs --backend cute")
-    if transport == "multicast":
-        from musebench.harness.environment import multicast_policy
-
-        policy = multicast_policy()
-        if not policy["allowed"]:
-            raise ValueError(f"multicast is forbidden here ({', '.join(policy['forbidden_by'])}); use --transport unicast")
-        if launcher == "virtual":
-            raise ValueError("multicast needs one process per GPU on a multicast fabric (GB200 MNNVL / NVLS)")
+    load_impl(impl).require_process_group(launcher)
 
 
 def make_tail_job(
@@ -142,32 +171,34 @@ def make_tail_job(
     iters: int,
     warmup: int,
     timeout_s: float,
-    stock: str = "reference",
     nsm: int | None = None,
     transport: str = "auto",
     faults: Faults = Faults(),
     check_machine: bool = True,
     ep_launch: str = "two",
-) -> TailJob:
+    impl: str = "musebench",
+    measurement: str = "check",
+    bench: BenchOptions | None = None,
+) -> Job:
     """Validate everything and build the job; ValueError names the first bad value.
 
     `check_machine=False` (dry runs) validates the values but not what this machine can run: the
     backend stays as requested.
     """
     validate_tp(tp)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport not in REQUESTS:
+        raise ValueError(f"transport must be one of {', '.join(REQUESTS)}, got {transport!r}")
     validate_tokens(tuple(tokens), capacity)
     if launcher not in ("virtual", "torchrun"):
         raise ValueError(f"launcher must be virtual or torchrun, got {launcher!r}")
     if ep_launch not in EP_LAUNCHES:
         raise ValueError(f"ep_launch must be one of {', '.join(EP_LAUNCHES)}, got {ep_launch!r}")
-    if stock != "reference":
-        raise ValueError(f"stock {stock!r} needs its package and a GPU; on this build use --stock reference")
     if iters < 1 or warmup < 0:
         raise ValueError("iters must be >= 1 and warmup >= 0")
     if timeout_s <= 0:
         raise ValueError("timeout must be positive")
+    if measurement not in MEASUREMENTS:
+        raise ValueError(f"measurement must be one of {', '.join(MEASUREMENTS)}, got {measurement!r}")
     if faults.max_rank() >= tp:
         raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
     if faults.exit_rank is not None and launcher != "torchrun":
@@ -177,13 +208,13 @@ def make_tail_job(
                          "(--ep-launch two)")
     if check_machine:
         resolved, note = resolve_backend(backend)
-        check_transport(transport, resolved, launcher)
+        check_transport(transport, resolved, launcher, tp)
         if ep_launch == "single" and resolved != "cute":
             raise ValueError(f"the single-launch EP tail is a cute kernel; the {resolved} backend has only one EP tail "
                              "(--ep-launch two)")
-        if resolved == "cute" and launcher == "virtual" and faults.hang_rank is not None:
-            raise ValueError("a hung virtual rank cannot be stopped on the GPU; inject hang with --launcher torchrun "
-                             "or --backend cpu")
+        if measurement == "bench" and resolved != "cute":
+            raise ValueError("benches time the cute kernels: they need a CUDA GPU with SM >= 90 and CuTe DSL")
+        check_impl(impl, resolved, launcher)
     else:
         resolved, note = backend, "not resolved (dry run)"
     cases = tail_cases(modes=tuple(modes), tp=tp, tokens=tuple(tokens), weight_dtypes=tuple(weights),
@@ -191,33 +222,9 @@ def make_tail_job(
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
         nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         stock=stock, nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch)
-    return TailJob(name=name, cases=tuple(cases), options=options, backend_note=note)
-
-
-@dataclass(frozen=True)
-class RoutingJob:
-    """Routing cases of one tp, on virtual ranks of the current GPU; `skip_reason` set: runs nothing."""
-
-    name: str
-    cases: tuple[RoutingCase, ...]
-    backend: str  # "cute"; "skipped" with a skip_reason; the requested backend in a dry run
-    backend_note: str
-    skip_reason: str | None = None
-    resolved: bool = True  # False: built for a dry run, never to be run
-
-    def launch_command(self) -> str:
-        """What runs the job, for --dry-run."""
-        tp = self.cases[0].tp if self.cases else 0
-        where = {
-            "auto": "; skipped unless this machine has a CUDA GPU with SM >= 90 and CuTe DSL",
-            "cpu": "; skipped: routing has no CPU model",
-            "skipped": f"; skipped: {self.skip_reason}",
-        }.get(self.backend, "")
-        return f"(in process) {tp} virtual ranks on one GPU, {len(self.cases)} cases{where}"
-
-    def skipped(self) -> SkippedRun:
-        return SkippedRun(name=self.name, kernel="routing", cases=len(self.cases), reason=self.skip_reason or "")
+                         nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl)
+    return Job(name=name, cases=tuple(cases), options=options, backend_note=note, measurement=measurement,
+               bench=bench, resolved=check_machine)
 
 
 def resolve_routing_backend(requested: str) -> tuple[str, str, str | None]:
@@ -249,14 +256,21 @@ def make_routing_job(
     seeds: Sequence[int],
     backend: str,
     check_machine: bool = True,
-) -> RoutingJob:
+    timeout_s: float = 10.0,
+    faults: Faults = Faults(),
+    impl: str = "musebench",
+    launcher: str = "virtual",
+    measurement: str = "check",
+    bench: BenchOptions | None = None,
+) -> Job:
     """Validate everything and build the job; ValueError names the first bad value.
 
     Cases in `musebench routing`'s order within each renormalize flag. `check_machine=False` (dry
-    runs) leaves the backend as requested and skips nothing.
+    runs) leaves the backend as requested and skips nothing. Each rank makes one call per case
+    (the kernel compiles at bind).
     """
+    from musebench.cases.routing import RoutingCase, faults as routing_faults
     from musebench.harness.cases import INPUT_FAMILIES
-    from musebench.harness.routing import RoutingCase
 
     validate_tp(tp)
     validate_routing_tokens(tuple(tokens))
@@ -266,6 +280,13 @@ def make_routing_job(
         raise ValueError(f"inputs must be among {', '.join(INPUT_FAMILIES)}, got {list(inputs)}")
     if not seeds or not renormalize:
         raise ValueError("no seeds or no renormalize flags given")
+    if timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    unsupported = [kind for kind in faults.kinds() if kind not in routing_faults]
+    if unsupported:
+        raise ValueError(f"routing injects only {', '.join(routing_faults)} faults, not {', '.join(unsupported)}")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
     if check_machine:
         try:
             resolved, note, skip_reason = resolve_routing_backend(backend)
@@ -275,18 +296,22 @@ def make_routing_job(
         if backend not in ("auto", "cpu", "cute"):
             raise ValueError(f"unknown backend {backend!r}")
         resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    if check_machine and skip_reason is None:
+        check_impl(impl, resolved, launcher)
     cases = tuple(RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renorm, inputs=family, seed=seed)
                   for renorm in renormalize for family in inputs for tile in tiles for m in tokens for seed in seeds)
-    return RoutingJob(name=name, cases=cases, backend=resolved, backend_note=note, skip_reason=skip_reason,
-                      resolved=check_machine)
+    options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher=launcher, iters=1,
+                         warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
+    return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,
+               resolved=check_machine, kernel="routing", measurement=measurement, bench=bench)
 
 
 def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, overrides: dict[str, str] | None = None,
-                       check_machine: bool = True) -> list[TailJob | RoutingJob]:
+                       check_machine: bool = True) -> list[Job]:
     """One job per (run, tp), in file order; `overrides` (launcher, backend, transport) replace the
     file's values (a routing run takes only backend: it always runs on virtual ranks of one GPU)."""
     overrides = overrides or {}
-    jobs: list[TailJob | RoutingJob] = []
+    jobs: list[Job] = []
     for run in runs:
         backend = overrides.get("backend") or run.backend
         for tp in run.tp:
@@ -307,34 +332,21 @@ def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, over
     return jobs
 
 
-def run_job(job: TailJob | RoutingJob, on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-    """The job's rows; a skipped routing job has none (report it with `RoutingJob.skipped`)."""
-    if isinstance(job, RoutingJob):
-        return _run_routing_job(job, on_case)
+def run_job(job: Job, on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """The job's rows through the one driver; a skipped job has none (report it with `Job.skipped`)."""
+    if job.skip_reason is not None:
+        return []
+    if not job.resolved:
+        raise ValueError(f"{job.name}: backend {job.options.backend!r} was not resolved; build the job with "
+                         "check_machine")
     from musebench.harness import launch
     from musebench.harness.driver import run_virtual
 
     if job.options.launcher == "virtual":
-        return run_virtual(job.cases, job.options, on_case)
+        return run_virtual(job.cases, job.options, on_case, measurement=job.measurement, bench=job.bench)
     if launch.in_torchrun_job():
-        return launch.run_in_job(job.cases, job.options, on_case)
-    return launch.run_torchrun(job.cases, job.options, on_case)
-
-
-def _run_routing_job(job: RoutingJob, on_case: Callable[[CaseResult], None] | None) -> list[CaseResult]:
-    if job.skip_reason is not None:
-        return []
-    if not job.resolved:
-        raise ValueError(f"{job.name}: backend {job.backend!r} was not resolved; build the job with check_machine")
-    # looked up per call: the harness module imports torch and the tests stand in for the runner
-    from musebench.harness import routing
-
-    rows = []
-    for case in job.cases:
-        rows.append(routing.run_routing_case(case))
-        if on_case is not None:
-            on_case(rows[-1])
-    return rows
+        return launch.run_in_job(job.cases, job.options, on_case, bench=job.bench, measurement=job.measurement)
+    return launch.run_torchrun(job.cases, job.options, on_case, bench=job.bench, measurement=job.measurement)
 
 
 def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str,

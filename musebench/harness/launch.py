@@ -29,44 +29,46 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from musebench.harness.bench import BenchOptions
-from musebench.harness.cases import TailCase
-from musebench.harness.driver import Faults, RunOptions, row_kernel
+from musebench.harness.case import Faults, RunOptions
+from musebench.harness.driver import case_bound_s, compile_bound_s  # noqa: F401  (the launch's deadline)
+from musebench.harness.measure import BenchOptions
 from musebench.harness.results import CaseResult
 
 STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
 
 
-COMPILE_S = 240.0  # a cute rank may compile every variant of a case before its first barrier
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What every rank of a process launch runs: the cases, options, measurement and bench knobs."""
+
+    cases: tuple
+    options: RunOptions
+    measurement: str = "check"
+    bench: BenchOptions | None = None
 
 
-def compile_bound_s(options: RunOptions) -> float:
-    return COMPILE_S if options.backend == "cute" else 0.0
-
-
-def spec_to_json(cases: Sequence[TailCase], options: RunOptions, bench: BenchOptions | None = None) -> dict:
-    return {"cases": [dataclasses.asdict(c) for c in cases], "options": dataclasses.asdict(options),
+def spec_to_json(cases: Sequence[Any], options: RunOptions, bench: BenchOptions | None = None,
+                 measurement: str = "check") -> dict:
+    return {"cases": [{"family": c.family, **dataclasses.asdict(c)} for c in cases],
+            "options": dataclasses.asdict(options), "measurement": measurement,
             "bench": dataclasses.asdict(bench) if bench is not None else None}
 
 
-def spec_from_json(data: dict) -> tuple[list[TailCase], RunOptions, BenchOptions | None]:
-    cases = [TailCase(**c) for c in data["cases"]]
+def spec_from_json(data: dict) -> Spec:
+    from musebench.cases import FAMILIES
+
+    cases = []
+    for fields in data["cases"]:
+        fields = dict(fields)
+        family = FAMILIES[fields.pop("family")]
+        cases.append(family.Case(**{k: v for k, v in fields.items() if k != "family"}))
     opts = dict(data["options"])
     opts["faults"] = Faults(**opts["faults"])
     bench = data.get("bench")
-    return cases, RunOptions(**opts), BenchOptions(**bench) if bench is not None else None
-
-
-def case_bound_s(options: RunOptions, bench: BenchOptions | None = None) -> float:
-    """How long one case may take on one rank: its calls, each bounded by the poll timeout.
-
-    A bench case times up to four paths, each a warm-up, a capture and 3 + replays replays of a
-    one-call and a `calls`-call graph, every call bounded by the bench's poll timeout.
-    """
-    if bench is not None:
-        return 4 * (3 + bench.replays + 2) * (bench.calls + 1) * 0.01 + 4 * bench.timeout_s + 30.0
-    return (options.warmup + options.iters) * (options.timeout_s + 2.0) + 10.0
+    return Spec(tuple(cases), RunOptions(**opts), data.get("measurement", "check"),
+                BenchOptions(**bench) if bench is not None else None)
 
 
 def in_torchrun_job() -> bool:
@@ -84,20 +86,21 @@ def _failure_summary(log: str, tp: int) -> str:
 
 
 def run_torchrun(
-    cases: Sequence[TailCase],
+    cases: Sequence[Any],
     options: RunOptions,
     on_case: Callable[[CaseResult], None] | None = None,
     bench: BenchOptions | None = None,
+    measurement: str = "check",
 ) -> list[CaseResult]:
-    """Run the cases with one process per rank on this host; returns rank 0's rows (timed rows
-    from `musebench.harness.bench_process` when `bench` is given)."""
+    """Run the cases with one process per rank on this host; returns rank 0's rows (the bench's
+    timed rows with `measurement="bench"`)."""
     if not cases:
         return []
     tp = cases[0].tp
     job = os.environ.get("MUSEBENCH_JOB_ID") or uuid.uuid4().hex[:12]
     with tempfile.TemporaryDirectory(prefix=f"musebench-{job}-") as folder:
         spec = Path(folder) / "spec.json"
-        spec.write_text(json.dumps(spec_to_json(cases, options, bench)))
+        spec.write_text(json.dumps(spec_to_json(cases, options, bench, measurement)))
         results_path = Path(folder) / "results.jsonl"
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
@@ -108,7 +111,8 @@ def run_torchrun(
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
         log_path = Path(folder) / "torchrun.log"
-        bound_s = STARTUP_S + compile_bound_s(options) + len(cases) * case_bound_s(options, bench)
+        bound_s = STARTUP_S + compile_bound_s(options) + len(cases) * case_bound_s(
+            options, bench if measurement == "bench" else None)
         deadline = time.monotonic() + bound_s
         killed = False
         rows: list[CaseResult] = []
@@ -225,33 +229,24 @@ def _cleanup_shm(job: str) -> None:
             pass
 
 
-def _process_transport(options: RunOptions, tp: int) -> str:
-    """The transport tp processes on this host get (`driver.device_mailboxes` makes the same choice)."""
-    if options.backend != "cute":
-        return "shm"
-    import torch
-
-    from musebench.comm.device import peer_mapping
+def _error_row(case: Any, options: RunOptions, reason: str) -> CaseResult:
+    """The row of a case the job never reported (its ranks died or were killed)."""
+    from musebench.comm.transport import TransportRefused
+    from musebench.harness.driver import new_row, process_transport
 
     try:
-        return "unicast" if peer_mapping(tp, torch.cuda.device_count()) == "symmetric" else "ipc"
-    except ValueError:  # a bad MUSEBENCH_PEER_MAPPING: the ranks' own errors say so
-        return "ipc"
+        transport = process_transport(options, case.tp).name
+    except TransportRefused:  # the ranks' own errors say why; the row names what was asked
+        transport = options.transport
+    row = new_row(case, options, transport, 0)
+    row.error, row.rank_identical = reason, False
+    return row
 
 
-def _error_row(case: TailCase, options: RunOptions, reason: str) -> CaseResult:
-    return CaseResult(
-        kernel=row_kernel(case, options), mode=case.mode, tp=case.tp, tokens=case.tokens, weight_dtype=case.weight_dtype,
-        norm=case.norm, inputs=case.inputs, seed=case.seed, backend=options.backend, launcher=options.launcher,
-        transport=_process_transport(options, case.tp), stock=options.stock, error=reason,
-        rank_identical=False,
-    )
-
-
-def run_in_job(cases: Sequence[TailCase], options: RunOptions,
+def run_in_job(cases: Sequence[Any], options: RunOptions,
                on_case: Callable[[CaseResult], None] | None = None,
-               bench: BenchOptions | None = None) -> list[CaseResult]:
+               bench: BenchOptions | None = None, measurement: str = "check") -> list[CaseResult]:
     """Inside an existing torchrun/srun job: this process is one rank."""
-    from musebench.harness import worker
+    from musebench.harness.driver import run_rank
 
-    return worker.run_rank(cases, options, results_path=None, on_case=on_case, bench=bench)
+    return run_rank(cases, options, results_path=None, on_case=on_case, measurement=measurement, bench=bench)

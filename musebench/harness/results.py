@@ -58,7 +58,7 @@ class CaseResult:
     backend: str  # "cpu" | "cute"
     launcher: str  # "virtual" | "torchrun"
     transport: str  # "local" | "shm" | "ipc" | "unicast" | "multicast"
-    stock: str  # "reference" | "flashinfer" | "vllm"
+    stock: str  # what the row was checked against: "reference" (stock/), "triton" (routing)
     stock_path: str = ""  # which stock code path the case was checked against
     mismatches: int = 0  # summed over ranks
     max_ulp: int = 0

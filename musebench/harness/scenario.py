@@ -19,7 +19,7 @@ a single value):
     weights   ["bf16","fp32"]
     norm      ["before","after"]
     launcher  "virtual" | "torchrun"
-    transport "auto" | "unicast" | "multicast"
+    transport "auto" | "local" | "ipc" | "unicast" | "multicast"   (musebench.comm.transport decides or refuses)
     ep_launch "two" | "single"   the cute EP tail as two kernels (default) or one
     iters, warmup  int;  timeout  float seconds;  nsm  int
 
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from musebench import config
+from musebench.comm.transport import REQUESTS
 from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
 from musebench.routing_metadata import TILE_N_MAX
 
@@ -83,7 +84,7 @@ _CHOICES = {
     "kernel": ("tail", "routing"),
     "launcher": ("virtual", "torchrun"),
     "backend": ("auto", "cpu", "cute"),
-    "transport": ("auto", "unicast", "multicast"),
+    "transport": REQUESTS,
     "ep_launch": EP_LAUNCHES,
 }
 _COMMON_KEYS = frozenset({"name", "kernel", "tp", "inputs", "seeds", "backend"})
@@ -123,8 +124,20 @@ _ROUTING_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Keys that are gone, with why: a file that still names one fails with the reason, not "unknown key".
+_REMOVED_KEYS = {
+    "stock": "runs are checked against musebench's bitwise references (stock/) only: the flashinfer stock option "
+             "was removed, since FlashInfer's stock kernels need SM100 with NVLink multicast and never ran here",
+}
+
+
 class ScenarioError(ValueError):
     pass
+
+
+def _refuse_removed(where: str, table: dict[str, Any]) -> None:
+    for key in sorted(set(table) & set(_REMOVED_KEYS)):
+        raise ScenarioError(f"{where}: key {key!r} was removed: {_REMOVED_KEYS[key]}")
 
 
 @dataclass(frozen=True)
@@ -220,6 +233,7 @@ def _check_value(where: str, key: str, value: Any) -> Any:
 
 def _run_from(where: str, table: dict[str, Any], defaults: dict[str, Any], source: str,
               index: int) -> ScenarioRun | RoutingScenarioRun:
+    _refuse_removed(where, table)
     unknown = sorted(set(table) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if unknown:
         raise ScenarioError(f"{where}: unknown key {unknown[0]!r}")
@@ -283,6 +297,7 @@ def load_scenario(path: str | Path) -> list[ScenarioRun | RoutingScenarioRun]:
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ScenarioError(f"{path}: [defaults] must be a table")
+    _refuse_removed(f"{path} [defaults]", defaults)
     bad = sorted(set(defaults) - set(_LIST_KEYS) - set(_SCALAR_KEYS))
     if bad:
         raise ScenarioError(f"{path} [defaults]: unknown key {bad[0]!r}")

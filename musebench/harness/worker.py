@@ -1,160 +1,26 @@
 """One rank of a process-launched run: `python -m musebench.harness.worker SPEC RESULTS`.
 
-Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set). The CPU model's
-mailboxes are POSIX shared-memory files, so all ranks must share one host. Per case: a barrier,
-this rank's calls, the outcomes gathered to rank 0 (gloo, bounded by the case's time bound),
-rank 0's check, one JSON line per case, and a collective re-arm when any rank failed. Progress
-lines ("rank R started/done case N") go to stdout for the launcher's diagnostics.
+Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set): reads the job
+spec the launcher wrote (`launch.spec_to_json`) and runs this rank's part through the one driver
+(`driver.run_rank`); rank 0 appends one JSON line per case to RESULTS. Progress lines ("rank R
+started/done case N") go to stdout for the launcher's diagnostics.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-
-import torch.distributed as dist
-
-from musebench.comm import lamport
-from musebench.harness.bench import BenchOptions
-from musebench.harness.cases import TailCase, make_tail_inputs
-from musebench.harness.driver import (
-    RankMailboxes,
-    RankOutcome,
-    RunOptions,
-    bind_tail,
-    device_mailboxes,
-    evaluate_case,
-    mailbox_geometry,
-    run_rank_case,
-    shared_gpu_timing_note,
-)
-from musebench.harness.results import CaseResult
-
-
-def _open_mailboxes(cases: Sequence[TailCase], rank: int, tp: int, job: str) -> RankMailboxes:
-    capacity = max(max(case.tokens for case in cases), 1)
-    width, top_k = cases[0].width, cases[0].top_k
-    geometry: dict[str, tuple[int, int, int]] = {}
-    for mode in sorted({case.mode for case in cases}):
-        geometry.update(mailbox_geometry(mode, tp, capacity, width, top_k))
-    for name, (slots, rows, row_width) in geometry.items():
-        lamport.shm_create(job, name, rank, slots, rows, row_width)
-    dist.barrier()  # every file exists before anyone maps its peers
-    boxes = RankMailboxes()
-    for name, (slots, rows, row_width) in geometry.items():
-        setattr(boxes, name, lamport.shm_open(job, name, rank, tp, slots, rows, row_width))
-    dist.barrier()
-    return boxes
-
-
-def _open_device_mailboxes(cases: Sequence[TailCase], rank: int, tp: int) -> RankMailboxes:
-    """Ranks as processes on this host's GPUs (ranks may outnumber GPUs and share them): CUDA IPC."""
-    import torch
-
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    capacity = max(max(case.tokens for case in cases), 1)
-    modes = sorted({case.mode for case in cases})
-    return device_mailboxes(modes, tp, capacity, cases[0].width, cases[0].top_k, rank=rank)[0]
-
-
-def run_rank(cases: Sequence[TailCase], options: RunOptions, results_path: Path | None,
-             on_case: Callable[[CaseResult], None] | None = None,
-             bench: BenchOptions | None = None) -> list[CaseResult]:
-    """This process's rank of the run; rank 0 returns the checked rows, the others [].
-
-    With `bench` the cases are timed (`musebench.harness.bench_process`, cute backend only).
-    """
-    from musebench.harness.launch import case_bound_s, compile_bound_s
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    tp = cases[0].tp if cases else world
-    if world != tp:
-        raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
-    if local_world != world:
-        raise SystemExit("musebench: the CPU model's shared-memory mailboxes need every rank on one host")
-    job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    if bench is not None and options.backend != "cute":
-        raise SystemExit("musebench: benches run the cute backend")
-    bound_s = case_bound_s(options, bench) + compile_bound_s(options) + 30.0  # a barrier may wait for a peer compiling
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
-    boxes = _open_device_mailboxes(cases, rank, tp) if options.backend == "cute" else _open_mailboxes(cases, rank, tp, job)
-    device_box = boxes.device_ep or boxes.device_tp_route
-    transport = device_box.transport if device_box is not None else "shm"
-    rows: list[CaseResult] = []
-    try:
-        if bench is not None:
-            from musebench.harness.bench_process import run_bench_rank
-
-            return run_bench_rank(cases, options, bench, boxes, transport, results_path, on_case)
-        timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
-        for index, case in enumerate(cases):
-            inputs = make_tail_inputs(case)
-            tail, bind_error = None, None
-            try:  # compile before the barrier: no rank may spin on a peer that is still compiling
-                tail = bind_tail(case, rank, boxes, inputs, options)
-            except Exception as error:
-                bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
-            dist.barrier()
-            print(f"rank {rank} started case {index}", flush=True)
-            if bind_error is None:
-                outcome = run_rank_case(case, rank, boxes, options, inputs, tail)
-            else:
-                outcome = RankOutcome(rank=rank, error=bind_error)
-            print(f"rank {rank} done case {index}", flush=True)
-            row = finish_case(outcome, lambda gathered: _evaluate(case, gathered, options, transport, inputs, timing_note),
-                              boxes, results_path, on_case)
-            if row is not None:
-                rows.append(row)
-    finally:
-        boxes.close()
-        dist.destroy_process_group()
-    return rows
-
-
-def _evaluate(case: TailCase, gathered: list, options: RunOptions, transport: str, inputs, timing_note: str | None) -> CaseResult:
-    row = evaluate_case(case, gathered, options, transport, inputs)
-    if timing_note is not None:
-        row.notes.append(timing_note)
-    return row
-
-
-def finish_case(outcome, evaluate: Callable[[list], CaseResult], boxes: RankMailboxes, results_path: Path | None,
-                on_case: Callable[[CaseResult], None] | None) -> CaseResult | None:
-    """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
-    the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
-    get None); if the row failed every rank re-arms its mailboxes between two barriers."""
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(outcome, gathered, dst=0)
-    row, failed = None, [False]
-    if rank == 0:
-        row = evaluate(gathered)
-        failed = [not row.passed]
-        if results_path is not None:
-            with open(results_path, "a") as out:
-                out.write(json.dumps(row.to_dict()) + "\n")
-        if on_case is not None:
-            on_case(row)
-    dist.broadcast_object_list(failed, src=0)
-    if failed[0]:
-        dist.barrier()  # nobody is still reading before the words are re-armed
-        boxes.reset()
-        dist.barrier()
-    return row
 
 
 def main(argv: Sequence[str]) -> int:
+    from musebench.harness.driver import run_rank
     from musebench.harness.launch import spec_from_json
 
     spec, results = argv
-    cases, options, bench = spec_from_json(json.loads(Path(spec).read_text()))
-    run_rank(cases, options, Path(results), bench=bench)
+    job = spec_from_json(json.loads(Path(spec).read_text()))
+    run_rank(job.cases, job.options, Path(results), measurement=job.measurement, bench=job.bench)
     return 0
 
 

@@ -78,20 +78,20 @@ Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher v
 barrier rather than kept, the same operands), 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2;
 ptxas: 255 registers, no spill (tp 2..32, both forms). H200, 2026-11-29, CuTe DSL
 4.8.1 (cu13 libs), torch 2.11+cu130, commit 302d270: `pytest -m gpu tests/kernels` 690 passed
-(records/2026-11-29-h200-pytest-gpu-kernels.xml), both EP forms bitwise equal to the reference
+(records/2026-11-29-h200-pytest-gpu-kernels.summary.json), both EP forms bitwise equal to the reference
 (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and adversarial rows), the
 missing-rank fault and graph replays. Timing, CUDA graph of 20 calls, median of 30 replays:
 - one rank per H200, tp 2 (`bench tail --launcher torchrun`,
-  records/2026-11-29-2xh200-bench-tail-tp2-torchrun.json, m 1..8, both weight dtypes): the
+  records/2026-11-29-2xh200-bench-tail-tp2-torchrun.summary.json, m 1..8, both weight dtypes): the
   two-launch tail 4.6-5.9 µs (publisher alone 3.5-4.7, the reduction exposed 0.9-1.3), the single
   launch 5.8-6.9 µs, the stock finalize alone 3.1-3.5 µs, finalize + NCCL all-reduce 9.8-10.6 µs
   (at 06837f0, before the batched loads and the early PDL trigger: 4.9-6.1, publisher 3.8-4.9);
-- virtual ranks sharing one H200 (records/2026-11-29-h200-bench-tail-virtual.json; one call of the
+- virtual ranks sharing one H200 (records/2026-11-29-h200-bench-tail-virtual.summary.json; one call of the
   whole group, fork/join of tp streams included): tp 2: 6.6-7.7 µs, tp 4: 8.0-9.4, tp 8: 11.8-14.6.
 The generation protocol above (the reduction polling during the publisher; the single launch's
 read and arrival after the row loads) replaced a hand-over through ACTIVE_STAGE on 2026-11-29.
 Four H200s, 8773b7e (these kernels, as 5582f64) against d8a9b61 alternating twice on one lease,
-one rank per GPU, m 1..8, bf16 weights (records/2026-11-29-4xh200-ab-tp{2,4}-*.json): the two-launch tail
+one rank per GPU, m 1..8, bf16 weights (records/2026-11-29-4xh200-ab-tp{2,4}-*.summary.json): the two-launch tail
 0.88-0.95x in all 16 pairs (tp 2: 4.2-5.1 µs, tp 4: 4.2-5.3), the reduction exposed 0.84-1.51
 -> 0.55-1.15 µs, the single launch 0.88-0.96x; 8 virtual ranks on one GPU, one round:
 0.95-1.11x (m = 8: 14.5 -> 16.1 µs). 8773b7e's tests/kernels: 690 passed on the H200.

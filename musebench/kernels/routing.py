@@ -76,7 +76,7 @@ tests/stock/test_triton_routing.py passed (bitwise ids and weights vs the refere
 hardware's ex2 / div.full and vs the project's Triton stock, b = 1..8, renormalize on and off,
 random and adversarial rows, 16 seeds; metadata in a guarded buffer for fixed and random ranges
 and tiles; graph capture and replay). Timed on the H200 (commit 7ba8f5d, records/2026-11-29-h200-
-bench-routing.json, CUDA graphs of 20 calls, median of 30 replays, empty launch 1.12 µs), with the
+bench-routing.summary.json, CUDA graphs of 20 calls, median of 30 replays, empty launch 1.12 µs), with the
 token loop in the metadata phase: routing 1.53-2.01 µs, with metadata 2.26-3.22 µs, the Triton
 stock 2.90-3.03 µs (b = 1..8). The match.any counting replaced that loop after this and is
 compile-tested only.

@@ -91,12 +91,12 @@ buffers at construction, so no first launch waits behind a spinning peer.
 Numbers measured (CPU host, CuTe DSL 4.8.1, 2026-11-29): compile 0.5-1 s per variant at tp <= 8,
 about 4 s at tp 32; ptxas 13.0 (sm_90a -O3): no spills; 96-128 registers at S = 16, 4 and 1
 (512 threads: capped at 128), 160 at S = 2, tp 8; tp 32: 126 at S = 1, 164-180 otherwise. H200, 2026-11-29, commit 302d270 (the batched send): all 270 of
-tests/kernels/test_tp_tail_gpu.py passed (records/2026-11-29-h200-pytest-gpu-kernels.xml):
+tests/kernels/test_tp_tail_gpu.py passed (records/2026-11-29-h200-pytest-gpu-kernels.summary.json):
 bitwise per-rank parity on random and adversarial inputs for tp 2, 3, 4, 8, m 1..8, both weight
 dtypes and norm orders (nsm 132: expert-owner S=16/8, token-owner S=16 XP=8, extension), -0.0
 delivery, changing m with and without PDL, the empty batch, the missing-rank fault record and
-1000 graph replays. Timed by `musebench bench tail` (records/2026-11-29-h200-bench-tail-virtual.json,
-records/2026-11-29-2xh200-bench-tail-tp2-torchrun.json: 9.4-11.5 µs per rank at tp 2 on two
+1000 graph replays. Timed by `musebench bench tail` (records/2026-11-29-h200-bench-tail-virtual.summary.json,
+records/2026-11-29-2xh200-bench-tail-tp2-torchrun.summary.json: 9.4-11.5 µs per rank at tp 2 on two
 H200s against 10.5-13.6 µs for an NCCL all-reduce of the K-partials then the finalize, 0.80-0.91;
 at 06837f0, before the batched send, 8.8-10.8 against 10.4-13.5 on another lease: no gain shown).
 """

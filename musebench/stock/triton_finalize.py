@@ -38,7 +38,7 @@ call once eagerly before capturing (a capture of a combination never launched is
 
 Triton is imported inside the functions: this module imports on a CPU-only host without Triton.
 GPU tests: H200, 2026-11-29, commit 302d270, 69 passed (vLLM's own kernel skipped: no vLLM there;
-records/2026-11-29-2xh200-pytest-gpu.xml).
+records/2026-11-29-2xh200-pytest-gpu.summary.json).
 """
 
 from __future__ import annotations

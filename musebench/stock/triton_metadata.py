@@ -24,7 +24,7 @@ Triton is imported inside the functions: this module imports on a CPU-only host.
 the reference is checked by tests/stock/test_triton_metadata.py: the twin on CPU, the kernel in
 Triton's CPU interpreter where Triton imports (2026-11-29, Triton 3.6: 240 cases exact, dead
 words and a guard untouched), and compiled on the H200 (2026-11-29, commit 06837f0: 160 cases
-exact, records/2026-11-29-h200-pytest-gpu-routing.xml). Not tuned: one program of 8 warps, 6.5-7.0 µs
+exact, records/2026-11-29-h200-pytest-gpu-routing.summary.json). Not tuned: one program of 8 warps, 6.5-7.0 µs
 inside the GPU under ncu and 8.5-8.8 µs with the stock router in `bench routing`, an upper bound
 for such a separate pass, not a claim about the best one.
 """

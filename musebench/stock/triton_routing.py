@@ -21,7 +21,7 @@ machines with vLLM 0.33); it raises ImportError otherwise.
 Triton is imported inside the functions: this module imports on a CPU-only host without Triton.
 Bit-equality with `routing_reference(..., approximations=hardware_approximations())` is checked
 by tests/stock/test_triton_routing.py (GPU): H200, 2026-11-29, commit 06837f0, 38 passed (vLLM's
-own kernel skipped: no vLLM there; records/2026-11-29-h200-pytest-gpu-routing.xml).
+own kernel skipped: no vLLM there; records/2026-11-29-h200-pytest-gpu-routing.summary.json).
 """
 
 from __future__ import annotations

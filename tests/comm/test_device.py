@@ -1,4 +1,4 @@
-"""Device mailbox helpers that need no GPU: the peer mapping choice and the peer-access grant."""
+"""Device mailbox helpers that need no GPU: the IPC peers' opening and the peer-access grant."""
 
 from __future__ import annotations
 
@@ -8,21 +8,6 @@ import pytest
 import torch
 
 from musebench.comm import device
-
-
-def test_one_process_per_gpu_maps_peers_through_symmetric_memory(monkeypatch):
-    monkeypatch.delenv("MUSEBENCH_PEER_MAPPING", raising=False)
-    assert device.peer_mapping(local_world=2, gpus=2) == "symmetric"
-    assert device.peer_mapping(local_world=4, gpus=2) == "ipc"  # two processes per GPU
-    assert device.peer_mapping(local_world=4, gpus=1) == "ipc"
-
-
-def test_the_mapping_can_be_forced_and_a_bad_value_is_refused(monkeypatch):
-    monkeypatch.setenv("MUSEBENCH_PEER_MAPPING", "ipc")
-    assert device.peer_mapping(local_world=2, gpus=2) == "ipc"
-    monkeypatch.setenv("MUSEBENCH_PEER_MAPPING", "multicast")
-    with pytest.raises(ValueError, match="MUSEBENCH_PEER_MAPPING"):
-        device.peer_mapping(local_world=2, gpus=2)
 
 
 class _Runtime:
@@ -76,14 +61,12 @@ def test_a_pair_without_peer_access_or_a_failed_grant_is_an_error(monkeypatch):
     assert restored == [0]
 
 
-def test_the_ipc_open_mode_is_auto_unless_set_and_a_bad_value_is_refused(monkeypatch):
-    monkeypatch.delenv("MUSEBENCH_IPC_OPEN", raising=False)
-    assert device.ipc_open_mode() == "auto"
-    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "this-device")
-    assert device.ipc_open_mode() == "this-device"
-    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", "exporter")
-    with pytest.raises(ValueError, match="MUSEBENCH_IPC_OPEN"):
-        device.ipc_open_mode()
+def test_a_bad_ipc_open_mode_is_refused_before_the_collective(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "all_gather_object", lambda *args, **kwargs: pytest.fail("gathered"))
+    with pytest.raises(ValueError, match="open_mode must be one of auto, this-device, got 'exporter'"):
+        device.ipc_device_group(0, 2, 3, 2, 8, torch.device("cpu"), open_mode="exporter")
 
 
 class _Handle:
@@ -174,7 +157,6 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
     import torch.distributed as dist
     import torch.multiprocessing.reductions as reductions
 
-    monkeypatch.setenv("MUSEBENCH_IPC_OPEN", mode)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     here = None
     other = 1 if gpus == 2 else here
@@ -208,7 +190,7 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
 
     monkeypatch.setattr(device.IpcMapping, "open", open_here)
     monkeypatch.setattr(device.IpcMapping, "close", lambda self: None)
-    box = device.ipc_device_group(1, 4, 3, 2, 8, torch.device("cpu"))
+    box = device.ipc_device_group(1, 4, 3, 2, 8, torch.device("cpu"), open_mode=mode)
     table = box.peer_table.tolist()
     assert table[1] == box.words.data_ptr()
     if gpus == 1 and mode == "auto":  # the layout measured on one GPU: torch alone, no raw export

@@ -31,7 +31,7 @@ def test_tp_owner_keeps_negative_zero_copies_are_scrubbed_per_word(monkeypatch):
     """tp=3 (FMA-chain combine): products that underflow below zero leave -0.0 on the owner only."""
     import torch
 
-    from musebench.harness import driver
+    from musebench.cases import tp_tail
     from musebench.harness.cases import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
@@ -41,7 +41,7 @@ def test_tp_owner_keeps_negative_zero_copies_are_scrubbed_per_word(monkeypatch):
     index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
     per_rank = tuple(UnfinalizedMoEOutput(rows.clone(), weights, index) for _ in range(3))
     inputs = TailInputs(per_rank, torch.zeros(4096, dtype=torch.bfloat16))
-    monkeypatch.setattr(driver, "make_tail_inputs", lambda c: inputs)
+    monkeypatch.setattr(tp_tail, "make_inputs", lambda c: inputs)
     row = run_virtual([case], RunOptions(iters=1, warmup=0))[0]
     assert row.passed, (row.error, row.first_mismatch)
     assert "extension" in row.stock_path
@@ -55,7 +55,7 @@ def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
     """tp=4, m=5 (expert-owner): sums in [-2^-134, 0) round to -0.0, and every rank gets them."""
     import torch
 
-    from musebench.harness import driver
+    from musebench.cases import tp_tail
     from musebench.harness.cases import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
@@ -65,7 +65,7 @@ def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
     index = torch.arange(40, dtype=torch.int32).reshape(5, 8)
     per_rank = tuple(UnfinalizedMoEOutput(rows.clone(), weights, index) for _ in range(4))
     inputs = TailInputs(per_rank, torch.zeros(4096, dtype=torch.bfloat16))
-    monkeypatch.setattr(driver, "make_tail_inputs", lambda c: inputs)
+    monkeypatch.setattr(tp_tail, "make_inputs", lambda c: inputs)
     row = run_virtual([case], RunOptions(iters=1, warmup=0))[0]
     assert "expert-owner" in row.stock_path
     assert row.passed, (row.error, row.first_mismatch)

@@ -10,7 +10,7 @@ from musebench.harness.results import CaseResult
 from musebench.harness.scenario import RoutingScenarioRun
 
 
-def _job(**overrides) -> jobs.RoutingJob:
+def _job(**overrides) -> jobs.Job:
     fields = dict(name="routing (tp=2)", tp=2, tokens=(1, 8), tiles=(8, 128), renormalize=(True, False),
                   inputs=("random", "adversarial"), seeds=(0, 1), backend="auto")
     fields.update(overrides)
@@ -82,24 +82,30 @@ def test_a_dry_run_job_keeps_the_requested_backend_and_never_runs(monkeypatch):
 
 
 def test_a_skipped_job_runs_nothing(no_gpu, monkeypatch):
-    from musebench.harness import routing
+    from musebench.harness import driver
 
-    monkeypatch.setattr(routing, "run_routing_case", lambda case: pytest.fail("a skipped job ran a case"))
+    monkeypatch.setattr(driver, "run_virtual", lambda *a, **k: pytest.fail("a skipped job ran a case"))
     assert jobs.run_job(_job()) == []
 
 
 def test_a_runnable_job_runs_every_case_through_the_runner(gpu_with_dsl, monkeypatch):
-    from musebench.harness import routing
+    from musebench.harness import driver
 
     ran, seen = [], []
 
-    def fake(case):
+    def fake(cases, options, on_case=None, *, measurement, bench):
+        rows = [one(case) for case in cases]
+        for row in rows:
+            on_case(row)
+        return rows
+
+    def one(case):
         ran.append(case)
         return CaseResult(kernel="routing", mode="routing", tp=case.tp, tokens=case.tokens, weight_dtype="fp32",
                           norm="renorm", inputs=case.inputs, seed=case.seed, backend="cute", launcher="virtual",
                           transport="local", stock="triton")
 
-    monkeypatch.setattr(routing, "run_routing_case", fake)
+    monkeypatch.setattr(driver, "run_virtual", fake)
     job = _job()
     rows = jobs.run_job(job, on_case=seen.append)
     assert ran == list(job.cases) and rows == seen and len(rows) == 32
@@ -122,7 +128,7 @@ def test_a_routing_job_passes_on_this_gpu():
     assert len(rows) == len(job.cases) and all(row.passed for row in rows), [row.error for row in rows]
 
 
-def _tail_job(**overrides) -> jobs.TailJob:
+def _tail_job(**overrides) -> jobs.Job:
     fields = dict(name="tail (tp=2)", tp=2, modes=("ep", "tp"), tokens=(1,), capacity=8, weights=("bf16",),
                   norms=("before",), inputs=("random",), seeds=(0,), launcher="virtual", backend="cpu", iters=1,
                   warmup=0, timeout_s=1.0)
@@ -143,10 +149,10 @@ def test_the_single_launch_ep_tail_needs_the_cute_backend(no_gpu):
 def test_single_launch_rows_are_told_apart():
     from musebench.harness import launch
     from musebench.harness.cases import TailCase
-    from musebench.harness.driver import RunOptions, row_kernel
+    from musebench.harness.driver import RunOptions, new_row
 
     cases = [TailCase(mode="ep", tp=2, tokens=1), TailCase(mode="tp", tp=2, tokens=1)]
     single = RunOptions(backend="cute", ep_launch="single")
-    assert [row_kernel(case, single) for case in cases] == ["ep_tail_single", "tp_tail"]
-    assert [row_kernel(case, RunOptions(backend="cute")) for case in cases] == ["ep_tail", "tp_tail"]
+    assert [new_row(case, single, "local", 1).kernel for case in cases] == ["ep_tail_single", "tp_tail"]
+    assert [new_row(case, RunOptions(backend="cute"), "local", 1).kernel for case in cases] == ["ep_tail", "tp_tail"]
     assert [launch._error_row(case, single, "x").kernel for case in cases] == ["ep_tail_single", "tp_tail"]

@@ -35,7 +35,8 @@ def test_rank_that_exits_is_named_with_its_exit_code(job_id):
 def test_silent_rank_times_out_and_the_job_goes_on(job_id):
     rows = launch.run_torchrun(_cases(), RunOptions(**FAST, faults=Faults(silent_rank=0)))
     assert len(rows) == 2
-    assert all("waiting for rank 0" in row.error for row in rows)
+    assert all(row.error.startswith("rank 0: its outputs still hold the poison") for row in rows)
+    assert all("waiting for rank 0" in r.error for row in rows for r in row.ranks if r.rank != 0)
 
 
 def test_flipped_bit_in_a_process(job_id):
@@ -70,10 +71,12 @@ def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):
                                                       ("cute", 4, "unicast")])
 def test_error_rows_name_the_transport_the_ranks_would_have_used(monkeypatch, backend, gpus, transport):
     """A launch error row (tp 4 processes) carries the transport device_mailboxes picks for the layout."""
-    import torch
+    from musebench.comm import transport as transport_module
 
     monkeypatch.delenv("MUSEBENCH_PEER_MAPPING", raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(transport_module, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(transport_module, "peer_access_everywhere", lambda count: True)
+    monkeypatch.setattr(transport_module, "symmetric_memory_imports", lambda: True)
     row = launch._error_row(TailCase(mode="ep", tp=4, tokens=1), RunOptions(backend=backend, launcher="torchrun"), "boom")
     assert row.transport == transport and row.error == "boom" and not row.passed
 

@@ -84,6 +84,10 @@ def test_defaults_kernel_routing_makes_every_run_routing(tmp_path):
         ('kernel = "routing"\ncolour = "red"', "run 1: unknown key 'colour'"),
         ('ep_launch = "three"', "run 1: ep_launch 'three' is not one of two, single"),
         ('kernel = "routing"\nep_launch = "single"', "run 1: key 'ep_launch' belongs to tail runs"),
+        # a removed option: the reason, not "unknown key"
+        ('stock = "flashinfer"', "run 1: key 'stock' was removed: runs are checked against musebench's bitwise "
+                                 "references (stock/) only"),
+        ('transport = "nvls"', "run 1: transport 'nvls' is not one of auto, local, ipc, unicast, multicast"),
     ],
 )
 def test_defects_name_file_run_and_key(tmp_path, run_text, message):
@@ -91,6 +95,11 @@ def test_defects_name_file_run_and_key(tmp_path, run_text, message):
         _load(tmp_path, f"[[run]]\n{run_text}\n")
     assert str(error.value).startswith(str(tmp_path / "s.toml"))
     assert message in str(error.value)
+
+
+def test_a_removed_default_is_refused_with_its_reason(tmp_path):
+    with pytest.raises(ScenarioError, match=r"\[defaults\]: key 'stock' was removed: .*SM100 with NVLink multicast"):
+        _load(tmp_path, '[defaults]\nstock = "reference"\n[[run]]\ntp = [2]\n')
 
 
 def test_a_bad_default_is_refused_even_when_no_run_takes_it(tmp_path):

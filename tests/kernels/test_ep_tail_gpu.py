@@ -13,7 +13,7 @@ call with its stage words [calls % 3, 0].
 
 Last run: four H200s, 2026-11-29, CuTe DSL 4.8.1 (cu13 libs), torch 2.11+cu130, at 8773b7e (the
 kernels of 5582f64: the reduction polling while the publisher runs, the arrival count):
-`pytest -m gpu tests/kernels` 690 passed (records/2026-11-29-4xh200-pytest-gpu-kernels.xml).
+`pytest -m gpu tests/kernels` 690 passed (records/2026-11-29-4xh200-pytest-gpu-kernels.summary.json).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Inputs: `tests.stock.test_triton_routing.routing_inputs` (random rows of four sp
 rows: ties, signed zeros, +-inf logits, huge and subnormal logits, the top-8 in one lane, near
 ties; biases: zero, small, reordering, signed zeros, -inf on all but 5 experts).
 
-Last run: four H200s, 2026-11-29, 74 passed (records/2026-11-29-4xh200-pytest-gpu-kernels.xml;
-first at 06837f0, records/2026-11-29-h200-pytest-gpu-routing.xml).
+Last run: four H200s, 2026-11-29, 74 passed (records/2026-11-29-4xh200-pytest-gpu-kernels.summary.json;
+first at 06837f0, records/2026-11-29-h200-pytest-gpu-routing.summary.json).
 """
 
 from __future__ import annotations

@@ -1,0 +1,9 @@
+"""The kernel families the one driver runs, by name: each module implements the Case protocol
+(`musebench.harness.case`). Adding a family is its kernels, one module here and its line below,
+and the CLI command that names it."""
+
+from __future__ import annotations
+
+from musebench.cases import ep_tail, routing, tp_tail
+
+FAMILIES = {ep_tail.name: ep_tail, tp_tail.name: tp_tail, routing.name: routing}

@@ -1,0 +1,97 @@
+"""Named mailbox sets: every mailbox a rank's cases need, allocated for the run's transport.
+
+A case family names its mailboxes (`harness.case.MailboxSpec`: source slots, rows, width); the
+driver asks for the union over a run's cases, sized for the largest token count, once per run,
+and hands each rank a dict name -> mailbox. The transport picks the allocation:
+
+- `cpu-local`: host tensors shared by virtual ranks (`lamport.local_group`);
+- `shm`: POSIX shared-memory files, one per rank and name, for processes of one host (collective:
+  every file exists before a peer maps it);
+- `local`: device mailboxes of virtual ranks on one GPU (`device.local_device_group`);
+- `ipc` / `unicast`: a process's own device mailbox, its peers mapped through CUDA IPC or torch
+  SymmetricMemory (collective over the default process group).
+
+`reset` re-arms every word, restarts the generations and clears the fault records of one rank's
+set (no call in flight: callers put it between two barriers, or after every thread joined);
+`close` unmaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from musebench.comm import lamport
+
+HOST_TRANSPORTS = ("cpu-local", "shm")
+DEVICE_TRANSPORTS = ("local", "ipc", "unicast")
+
+
+def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[dict[str, Any]]:
+    """Every virtual rank's set (`cpu-local` or `local`: `comm.transport.decide`'s name)."""
+    sets: list[dict[str, Any]] = [{} for _ in range(tp)]
+    for name, spec in specs.items():
+        if transport == "cpu-local":
+            group = lamport.local_group(tp, spec.slots, spec.rows, spec.width)
+        elif transport == "local":
+            import torch
+
+            from musebench.comm.device import local_device_group
+
+            device = torch.device("cuda", torch.cuda.current_device())
+            group = local_device_group(tp, spec.slots, spec.rows, spec.width, device)
+        else:
+            raise ValueError(f"virtual ranks take cpu-local or local mailboxes, not {transport!r}")
+        for rank, box in enumerate(group):
+            sets[rank][name] = box
+    return sets
+
+
+def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str) -> dict[str, Any]:
+    """This process's set for `transport` (`comm.transport.Transport`: `shm`, `ipc` with its open
+    mode, or `unicast`); collective over the default group."""
+    from functools import partial
+
+    import torch.distributed as dist
+
+    if transport.name == "shm":
+        for name, spec in specs.items():
+            lamport.shm_create(job, name, rank, spec.slots, spec.rows, spec.width)
+        dist.barrier()  # every file exists before anyone maps its peers
+        boxes = {name: lamport.shm_open(job, name, rank, tp, spec.slots, spec.rows, spec.width)
+                 for name, spec in specs.items()}
+        dist.barrier()
+        return boxes
+    if transport.name not in ("ipc", "unicast"):
+        raise ValueError(f"processes take shm, ipc or unicast mailboxes, not {transport.name!r}")
+    import torch
+
+    from musebench.comm.device import ipc_device_group, symmetric_device_group
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    group_of = (symmetric_device_group if transport.name == "unicast"
+                else partial(ipc_device_group, open_mode=transport.ipc_open))
+    return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device) for name, spec in specs.items()}
+
+
+def reset(boxes: Mapping[str, Any]) -> None:
+    """Re-arm one rank's words, restart its generations, clear its fault records."""
+    device = False
+    for box in boxes.values():
+        if isinstance(box, lamport.Mailbox):
+            lamport.rearm(box.own)
+            box.stage.zero_()
+        else:
+            box.reset()
+            device = True
+    if device:  # re-armed before the caller's barrier lets a peer write again
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def close(boxes: Mapping[str, Any]) -> None:
+    for box in boxes.values():
+        if isinstance(box, lamport.Mailbox):
+            box.close()
+

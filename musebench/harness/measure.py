@@ -1,0 +1,179 @@
+"""The two measurements of every case: the check (raw bits) and the bench (CUDA-graph medians).
+
+Check. A rank's outputs after its calls are compared with the stock's expected bits for that
+rank and output (`Expected`), on integer views (`checks.compare_bits`): mismatches summed over
+ranks and outputs, the lowest rank's first mismatch, the max ULP. An output may have several
+expected tensors (routing's ids must equal both the Triton stock and the reference): it must
+equal each. Ranks the stock gives equal bits must hold equal bits (`rank_identical`); a rank's
+repeated calls must give equal bits (`deterministic`); a rank whose outputs still hold the poison
+wrote nothing, which is its error. Check rows carry no timings: a host clock around a call is
+not a kernel time.
+
+Bench (STYLE 11). N back-to-back calls captured in one CUDA graph, replayed, the median replay
+divided by N; every timed row is checked after its replays like a check row. Virtual ranks
+sharing one GPU time one call of the whole group (each call forks the capture stream to one
+stream per rank and joins them); a process per rank times its own call behind a host barrier and
+a one-call sync graph (so launch skew is not timed) and reports the max over ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from musebench.harness import checks
+from musebench.harness.case import Expected
+from musebench.harness.results import CaseResult, RankResult
+
+PUBLISHER = "publisher"  # rows' kernels_us: the EP publishers alone
+REDUCE_EXPOSED = "reduce (call - publisher)"
+SINGLE_LAUNCH = "single launch"  # the EP tail as one kernel
+WARM_REPLAYS = 3
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    calls: int = 20  # back-to-back calls per graph
+    replays: int = 30
+    timeout_s: float = 2.0
+
+
+@dataclass
+class RankOutcome:
+    """What one rank brings back from a case: its outputs (host copies), the digest of every
+    checked call, its bench medians, or the one-line error that ended it."""
+
+    rank: int
+    outputs: dict[str, torch.Tensor] | None = None
+    digests: list[str] = field(default_factory=list)
+    times_us: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    variant_outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # bench: other forms
+
+
+def outputs_digest(outputs: dict[str, torch.Tensor]) -> str:
+    return checks.digest(torch.cat([t.detach().cpu().contiguous().view(torch.uint8).flatten()
+                                    for _, t in sorted(outputs.items())])) if outputs else ""
+
+
+def check_rank(row: RankResult, got: dict[str, torch.Tensor], want: dict[str, Any]) -> None:
+    """Fill `row` from one rank's outputs vs its expected bits (every output, every expectation)."""
+    for name in sorted(want):
+        got_tensor = got[name].detach().cpu()
+        wants = want[name] if isinstance(want[name], tuple) else (want[name],)
+        for expected in wants:
+            count, ulp, first = checks.compare_bits(got_tensor, expected, rank=row.rank)
+            row.mismatches += count
+            row.max_ulp = max(row.max_ulp, ulp)
+            row.first_mismatch = row.first_mismatch or first
+    row.digest = outputs_digest(got)
+    if got and all(checks.still_poisoned(t) for t in got.values()):
+        row.error = row.error or f"rank {row.rank}: its outputs still hold the poison: the kernel wrote nothing"
+
+
+def add_rank_counts(result: CaseResult, row: RankResult) -> None:
+    """Add one rank's mismatch counts to its case's row (the first mismatch is the lowest rank's)."""
+    result.mismatches += row.mismatches
+    result.max_ulp = max(result.max_ulp, row.max_ulp)
+    if row.first_mismatch is not None and result.first_mismatch is None:
+        result.first_mismatch = row.first_mismatch
+
+
+def identical_where_stock_is(ranks: Sequence[RankResult], expected: Expected) -> bool:
+    """Ranks the stock gives the same bits agree with each other (ranks that errored aside)."""
+    groups: dict[str, set[str]] = {}
+    for row in ranks:
+        if row.error is None:
+            want = expected.per_rank[row.rank]
+            key = "|".join(checks.digest(v[0] if isinstance(v, tuple) else v) for _, v in sorted(want.items()))
+            groups.setdefault(key, set()).add(row.digest)
+    return all(len(digests) == 1 for digests in groups.values())
+
+
+def summarize_errors(errors: Sequence[str]) -> str:
+    """Root causes first: an injected fault, a hang or a crash explains the timeouts it causes."""
+    ordered = sorted(errors, key=lambda e: ("timed out" in e, e))
+    extra = len(ordered) - 1
+    return ordered[0] + (f" (+{extra} more rank error{'s' if extra > 1 else ''})" if extra else "")
+
+
+def evaluate(row: CaseResult, tp: int, outcomes: Sequence[RankOutcome], expected: Expected) -> CaseResult:
+    """Check every rank's outcome against the stock into `row` (its key fields already set)."""
+    row.stock_path = row.stock_path or expected.stock_path
+    by_rank = {o.rank: o for o in outcomes}
+    errors = []
+    for rank in range(tp):
+        outcome = by_rank.get(rank)
+        result = RankResult(rank=rank)
+        row.ranks.append(result)
+        if outcome is None:
+            result.error = f"rank {rank} returned no result"
+        elif outcome.error is not None:
+            result.error = outcome.error
+        elif outcome.outputs is None:
+            result.error = f"rank {rank} produced no output"
+        if result.error is None:
+            check_rank(result, outcome.outputs, expected.per_rank[rank])
+            add_rank_counts(row, result)
+            if len(set(outcome.digests)) > 1:
+                row.deterministic = False
+        if result.error is not None:
+            errors.append(result.error)
+    row.rank_identical = identical_where_stock_is(row.ranks, expected) and not errors
+    if errors:
+        row.error = summarize_errors(errors)
+    return row
+
+
+def bench_empty_kernel(options: BenchOptions) -> float:
+    """Median µs of one empty launch with the same graph method (the floor every row sits on)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    scratch = torch.zeros(1, device=device)
+    main = torch.cuda.Stream(device)
+    with torch.cuda.stream(main):
+        scratch.add_(0)  # warm the kernel before capture
+    torch.cuda.synchronize()
+    return graph_median_us(lambda: scratch.add_(0), main, options)
+
+
+def capture_graph(stream: torch.cuda.Stream, calls: int, call: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`call` captured `calls` times back to back in one CUDA graph on `stream` (compiled and warmed
+    up before: capture allocates and compiles nothing)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            call()
+    return graph
+
+
+def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions,
+                    barrier: Callable[[], None] | None = None, sync: Callable[[], None] | None = None) -> float:
+    """Median µs per call of `call` captured `options.calls` times in one graph and replayed
+    `options.replays` times after warm replays. With `barrier` (processes: a host barrier) every
+    replay waits for every rank first; with `sync` (a collective path) a one-call graph of it runs
+    before the timed graph, so a rank's time starts when every peer has reached the same call."""
+    with torch.cuda.stream(stream):
+        call()  # eager warm-up: compiles, initialises communicators, outside capture
+    stream.synchronize()
+    sync_graph = capture_graph(stream, 1, sync) if sync is not None else None
+    timed = capture_graph(stream, options.calls, call)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    with torch.cuda.stream(stream):
+        for replay in range(WARM_REPLAYS + options.replays):
+            if barrier is not None:
+                barrier()
+            if sync_graph is not None:
+                sync_graph.replay()
+            start.record(stream)
+            timed.replay()
+            end.record(stream)
+            end.synchronize()
+            if replay >= WARM_REPLAYS:
+                times.append(start.elapsed_time(end) * 1e3 / options.calls)
+    return statistics.median(times)

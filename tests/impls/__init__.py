@@ -1,0 +1,1 @@
+"""Implementations under test for `--impl` tests: modules that provide the seeds' API."""
