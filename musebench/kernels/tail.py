@@ -22,11 +22,11 @@ Callers use this module's names only.
 Where musebench differs from the seed, behind the same names:
 
 - Memory: the mailboxes are `musebench.comm.device.DeviceMailbox`es (unicast stores through a
-  peer-address table; the seed multicasts). Built collectively over `group` (torch
-  SymmetricMemory with one process per GPU, CUDA IPC where processes share GPUs:
-  `comm.device.peer_mapping`), or given (`mailbox=`, `routes=` / `tokens=`: virtual ranks on one
-  GPU over `comm.device.local_device_group`, where `group` is None). The generation words are
-  each mailbox's two stage words, the fault record its `fault` words.
+  peer-address table; the seed multicasts). Built collectively over `group` with the transport
+  `comm.transport.decide` picks for this host's processes (torch SymmetricMemory with one
+  process per GPU, CUDA IPC where processes share GPUs), or given (`mailbox=`, `routes=` /
+  `tokens=`: e.g. virtual ranks on one GPU over `comm.device.local_device_group`, `group` None).
+  The generation words are each mailbox's two stage words, the fault record its `fault` words.
 - The TP tail's kernel is chosen per m by the stock's dispatch (`TpTail.path(m)`), a
   `TpVariant` (split, combine, delivery); `select` and the cache key by that variant, of which
   the seed's split is one knob. `compile_tp_tail` accepts the seed's arguments and maps them:
@@ -50,7 +50,6 @@ refused during CUDA-graph capture, so bind (or a first call of every batch size)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -58,6 +57,7 @@ import torch
 
 from musebench import config, tp_dispatch
 from musebench.comm import device as comm_device
+from musebench.comm import transport
 from musebench.comm.device import DeviceMailbox
 from musebench.kernels import ep_tail as _ep
 from musebench.kernels import tp_tail as _tp
@@ -294,12 +294,15 @@ def compile_tp_tail(
 
 def _group_mailbox(group, *, rank: int, tp: int, slots: int, capacity: int, width: int,
                    device: torch.device) -> DeviceMailbox:
-    """This rank's mailbox, allocated collectively over `group` (None: the default process group):
-    SymmetricMemory peers with one process per GPU, CUDA IPC where processes share GPUs."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", tp))
-    mapping = comm_device.peer_mapping(local_world, torch.cuda.device_count())
-    allocate = comm_device.symmetric_device_group if mapping == "symmetric" else comm_device.ipc_device_group
-    return allocate(rank, tp, slots, capacity, width, device, group=group)
+    """This rank's mailbox, allocated collectively over `group` (None: the default process group)
+    with the transport `comm.transport.decide` picks for this host's process layout: torch
+    SymmetricMemory peers with one process per GPU (unicast), CUDA IPC where processes share
+    GPUs. TransportRefused (a ValueError) where neither can serve."""
+    chosen = transport.decide(transport.layout_here("cute", "torchrun", tp))
+    if chosen.name == "unicast":
+        return comm_device.symmetric_device_group(rank, tp, slots, capacity, width, device, group=group)
+    return comm_device.ipc_device_group(rank, tp, slots, capacity, width, device, group=group,
+                                        open_mode=chosen.ipc_open or "auto")
 
 
 def _check_mailbox(name: str, box: object, *, rank: int, tp: int, slots: int, capacity: int,

@@ -260,6 +260,32 @@ def test_tp_tail_construction_refusals():
         tail.TpTail(None, tp=2, rank=0, device="cpu", capacity=CAPACITY, nsm=NSM, routes=tokens, tokens=tokens)
 
 
+@pytest.mark.parametrize("local_world, gpus, want", [(2, 2, "unicast"), (4, 2, "ipc")])  # a GPU each; shared GPUs
+def test_without_mailboxes_the_tails_allocate_over_the_group(monkeypatch, local_world, gpus, want):
+    """The process path: every mailbox from the transport `comm.transport.decide` picks, over the
+    given group, with the shapes the kernels take (CPU mailboxes stand in for the collective ones)."""
+    from musebench.comm import transport
+
+    calls = []
+
+    def allocator(kind):
+        def allocate(rank, tp, slots, capacity, width, device, group=None, **kwargs):
+            calls.append((kind, rank, tp, slots, capacity, width, group))
+            return local_device_group(tp, slots, capacity, width, "cpu")[rank]
+        return allocate
+
+    layout = transport.Layout(backend="cute", launcher="torchrun", tp=2, local_world=local_world, gpus=gpus)
+    monkeypatch.setattr(transport, "layout_here", lambda *args, **kwargs: layout)
+    monkeypatch.setattr(tail.comm_device, "symmetric_device_group", allocator("unicast"))
+    monkeypatch.setattr(tail.comm_device, "ipc_device_group", allocator("ipc"))
+    group = object()
+    tail.MoETail(group, tp=2, rank=1, device="cpu", capacity=CAPACITY)
+    tail.TpTail(group, tp=2, rank=1, device="cpu", capacity=CAPACITY, nsm=NSM)
+    assert calls == [(want, 1, 2, 2, CAPACITY, P, group),  # EP: [tp, capacity, P]
+                     (want, 1, 2, 2, CAPACITY * K, P, group),  # TP routes: [tp, 8 capacity, P]
+                     (want, 1, 2, 1, CAPACITY, 2 * P, group)]  # TP tokens: [1, capacity, 2P]
+
+
 @pytest.mark.parametrize("make", [ep_tail_on_cpu, tp_tail_on_cpu], ids=["ep", "tp"])
 def test_run_refuses_before_compiling_or_launching(make):
     group = make()
