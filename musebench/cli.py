@@ -156,7 +156,7 @@ def _is_reporting_rank() -> bool:
 @click.option("--capacity", type=int, default=8, show_default=True, help="Mailbox capacity in tokens.")
 @click.option("--weights", default="bf16,fp32", show_default=True, help="Route-weight dtypes.")
 @click.option("--norm", default="before,after", show_default=True, help="Weight before / after the norm.")
-@click.option("--inputs", default="random", show_default=True, help="Input families: random, adversarial.")
+@click.option("--inputs", default="random", show_default=True, help="Input families: random, adversarial, edge.")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
 @click.option("--seeds", type=int, default=1, show_default=True, help="Number of seeds (fresh inputs each).")
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True)
@@ -341,11 +341,11 @@ def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | 
 def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject, impl) -> None:
     """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
     from musebench.harness.case import Faults
-    from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.cases import ROUTING_INPUT_FAMILIES
     from musebench.harness.jobs import make_routing_job
 
     token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")
-    families = _parse_choices(inputs, INPUT_FAMILIES, "--inputs")
+    families = _parse_choices(inputs, ROUTING_INPUT_FAMILIES, "--inputs")
     try:
         if seeds < 1:
             raise ValueError("--seeds must be >= 1")

@@ -8,15 +8,17 @@ Everything here works elementwise on float32 tensors (CPU or CUDA) and is bit-ex
   values is exact in binary64, the sum is formed in binary64 with round-to-odd (TwoSum plus a
   sticky bit), and the final binary64 -> binary32 conversion rounds to nearest even. Round-to-odd
   with 53 >= 2*24 + 2 bits makes that double rounding innocuous.
-- `to_bf16`: binary32 -> bfloat16, round-to-nearest-even (PTX `cvt.rn.bf16.f32`), subnormals kept.
+- `to_bf16`: binary32 -> bfloat16, round-to-nearest-even (PTX `cvt.rn.bf16.f32`), subnormals kept,
+  every NaN the canonical 0x7FFF.
 - `scrub_negative_zero`: -0.0 -> +0.0, as the Lamport publishers sanitize payload words.
 
 Approximate hardware instructions (`rsqrt.approx.f32`, `ex2.approx.f32`, `div.full.f32`) are
-injectable: `Approximations` carries one callable per instruction. On CPU the defaults are
-correctly rounded stand-ins; on a CUDA device `hardware_approximations()` supplies functions
-that produce the instruction's own bits (measured on the H200: `torch.rsqrt` on CUDA tensors
-compiles to `rsqrt.approx.f32`, 2^24 random inputs, 0 mismatches). The same reference code
-therefore yields the stock's bits wherever the approximations are the hardware's.
+injectable: `Approximations` carries one callable per instruction. This module holds the type and
+the correctly rounded stand-ins (`PRECISE`, the CPU default); the functions that produce the
+instructions' own bits on a CUDA device are device code and live above, in
+`musebench.kernels.approx.hardware_approximations()`, which the harness and the GPU tests pass in.
+The same reference code therefore yields the stock's bits wherever the approximations are the
+hardware's, and nothing here (nor in the references, musebench.stock) imports musebench.kernels.
 
 Bit helpers (`bits16`, `ulp_distance_bf16`, `ulp_distance_f32`) compare raw bits: an ordered
 integer mapping makes the ULP distance between two finite values of the same format exact.
@@ -24,14 +26,42 @@ integer mapping makes the ULP distance between two finite values of the same for
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 BF16_NEGATIVE_ZERO_BITS = 0x8000
+BF16_CANONICAL_NAN_BITS = 0x7FFF  # what cvt.rn.bf16{x2}.f32 returns for any NaN (CUDART_NAN_BF16)
 F32_NEGATIVE_ZERO_BITS = 0x80000000
 LOG2_E = 1.4426950408889634  # rounded to binary32 where it is used as a multiplier
+MIN_EPS = 2.0**-126  # the smallest normal binary32
+FP32_MAX = 3.4028234663852886e38  # the largest finite binary32
+
+
+
+def check_eps(eps: float) -> float:
+    """The tails' RMSNorm eps as a float, or ValueError: the one eps rule of references, CPU model
+    and kernels.
+
+    eps must be a real number (not a bool) with MIN_EPS = 2^-126 <= eps <= FP32_MAX. The kernels
+    and the stock bake f32(eps) and take `rsqrt(fma(Q, 1/width, f32(eps)))` with Q >= +0.0 (a sum
+    of squares from +0.0) or NaN, so the argument is >= eps: never a subnormal. That is where the
+    instructions differ: the EP stock's `rsqrt.approx.ftz.f32` flushes a subnormal argument to 0
+    (a zero row gives rsqrt(0) = inf and 0 * inf = NaN), the TP stock's `rsqrt.approx.f32` and the
+    references' rsqrt keep it (a finite result). On normal, infinite and NaN arguments the three
+    agree, so under this rule the references need no flush. FlashInfer itself checks no eps;
+    Muse Spark's is 1e-8.
+    """
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise ValueError(f"eps must be a real number, got {eps!r}")
+    if not MIN_EPS <= eps <= FP32_MAX:  # NaN fails both comparisons
+        raise ValueError(
+            f"eps must be in [2^-126, FP32 max] (a normal binary32: below 2^-126 the EP stock's "
+            f"rsqrt.approx.ftz.f32 flushes the argument of a zero row), got {eps!r}"
+        )
+    return float(eps)
 
 
 def _f32(x: torch.Tensor | float, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,8 +122,15 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """`cvt.rn.bf16.f32`: round to nearest even, subnormals kept, NaN stays NaN."""
-    return _f32(x).to(torch.bfloat16)
+    """`cvt.rn.bf16.f32`: round to nearest even, subnormals kept, every NaN -> 0x7FFF.
+
+    The hardware returns the canonical NaN whatever the input's sign and payload; torch's own
+    conversion does not (on CPU 0xFFFF from its vectorized path, 0x7FC0 from its scalar one).
+    """
+    x = _f32(x)
+    rounded = x.to(torch.bfloat16).view(torch.int16)
+    canonical = torch.tensor(BF16_CANONICAL_NAN_BITS, dtype=torch.int16, device=x.device)
+    return torch.where(torch.isnan(x), canonical, rounded).view(torch.bfloat16)
 
 
 def bf16_to_f32(x: torch.Tensor) -> torch.Tensor:
@@ -148,35 +185,6 @@ PRECISE = Approximations(
     div_full=_div_full_correctly_rounded,
 )
 
-
-def _rsqrt_hardware(x: torch.Tensor) -> torch.Tensor:
-    if not x.is_cuda:
-        raise RuntimeError("the hardware rsqrt.approx.f32 needs a CUDA tensor")
-    return torch.rsqrt(x)
-
-
-def hardware_approximations() -> Approximations:
-    """The instructions' own bits on the current CUDA device.
-
-    rsqrt: torch's CUDA rsqrt is `rsqrt.approx.f32` (measured, H200). ex2 and div.full have no
-    torch equivalent with the same bits; they come from musebench.kernels.ptx when CuTe DSL
-    kernels are available and fall back to the precise stand-ins otherwise (name says which).
-    """
-    try:
-        from musebench.kernels import approx  # CuTe DSL, GPU only
-
-        return Approximations(
-            name="hardware", rsqrt=_rsqrt_hardware, ex2=approx.ex2_approx_f32, div_full=approx.div_full_f32
-        )
-    except ImportError:
-        return Approximations(
-            name="hardware-rsqrt", rsqrt=_rsqrt_hardware, ex2=_ex2_correctly_rounded, div_full=_div_full_correctly_rounded
-        )
-
-
-def approximations_for(device: torch.device | str) -> Approximations:
-    """PRECISE on CPU, the hardware's instructions on CUDA."""
-    return hardware_approximations() if torch.device(device).type == "cuda" else PRECISE
 
 
 # ---------------------------------------------------------------------------------------------

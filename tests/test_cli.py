@@ -34,6 +34,7 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--tokens", "9", "--capacity", "8"], "tokens must be in 1..8"),
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
+        (["routing", "--inputs", "edge"], "choose from random, adversarial"),  # a tail-only family
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(args, message):

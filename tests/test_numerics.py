@@ -66,6 +66,24 @@ def test_to_bf16_rounds_to_nearest_even_and_keeps_subnormals():
     assert got[3] & 0xFFFF == 0x8001
 
 
+# NaN inputs of both signs, quiet and signalling, with low, high and all-ones payloads; the
+# vectorized (n > 16) and scalar (n = 1) torch conversion paths differ (0xffff vs 0x7fc0).
+_F32_NANS = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FA00000, 0xFFBFFFFF, 0x7FFFFFFF, 0xFFFFFFFF,
+             0x7F808000, 0xFFFF8000]
+
+
+@pytest.mark.parametrize("n", [1, 64])
+def test_to_bf16_gives_the_canonical_nan_for_every_nan(n):
+    """`cvt.rn.bf16x2.f32` returns the canonical BF16 NaN 0x7FFF whatever the sign and payload."""
+    words = torch.tensor(_F32_NANS * n, dtype=torch.int64).to(torch.int32)
+    got = nx.to_bf16(words.view(torch.float32)).view(torch.int16)
+    assert got.tolist() == [0x7FFF] * len(words)
+    # the neighbours of NaN keep their rounding: +-inf and the largest finite values
+    edges = torch.tensor([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x7F7F7FFF], dtype=torch.int64).to(torch.int32)
+    got = [v & 0xFFFF for v in nx.to_bf16(edges.view(torch.float32)).view(torch.int16).tolist()]
+    assert got == [0x7F80, 0xFF80, 0x7F80, 0x7F7F]
+
+
 def test_scrub_negative_zero_touches_only_negative_zero():
     x = torch.tensor([-0.0, 0.0, -1.0, -(2.0**-133)], dtype=torch.bfloat16)
     got = nx.scrub_negative_zero(x).view(torch.int16)

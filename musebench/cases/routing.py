@@ -26,7 +26,7 @@ import torch
 from musebench import config
 from musebench.harness import checks
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
-from musebench.harness.cases import expert_owner
+from musebench.harness.cases import ROUTING_INPUT_FAMILIES, expert_owner
 
 name = "routing"
 faults = ("flip", "silent", "hang")
@@ -69,6 +69,8 @@ def local_experts(rank: int, tp: int, num_experts: int = config.NUM_EXPERTS) -> 
 
 def make_inputs(case: RoutingCase) -> RoutingInputs:
     """(logits fp32 [b, 256], bias fp32 [256]), deterministic in the case, fresh per seed."""
+    if case.inputs not in ROUTING_INPUT_FAMILIES:  # the tails' edge family has no routing draw
+        raise ValueError(f"routing inputs must be one of {ROUTING_INPUT_FAMILIES}, got {case.inputs!r}")
     key = repr((case.tokens, case.inputs, case.seed)).encode()
     g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1)
     logits = torch.randn(case.tokens, config.NUM_EXPERTS, generator=g) * 2

@@ -11,13 +11,14 @@ of the own mailbox until every word landed (bounded), sum the slots in rank orde
 FP32, round to BF16, advance NEXT_STAGE and re-arm what was read.
 
 TP tail, one call (token-owner layout: token t is owned by rank t % tp): take the generation,
-push the token's eight K-partial route rows to the owner's route mailbox (slot = source rank),
-then, as owner, poll every source's rows, compute the token's row, keep it, and store to row t of
-every other rank's token mailbox what the stock delivers there: on the single launch a copy
-scrubbed per 32-bit word, on the other paths the owner's own bits; finally poll the own token
-mailbox for the other owners' rows and copy them out. The TP mailboxes' sentinel unit is the
-32-bit word (0x80008000), as in the stock TP kernel, so a lone -0.0 half travels as data; token
-rows travel widened to FP32, where no word can equal the sentinel.
+push the token's eight K-partial route rows (their first 4096 columns; a zero row where the
+index is -1) to the owner's route mailbox (slot = source rank), then, as owner, poll every
+source's rows, compute the token's row, keep it, and store to row t of every other rank's token
+mailbox what the stock delivers there: on the single launch a copy scrubbed per 32-bit word, on
+the other paths the owner's own bits; finally poll the own token mailbox for the other owners'
+rows and copy them out. The TP mailboxes' sentinel unit is the 32-bit word (0x80008000), as in
+the stock TP kernel, so a lone -0.0 half travels as data; token rows travel widened to FP32,
+where no word can equal the sentinel, and are narrowed back by their bits.
 
 The per-row arithmetic is the reference's (musebench.stock): this model checks the protocol,
 the harness and the fault paths; the instruction-level contract is checked on the GPU kernels.
@@ -47,9 +48,26 @@ class TailOptions:
     approximations: nx.Approximations = nx.PRECISE
     publish: bool = True  # False models a rank that never publishes (fault injection)
 
+    def __post_init__(self) -> None:
+        nx.check_eps(self.eps)
+
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int16)
+
+
+def _route_rows(rows: torch.Tensor, index: torch.Tensor, width: int) -> torch.Tensor:
+    """The first `width` columns of rows[index] (a row stride of the rows' width), a zero row where
+    the index is outside the rows (-1: no row for that route), as the stock loads them."""
+    held = (index >= 0) & (index < rows.shape[0])
+    picked = rows[index.clamp(0, rows.shape[0] - 1), :width] if rows.shape[0] else rows.new_zeros(len(index), width)
+    return torch.where(held[:, None], picked, torch.zeros((), dtype=rows.dtype))
+
+
+def _narrow(widened: torch.Tensor) -> torch.Tensor:
+    """The BF16 row a token-mailbox row carries widened to FP32 (int16 words), bit for bit: the
+    high half of each 32-bit word (a float conversion would rewrite NaN payloads)."""
+    return (widened.contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 class CpuEpTail:
@@ -87,10 +105,7 @@ class CpuEpTail:
         started = time.monotonic()
         slots = lamport.poll(region, deadline=started + o.timeout_s, started=started, rank=box.rank,
                              generation=active, what="EP partial")
-        total = torch.zeros(m, box.width, dtype=torch.float32)
-        for source in range(box.tp):
-            total = nx.add(total, nx.bf16_to_f32(slots[source].view(torch.bfloat16)))
-        out.copy_(nx.to_bf16(total))
+        out.copy_(stock_ep.rank_order_sum([slots[source].view(torch.bfloat16) for source in range(box.tp)]))
         box.stage[lamport.NEXT_STAGE] = (active + 1) % lamport.LAMPORT_GENERATIONS
         lamport.rearm(region)
 
@@ -136,8 +151,7 @@ class CpuTpTail:
         if o.publish:
             for t in range(m):
                 owner = t % tp
-                rows = unfinalized.gemm2_permuted[index[t]]
-                payload = lamport.scrub_word32(_bits(rows))
+                payload = lamport.scrub_word32(_bits(_route_rows(unfinalized.gemm2_permuted, index[t], routes.width)))
                 base = (t // tp) * k
                 lamport.publish(routes.words[owner][generation, rank, base : base + k], payload, word_bits=32)
 
@@ -181,6 +195,6 @@ class CpuTpTail:
                 row, deadline=deadline, rank=rank, generation=generation, what="TP token",
                 owner_of=lambda slot, i, t=t: t % tp, word_bits=32,
             )
-            out[t] = final[0, 0].view(torch.float32).to(torch.bfloat16)  # exact: a widened BF16
+            out[t] = _narrow(final[0, 0])
             lamport.rearm(row)
         routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS

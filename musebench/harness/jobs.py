@@ -270,14 +270,14 @@ def make_routing_job(
     (the kernel compiles at bind).
     """
     from musebench.cases.routing import RoutingCase, faults as routing_faults
-    from musebench.harness.cases import INPUT_FAMILIES
+    from musebench.harness.cases import ROUTING_INPUT_FAMILIES
 
     validate_tp(tp)
     validate_routing_tokens(tuple(tokens))
     validate_tiles(tuple(tiles))
-    bad = [family for family in inputs if family not in INPUT_FAMILIES]
+    bad = [family for family in inputs if family not in ROUTING_INPUT_FAMILIES]
     if bad or not inputs:
-        raise ValueError(f"inputs must be among {', '.join(INPUT_FAMILIES)}, got {list(inputs)}")
+        raise ValueError(f"inputs must be among {', '.join(ROUTING_INPUT_FAMILIES)}, got {list(inputs)}")
     if not seeds or not renormalize:
         raise ValueError("no seeds or no renormalize flags given")
     if timeout_s <= 0:

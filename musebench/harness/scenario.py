@@ -49,7 +49,7 @@ from typing import Any
 
 from musebench import config
 from musebench.comm.transport import REQUESTS
-from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, WEIGHT_DTYPES
+from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, ROUTING_INPUT_FAMILIES, WEIGHT_DTYPES
 from musebench.routing_metadata import TILE_N_MAX
 
 MIN_TP, MAX_TP = 2, 32
@@ -273,6 +273,8 @@ def _routing_run_from(where: str, values: dict[str, Any], source: str, index: in
             validate_tp(tp)
         validate_routing_tokens(values["tokens"])
         validate_tiles(values["tile"])
+        if set(values["inputs"]) - set(ROUTING_INPUT_FAMILIES):
+            raise ValueError(f"routing inputs must be among {', '.join(ROUTING_INPUT_FAMILIES)}, got {list(values['inputs'])}")
     except ValueError as error:
         raise ScenarioError(f"{where}: {error}") from None
     return RoutingScenarioRun(

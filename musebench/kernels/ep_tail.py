@@ -115,6 +115,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 from musebench.kernels import ptx
 from musebench.kernels.occupancy import LaunchDemand
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.numerics import check_eps
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
@@ -243,7 +244,7 @@ class _EpPublisherKernel:
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
         _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         _require(transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        _require(math.isfinite(eps) and eps > 0, f"eps must be positive and finite, got {eps}")
+        check_eps(eps)
         _require(math.isfinite(gain_center), f"gain_center must be finite, got {gain_center}")
         self.width = width
         self.top_k = top_k

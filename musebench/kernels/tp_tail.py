@@ -118,6 +118,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor
 from musebench.kernels import ptx
 from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 from musebench.kernels.occupancy import LaunchDemand
+from musebench.numerics import check_eps
 from musebench.tp_dispatch import TpStockPath
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class _TpTailKernel:
         _require(token_width in (H_DIM, 2 * H_DIM), f"token_width must be {H_DIM} or {2 * H_DIM}, got {token_width}")
         _require(delivery == SCRUBBED or token_width == 2 * H_DIM, "EXACT delivery needs a token mailbox of width 2H")
         _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
-        _require(math.isfinite(eps) and eps > 0, f"eps must be positive and finite, got {eps}")
+        check_eps(eps)
         _require(math.isfinite(gain_center), f"gain_center must be finite, got {gain_center}")
         _require(isinstance(timeout_ns, int) and 0 < timeout_ns < 2**62, f"timeout_ns must be a positive int, got {timeout_ns!r}")
         self.tp = tp

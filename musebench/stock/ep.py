@@ -101,14 +101,24 @@ def ep_partial(
     weight_before_norm: bool,
     approximations: nx.Approximations = nx.PRECISE,
 ) -> torch.Tensor:
-    """One rank's BF16 partial [m, width] as the stock publisher writes it (-0.0 scrubbed)."""
+    """One rank's BF16 partial [m, width] as the stock publisher writes it (-0.0 scrubbed).
+
+    width is the norm's (`norm_weight` BF16 [width], a multiple of 1024); the rows may be wider:
+    as the stock (`hidden` columns at a `row_stride` of the rows' width), only their first width
+    columns are read.
+    """
+    nx.check_eps(eps)
     unfinalized.validate()
     rows = unfinalized.gemm2_permuted
     device = rows.device
-    m, top_k, width = unfinalized.tokens, unfinalized.top_k, unfinalized.width
+    m, top_k = unfinalized.tokens, unfinalized.top_k
+    if norm_weight.dtype != torch.bfloat16 or norm_weight.dim() != 1:
+        raise ValueError(f"norm_weight must be 1-D bfloat16, got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    width = norm_weight.shape[0]
     _thread_columns(width)
-    if norm_weight.dtype != torch.bfloat16 or tuple(norm_weight.shape) != (width,):
-        raise ValueError(f"norm_weight must be bfloat16 [{width}], got {norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if unfinalized.width < width:
+        raise ValueError(f"rows of {unfinalized.width} columns are narrower than the norm's {width}")
+    rows = rows[:, :width]
     gamma = nx.add(nx.bf16_to_f32(norm_weight), nx.f32(gain_center, device))
     index = unfinalized.expanded_idx_to_permuted_idx.long()
     local = (index >= 0) & (index < rows.shape[0])

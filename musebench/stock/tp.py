@@ -95,9 +95,12 @@ when ceil(m/P)*P <= nsm (single-launch geometry and delivery) else S = 1 (chunke
 delivery). The expert-owner branch and XP = P both divide the 8 routes by P and are not extended.
 Such paths have name "extension", `stock=False`, and `describe()` says "no stock path; extension".
 
-Not modelled: NaN payloads (the reference yields some NaN where the stock yields NaN; compare
-NaN-ness, not NaN bits); timing; the transport, which moves bits unchanged apart from the
-output-copy scrub described under Delivery (`tp_rank_output`).
+NaN. FP32 NaN payloads inside the computation differ between torch and the GPU, but every BF16
+the stock writes comes out of `cvt.rn.bf16x2.f32`, which returns the canonical NaN 0x7FFF for any
+NaN, and `to_bf16` does the same: NaN outputs compare bitwise.
+
+Not modelled: timing; the transport, which moves bits unchanged apart from the output-copy scrub
+described under Delivery (`tp_rank_output`).
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ from dataclasses import dataclass
 import torch
 
 from musebench.layout import UnfinalizedMoEOutput
-from musebench.numerics import PRECISE, Approximations, add, f32, fma, mul, scrub_negative_zero, to_bf16
+from musebench.numerics import PRECISE, Approximations, add, check_eps, f32, fma, mul, scrub_negative_zero, to_bf16
 from musebench.tp_dispatch import (  # noqa: F401  (the dispatch, re-exported for the reference's readers)
     _SPLITS, EMPTY, EXPERT_OWNER, EXTENSION, H_DIM, K_EXPERTS, MAX_SPLIT, NSLOT, TOKEN_OWNER, TOKEN_OWNER_CHUNKED,
     TpStockPath, single_launch_ctas, stock_supports_tp, token_crossover, tp_split, tp_stock_path,
@@ -214,6 +217,7 @@ def tp_tail_reference(
     ranks' (scrubbed) copy. path=None picks the stock's path (`tp_stock_path`); a given path forces
     one (e.g. the occupancy fallback, or a combine to compare against).
     """
+    check_eps(eps)
     _validate(partials, norm_weight)
     tp = len(partials)
     m = partials[0].tokens

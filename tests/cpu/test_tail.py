@@ -70,3 +70,91 @@ def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
     assert "expert-owner" in row.stock_path
     assert row.passed, (row.error, row.first_mismatch)
     assert len({r.digest for r in row.ranks}) == 1
+
+
+def _run_on(monkeypatch, case, inputs, **options):
+    """run_virtual on given inputs; the row and the reference's per-rank bits."""
+    from musebench.harness import driver
+
+    family = driver.family_of(case)
+    monkeypatch.setattr(family, "make_inputs", lambda c: inputs)
+    run_options = RunOptions(iters=1, warmup=0, **options)
+    row = run_virtual([case], run_options)[0]
+    expected = driver.expected_for(case, inputs, run_options)
+    return row, [want["out"] for want in expected.per_rank]
+
+
+@pytest.mark.parametrize("mode, tp", [("ep", 2), ("tp", 3), ("tp", 2)])  # EP; TP token-owner copies; TP expert-owner
+def test_nan_outputs_are_the_canonical_nan_on_every_rank(monkeypatch, mode, tp):
+    """NaN of any sign and payload in a row leaves the canonical 0x7FFF (the stock's cvt) in every
+    rank's output, including the copies the TP owners hand over."""
+    import torch
+
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="fp32", norm="before")
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(16, 4096, generator=g).to(torch.bfloat16)
+    bits = rows.view(torch.int16)
+    bits[0, 5], bits[3, 100], bits[9, 4095] = 0x7FC1, -0x3F, 0x7F81  # +qNaN, -qNaN (0xffc1), +sNaN: tokens 0 and 1
+    weights = torch.full((2, 8), 0.125, dtype=torch.float32)
+    index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    per_rank = []
+    for rank in range(tp):
+        if mode == "ep":  # routes alternate between the ranks
+            mine = torch.where(torch.arange(16).reshape(2, 8) % tp == rank, index, torch.full_like(index, -1))
+            per_rank.append(UnfinalizedMoEOutput(rows.clone(), weights, mine))
+        else:
+            per_rank.append(UnfinalizedMoEOutput(rows.clone(), weights, index))
+    inputs = TailInputs(tuple(per_rank), torch.zeros(4096, dtype=torch.bfloat16))
+    row, wants = _run_on(monkeypatch, case, inputs)
+    assert row.passed, (row.error, row.first_mismatch)
+    for want in wants:
+        nan = torch.isnan(want.float())
+        assert bool(nan[0].all()) and bool(nan[1].all())  # a NaN column poisons its route's whole row
+        assert bool((want.view(torch.int16)[nan] == 0x7FFF).all())
+
+
+@pytest.mark.parametrize("extra_columns", [0, 40])  # rows of 4096 columns; wider rows
+@pytest.mark.parametrize("mode, tp", [("ep", 2), ("tp", 3), ("tp", 2)])  # EP; TP token-owner; TP expert-owner
+def test_missing_routes_and_wide_rows_match_the_reference(monkeypatch, mode, tp, extra_columns):
+    """Index -1 is a zero row, never the last row; rows wider than 4096 columns (NaN beyond) are
+    read to 4096, at a row stride of their width."""
+    import torch
+
+    from musebench.harness.cases import TailInputs
+    from musebench.layout import UnfinalizedMoEOutput
+
+    case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="bf16", norm="after")
+    g = torch.Generator().manual_seed(11)
+    extra = torch.full((16, extra_columns), float("nan"), dtype=torch.bfloat16)
+    index = torch.arange(16, dtype=torch.int32).reshape(2, 8)
+    index[0, 3] = -1  # a route no rank holds
+    weights = torch.full((2, 8), 0.25, dtype=torch.bfloat16)
+    per_rank = []
+    for rank in range(tp):
+        rows = torch.randn(16, 4096, generator=g).to(torch.bfloat16)
+        rows[15] = 3.0  # the last row: what index -1 would read
+        mine = index.clone()
+        if mode == "ep":  # routes alternate between the ranks
+            mine = torch.where(torch.arange(16).reshape(2, 8) % tp == rank, index, torch.full_like(index, -1))
+        elif rank == 1:
+            mine[1, 5] = -1  # one rank's K-partial missing
+        per_rank.append(UnfinalizedMoEOutput(torch.cat([rows, extra], dim=1).contiguous(), weights, mine))
+    inputs = TailInputs(tuple(per_rank), (torch.randn(4096, generator=g) * 0.1).to(torch.bfloat16))
+    row, wants = _run_on(monkeypatch, case, inputs)
+    assert row.passed, (row.error, row.first_mismatch)
+    assert not bool(torch.isnan(wants[0].float()).any())
+
+
+@pytest.mark.parametrize("tp", [3, 4])  # token-owner copies (extension); expert-owner
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_cpu_model_matches_reference_on_edge_inputs(mode, tp):
+    """The `edge` family (missing routes, NaN payloads, huge values, ties, wide TP rows): m = 4
+    holds each token role once, m = 8 twice (token 4: every route missing)."""
+    cases = [TailCase(mode=mode, tp=tp, tokens=m, inputs="edge", weight_dtype=w, norm=n)
+             for m, w, n in ((4, "bf16", "before"), (8, "fp32", "after"))]
+    rows = run_virtual(cases, RunOptions(iters=1, warmup=0, timeout_s=20.0))
+    for row in rows:
+        assert row.passed, (row.error, row.first_mismatch)

@@ -51,6 +51,11 @@ def test_adversarial_inputs_hold_ties_infinities_and_signed_zeros():
     assert bool((bias[200:208] == 1.5).all())
 
 
+def test_the_tail_only_edge_family_is_refused():
+    with pytest.raises(ValueError, match="routing inputs"):
+        make_routing_inputs(RoutingCase(tp=2, tokens=4, inputs="edge"))
+
+
 def test_routing_faults_are_checked_before_launching():
     validate_routing_faults(Faults(flip_rank=1, silent_rank=0, hang_rank=1), tp=2)
     for faults in (Faults(raise_rank=0), Faults(exit_rank=1)):

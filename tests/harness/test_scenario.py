@@ -120,3 +120,10 @@ def test_the_projects_scenario_files_load():
 def test_a_tail_run_picks_its_ep_launch(tmp_path):
     two, single = _load(tmp_path, '[[run]]\ntp = [2]\n[[run]]\ntp = [2]\nep_launch = "single"\n')
     assert (two.ep_launch, single.ep_launch) == ("two", "single")
+
+
+def test_a_routing_run_refuses_the_tail_only_edge_family(tmp_path):
+    with pytest.raises(ScenarioError, match="routing inputs"):
+        _load(tmp_path, '[[run]]\nkernel = "routing"\ninputs = ["random", "edge"]\n')
+    (run,) = _load(tmp_path, '[[run]]\ninputs = ["edge"]\n')  # a tail run takes it
+    assert run.inputs == ("edge",)

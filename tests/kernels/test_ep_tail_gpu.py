@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from musebench import numerics as nx  # noqa: E402
+from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
@@ -87,7 +87,7 @@ def _on_gpu(u: UnfinalizedMoEOutput) -> UnfinalizedMoEOutput:
 def _reference(inputs, case: TailCase) -> torch.Tensor:
     return ep_tail_reference(
         [_on_gpu(u) for u in inputs.per_rank], inputs.norm_weight.cuda(), eps=case.eps, gain_center=case.gain_center,
-        weight_before_norm=case.weight_before_norm, approximations=nx.hardware_approximations(),
+        weight_before_norm=case.weight_before_norm, approximations=hardware_approximations(),
     )
 
 

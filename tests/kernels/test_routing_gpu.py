@@ -24,8 +24,8 @@ import torch
 pytest.importorskip("cutlass")
 
 from musebench import config  # noqa: E402
-from musebench import numerics as nx  # noqa: E402
 from musebench import cute_ops  # noqa: E402
+from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.kernels import routing  # noqa: E402
 from musebench.routing_metadata import RoutingMetadata, metadata_size  # noqa: E402
 from musebench.stock.routing import pack_metadata, routing_metadata_reference  # noqa: E402
@@ -74,7 +74,7 @@ def _triton():
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "scale"])
 @pytest.mark.parametrize("b", range(1, B + 1))
 def test_ids_and_weights_bitwise(b, renormalize, adversarial):
-    assert nx.hardware_approximations().name == "hardware"
+    assert hardware_approximations().name == "hardware"
     triton_routing = _triton()
     for seed in SEEDS:
         logits, bias = routing_inputs(seed, b, adversarial=adversarial)

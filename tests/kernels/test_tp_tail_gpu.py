@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from musebench import numerics as nx  # noqa: E402
+from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import tp_tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
@@ -98,7 +98,7 @@ def expected(per_rank, norm_weight, *, eps: float, gain_center: float, before: b
     """Every rank's stock bits (H200 dispatch, the GPU's rsqrt)."""
     reference, path = tp_tail_reference(
         [_on_gpu(u) for u in per_rank], norm_weight.cuda(), eps=eps, gain_center=gain_center,
-        weight_before_norm=before, nsm=NSM, approximations=nx.hardware_approximations(),
+        weight_before_norm=before, nsm=NSM, approximations=hardware_approximations(),
     )
     return [tp_rank_output(reference, path, rank) for rank in range(len(per_rank))]
 

@@ -109,3 +109,18 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError):
         ep.ep_partial(UnfinalizedMoEOutput(rows, torch.ones(1, 8), torch.zeros(1, 8, dtype=torch.int32)),
                       torch.zeros(WIDTH - 8, dtype=torch.bfloat16), eps=1e-8, gain_center=1.0, weight_before_norm=True)
+
+
+def test_rows_wider_than_the_norm_are_read_to_its_width():
+    """The stock reads `hidden` columns at a row stride of the rows' width (`row_stride`): extra
+    columns, NaN here, are never read."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(4, WIDTH, generator=g).to(torch.bfloat16)
+    wide = torch.cat([rows, torch.full((4, 24), float("nan"), dtype=torch.bfloat16)], dim=1)
+    gamma = (torch.randn(WIDTH, generator=g) * 0.1).to(torch.bfloat16)
+    index = torch.tensor([[0, -1, 1, 2, -1, 3, -1, -1]], dtype=torch.int32)
+    weights = torch.full((1, 8), 0.125, dtype=torch.float32)
+    knobs = dict(eps=1e-8, gain_center=1.0, weight_before_norm=True)
+    want = ep.ep_partial(UnfinalizedMoEOutput(rows, weights, index), gamma, **knobs)
+    got = ep.ep_partial(UnfinalizedMoEOutput(wide.contiguous(), weights, index), gamma, **knobs)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

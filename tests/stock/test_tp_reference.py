@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from musebench.layout import UnfinalizedMoEOutput
-from musebench.numerics import PRECISE
+from musebench.numerics import MIN_EPS, PRECISE
 from musebench.stock.tp import (
     EXPERT_OWNER,
     EXTENSION,
@@ -419,7 +419,7 @@ def _combine_case(route_b: int) -> tuple[list[UnfinalizedMoEOutput], torch.Tenso
     return make_partials(rows, weights), gamma, rounded, chained
 
 
-def _run(parts, gamma, path=None, *, wbn=False, eps=0.0, nsm=148):
+def _run(parts, gamma, path=None, *, wbn=False, eps=MIN_EPS, nsm=148):  # the smallest eps: absorbed
     return tp_tail_reference(parts, gamma, eps=eps, gain_center=1.0, weight_before_norm=wbn, nsm=nsm, path=path)
 
 
@@ -545,19 +545,22 @@ def test_special_values_match_scalar_model(path: TpStockPath, wbn: bool) -> None
     )
     got = ref_bits(out)[0].tolist()
     nan = [(b & 0x7F80) == 0x7F80 and (b & 0x7F) != 0 for b in want]
-    assert any(nan)  # the inf * 0 columns: NaN-ness compared, payloads not modelled
+    assert any(nan)  # the inf * 0 columns: NaN-ness against the scalar model, whose payloads vary
     assert [(b & 0x7F80) == 0x7F80 and (b & 0x7F) != 0 for b in got] == nan
+    assert {b for b, n in zip(got, nan) if n} == {0x7FFF}  # the reference's NaN is the stock's canonical one
     assert [b for b, n in zip(got, nan) if not n] == [b for b, n in zip(want, nan) if not n]
 
 
-def test_zero_rows_and_eps_zero() -> None:
+def test_zero_rows_and_the_smallest_eps() -> None:
     rows = torch.zeros(4, 1, K, H)
     parts = make_partials(rows, _bf(torch.ones(1, K)))
     gamma = torch.zeros(H, dtype=torch.bfloat16)
-    out, _ = _run(parts, gamma, eps=1e-8)
-    assert torch.equal(ref_bits(out), torch.zeros(1, H, dtype=torch.int32))  # +0.0 everywhere
-    out, _ = _run(parts, gamma, eps=0.0)  # r = rsqrt(0) = inf, y = 0 * inf
-    assert bool(out.float().isnan().all())
+    for eps in (1e-8, MIN_EPS):  # r = rsqrt(eps) is finite, y = 0
+        out, _ = _run(parts, gamma, eps=eps)
+        assert torch.equal(ref_bits(out), torch.zeros(1, H, dtype=torch.int32))  # +0.0 everywhere
+    for eps in (0.0, MIN_EPS / 2):  # r = rsqrt(0) = inf (or of a subnormal the EP stock flushes): refused
+        with pytest.raises(ValueError, match="eps"):
+            _run(parts, gamma, eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------

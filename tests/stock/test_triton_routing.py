@@ -134,9 +134,11 @@ def assert_routes_equal(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torc
 
 
 def hardware_reference(logits: torch.Tensor, bias: torch.Tensor, *, scale: float, renormalize: bool, division_eps=config.ROUTER_SCORE_DIVISION_EPS):
+    from musebench.kernels.approx import hardware_approximations  # CuTe DSL, GPU only
+
     return routing_reference(
         logits.cuda(), bias.cuda(), route_scale=scale, renormalize=renormalize, division_eps=division_eps,
-        approximations=nx.hardware_approximations(),
+        approximations=hardware_approximations(),
     )
 
 
@@ -157,7 +159,9 @@ def triton_routing():
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "scale"])
 @pytest.mark.parametrize("b", range(1, B + 1))
 def test_triton_stock_matches_reference(triton_routing, b, renormalize, adversarial):
-    assert nx.hardware_approximations().name == "hardware"
+    from musebench.kernels.approx import hardware_approximations
+
+    assert hardware_approximations().name == "hardware"
     for seed in range(12):
         logits, bias = routing_inputs(seed, b, adversarial=adversarial)
         scale = SCALES[seed % len(SCALES)]
