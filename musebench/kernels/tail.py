@@ -41,6 +41,10 @@ Where musebench differs from the seed, behind the same names:
   bench times them apart). `bind(norm, weight_dtypes=...)` may compile fewer than both
   route-weight dtypes. The compile functions take musebench's target and PTX knobs (`arch`,
   `ptx_dir`) as extra keywords.
+- The TP tail takes GEMM2 rows wider than P (a multiple of 8 columns: the first P are read at
+  the rows' stride, as the stock's row stride allows; `_check_tail_args(..., wide_rows=True)`);
+  the EP tail takes exactly P. `tail_constants` refuses an eps outside musebench's one rule
+  (`numerics.check_eps`), which the kernels and references share.
 - `MAILBOX_CAPACITY` is musebench's decode batch, 8 tokens.
 
 Compiled kernels are cached per (constants, route-weight dtype[, variant]) on each tail object,
@@ -62,6 +66,7 @@ from musebench.comm.device import DeviceMailbox
 from musebench.kernels import ep_tail as _ep
 from musebench.kernels import tp_tail as _tp
 from musebench.kernels.compilation import refuse_during_capture
+from musebench.numerics import check_eps
 
 if TYPE_CHECKING:
     from musebench.kernels.occupancy import LaunchDemand
@@ -105,13 +110,14 @@ class TailConstants(NamedTuple):
 def tail_constants(norm) -> TailConstants:
     """The constants of `norm` (a MuseSpark1xRMSNorm, or `musebench.layout.PostExpertNorm`) as the
     stock finalize passes them. ValueError unless it spans the pooled width and normalizes all of
-    it (no variance_size_override)."""
+    it (no variance_size_override), and for an eps outside musebench's one rule
+    (`numerics.check_eps`: 2^-126 <= eps <= FP32 max, where the stocks' rsqrt instructions agree)."""
     if norm.hidden_size != POOLED:
         raise ValueError(f"the post-expert norm spans {norm.hidden_size} columns; the MoE tail takes {POOLED}")
     if norm.variance_size_override is not None:
         raise ValueError(f"the post-expert norm takes its variance over {norm.variance_size_override} columns; "
                          f"the MoE tail takes it over all {POOLED}")
-    return TailConstants(eps=float(norm.variance_epsilon), gain_center=float(norm.fused_gain_center),
+    return TailConstants(eps=check_eps(norm.variance_epsilon), gain_center=float(norm.fused_gain_center),
                          weight_before_norm=bool(norm.applies_weight_before_norm))
 
 
@@ -147,13 +153,16 @@ def _check_tensor(name: str, tensor: object, dtype: torch.dtype | None, shape: t
         raise ValueError(f"{name} must be contiguous")
 
 
-def _check_tail_args(capacity: int, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> None:
+def _check_tail_args(capacity: int, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor, *,
+                     wide_rows: bool = False) -> None:
     """Refuse, with ValueError and before anything launches (the other ranks would spin on a rank
-    that raised after launching), a call that neither tail takes: `out` contiguous BF16 [m, P]
+    that raised after launching), a call the tails do not take: `out` contiguous BF16 [m, P]
     with m <= capacity (the kernels write its flat view); `gemm2_permuted` contiguous BF16
     [rows, P]; `expert_weights` contiguous BF16 or FP32 [m, 8]; `expanded_idx_to_permuted_idx`
     contiguous int32 [m, 8]; all on out's CUDA device. Shapes and dtypes are checked before
-    devices, and nothing reads device memory (the index values are the caller's contract)."""
+    devices, and nothing reads device memory (the index values are the caller's contract).
+    musebench's `wide_rows` (the TP tail's): rows may be wider than P, a multiple of 8 columns;
+    the first P are read, at the rows' own stride, as the stock's row stride allows."""
     _check_tensor("out", out, torch.bfloat16, None)
     if out.dim() != 2 or out.shape[1] != POOLED:
         raise ValueError(f"out must be [m, {POOLED}], got {list(out.shape)}")
@@ -162,7 +171,11 @@ def _check_tail_args(capacity: int, unfinalized: UnfinalizedMoEOutput, out: torc
         raise ValueError(f"{m} tokens exceed the tail's capacity of {capacity}")
     rows = unfinalized.gemm2_permuted
     _check_tensor("gemm2_permuted", rows, torch.bfloat16, None)
-    if rows.dim() != 2 or rows.shape[1] != POOLED:
+    if wide_rows:
+        if rows.dim() != 2 or rows.shape[1] < POOLED or rows.shape[1] % _tp.VEC:
+            raise ValueError(f"gemm2_permuted must be [rows, width >= {POOLED}], width a multiple of {_tp.VEC}, "
+                             f"got {list(rows.shape)}")
+    elif rows.dim() != 2 or rows.shape[1] != POOLED:
         raise ValueError(f"gemm2_permuted must be [rows, {POOLED}], got {list(rows.shape)}")
     weights = unfinalized.expert_weights
     _check_tensor("expert_weights", weights, None, (m, TOP_K))
@@ -356,7 +369,7 @@ class BoundTail:
         m = out.shape[0]
         if m == 0:
             return
-        _check_tail_args(self.tail.capacity, unfinalized, out)
+        _check_tail_args(self.tail.capacity, unfinalized, out, wide_rows=self.tail.wide_rows)
         kernel = self.tail.select(self.constants, unfinalized.expert_weights.dtype, m)
         self.tail.launch(kernel, self._weight_view, unfinalized, out)
 
@@ -412,6 +425,7 @@ class _Tail:
 
     capacity: int
     device: torch.device
+    wide_rows = False  # whether its kernel reads rows wider than P (`_check_tail_args`)
 
     def _init_common(self, *, tp: int, rank: int, device: torch.device | str, capacity: int, enable_pdl: bool,
                      timeout_ns: int) -> None:
@@ -555,6 +569,8 @@ class TpTail(_Tail):
     one of them; other counts compile on their first call). `nsm`: the SM count the stock's
     dispatch reads (the group's smallest; None: this GPU's). `timeout_ns` bounds every spin.
     """
+
+    wide_rows = True  # the TP kernel reads the first P columns at the rows' own stride
 
     def __init__(
         self,

@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from musebench import config, numerics as nx, tp_dispatch  # noqa: E402
+from musebench import config, tp_dispatch  # noqa: E402
 from musebench.comm.device import FAULT_CLEAR, local_device_group  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import ep_tail, tail, tp_tail  # noqa: E402
@@ -47,7 +47,7 @@ SEED_FUNCTIONS = {
     tail.tail_constants: ([("norm", POS, EMPTY)], ()),
     tail.tail_weight: ([("norm", POS, EMPTY), ("device", POS, EMPTY)], ()),
     tail.tp_split: ([("m", POS, EMPTY), ("tp", POS, EMPTY), ("nsm", POS, EMPTY)], ()),
-    tail._check_tail_args: ([("capacity", POS, EMPTY), ("unfinalized", POS, EMPTY), ("out", POS, EMPTY)], ()),
+    tail._check_tail_args: ([("capacity", POS, EMPTY), ("unfinalized", POS, EMPTY), ("out", POS, EMPTY)], ("wide_rows",)),
     tail.compile_publisher: (
         [("constants", POS, EMPTY), ("weight_dtype", POS, EMPTY), ("tp", KW, EMPTY), ("rank", KW, EMPTY),
          ("capacity", KW, EMPTY), ("enable_pdl", KW, EMPTY)],
@@ -143,6 +143,10 @@ def test_tail_constants_of_a_norm():
     ({"hidden_size": 2048}, "spans 2048 columns"),
     ({"variance_size_override": 1024}, "variance over 1024 columns"),
     ({"variance_size_override": P}, "variance over 4096 columns"),  # any override, even the full width
+    ({"variance_epsilon": 0.0}, "eps"),  # musebench's one eps rule: 2^-126 <= eps <= FP32 max
+    ({"variance_epsilon": 2.0**-130}, "eps"),  # subnormal: the stocks' rsqrt instructions differ there
+    ({"variance_epsilon": float("nan")}, "eps"),
+    ({"variance_epsilon": 1e39}, "eps"),
 ])
 def test_tail_constants_refuse_other_norms(overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -286,12 +290,34 @@ def test_without_mailboxes_the_tails_allocate_over_the_group(monkeypatch, local_
                      (want, 1, 2, 1, CAPACITY, 2 * P, group)]  # TP tokens: [1, capacity, 2P]
 
 
+WIDE_ROWS = [  # the TP tail's rows: wider than P is taken (the first P columns are read)
+    (_args(rows=torch.zeros(3, P + 8, dtype=torch.bfloat16)), "must be on out's CUDA device"),  # passed every layout check
+    (_args(rows=torch.zeros(3, 2 * P, dtype=torch.bfloat16)), "must be on out's CUDA device"),
+    (_args(rows=torch.zeros(3, P + 4, dtype=torch.bfloat16)), r"width >= 4096\], width a multiple of 8"),
+    (_args(rows=torch.zeros(3, P - 8, dtype=torch.bfloat16)), r"width >= 4096\]"),
+]
+
+
+@pytest.mark.parametrize("args, message", WIDE_ROWS, ids=["P+8", "2P", "P+4", "P-8"])
+def test_wide_rows_for_the_tp_tail_only(args, message):
+    unfinalized, out = args
+    with pytest.raises(ValueError, match=message):
+        tail._check_tail_args(CAPACITY, unfinalized, out, wide_rows=True)
+    with pytest.raises(ValueError, match=r"gemm2_permuted must be \[rows, 4096\]"):
+        tail._check_tail_args(CAPACITY, unfinalized, out)  # the seed's rule, and the EP tail's
+
+
 @pytest.mark.parametrize("make", [ep_tail_on_cpu, tp_tail_on_cpu], ids=["ep", "tp"])
 def test_run_refuses_before_compiling_or_launching(make):
     group = make()
     bound = tail.BoundTail(group, tail.tail_constants(norm()), tail.tail_weight(norm(), "cpu"))
     caches = group._publishers if isinstance(group, tail.MoETail) else group._kernels
-    for _, (unfinalized, out), message in BAD_TAIL_ARGS:
+    refusals = BAD_TAIL_ARGS
+    if isinstance(group, tail.TpTail):  # its rows may be wider than P
+        tp_rows = {"rows 3-D": r"gemm2_permuted must be \[rows, width >= 4096\]"}
+        refusals = [(what, args, tp_rows.get(what, message)) for what, args, message in BAD_TAIL_ARGS
+                    if what != "rows width"] + [("wide rows", *bad) for bad in WIDE_ROWS]
+    for _, (unfinalized, out), message in refusals:
         with pytest.raises(ValueError, match=message):
             bound.run(unfinalized, out)
     assert not caches, "a refused call compiled a kernel"
@@ -448,9 +474,11 @@ def _launch(bound, streams, per_rank, outs, **kwargs) -> None:
 
 
 def _want(case: TailCase, per_rank, weight: torch.Tensor, nsm: int) -> list[torch.Tensor]:
+    from musebench.kernels.approx import hardware_approximations
+
     on_gpu = [u.to("cuda") for u in per_rank]
     common = dict(eps=case.eps, gain_center=case.gain_center, weight_before_norm=case.weight_before_norm,
-                  approximations=nx.hardware_approximations())
+                  approximations=hardware_approximations())
     if case.mode == "ep":
         from musebench.stock.ep import ep_tail_reference
 
@@ -481,7 +509,8 @@ def virtual_group(mode: str, tp: int, *, batches=tuple(range(1, CAPACITY + 1)), 
 
 # Regimes: EP tp 2 and 4 in two launches, tp 3 as one launch; TP tp 2 and 4 (expert-owner, exact
 # delivery), tp 8 (expert-owner, then token-owner XP = 8 at m = 8), tp 3 (the extension). Calls
-# change m (8, 1, 5) and the route-weight dtype (bf16, fp32, bf16) on one bound layer.
+# change m (8, 1, 5, 3), the route-weight dtype and the input family on one bound layer; the edge
+# family brings missing routes, NaN rows and weights, overflow and, TP, rows wider than P.
 GPU_GROUPS = [("ep", 2, {}), ("ep", 4, {}), ("ep", 3, {"single_launch": True}),
               ("tp", 2, {}), ("tp", 3, {}), ("tp", 4, {}), ("tp", 8, {})]
 
@@ -496,7 +525,8 @@ def test_bound_tails_of_virtual_ranks_are_the_stock(mode, tp, kwargs, norm_order
     bound = [group.bind(_norm_of(case, weight)) for group in groups]
     streams = [torch.cuda.Stream() for _ in range(tp)]
     torch.cuda.synchronize()
-    for call, (m, dtype, family) in enumerate([(8, "bf16", "random"), (1, "fp32", "adversarial"), (5, "bf16", "adversarial")]):
+    calls = [(8, "bf16", "random"), (1, "fp32", "adversarial"), (5, "bf16", "adversarial"), (3, "fp32", "edge")]
+    for call, (m, dtype, family) in enumerate(calls):
         case = dataclasses.replace(case, tokens=m, weight_dtype=dtype, inputs=family, seed=call)
         inputs = make_tail_inputs(case)
         outs = [_poisoned(m) for _ in range(tp)]
