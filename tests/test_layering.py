@@ -31,6 +31,12 @@ CONFIG_LEVEL = ("musebench.config", "musebench.layout", "musebench.numerics", "m
 ABOVE_CONFIG = ("musebench.kernels", "musebench.harness", "musebench.cli")
 ABOVE_KERNELS = ("musebench.stock", "musebench.harness", "musebench.cli")
 ABOVE_COMM = ("musebench.harness", "musebench.kernels")
+# The case families sit under the driver: they take the protocol and the checks, never what runs them.
+ABOVE_CASES = ("musebench.harness.driver", "musebench.harness.launch", "musebench.harness.worker",
+               "musebench.harness.jobs", "musebench.cli")
+# The harness's lower modules (what the families import) never reach back up to the families.
+HARNESS_BELOW_CASES = ("musebench.harness.case", "musebench.harness.measure", "musebench.harness.checks",
+                       "musebench.harness.cases", "musebench.harness.results")
 
 
 def _module_name(path: Path) -> str:
@@ -177,6 +183,16 @@ def test_kernels_import_neither_stock_nor_harness_nor_cli(module):
 @pytest.mark.parametrize("module", _xfail(_modules_under("musebench.comm"), KNOWN_COMM))
 def test_comm_imports_neither_harness_nor_kernels(module):
     assert _bad_imports(module, ABOVE_COMM) == []
+
+
+@pytest.mark.parametrize("module", _modules_under("musebench.cases"))
+def test_case_families_import_nothing_that_runs_them(module):
+    assert _bad_imports(module, ABOVE_CASES) == []
+
+
+@pytest.mark.parametrize("module", HARNESS_BELOW_CASES)
+def test_the_protocol_and_the_checks_import_no_family_and_no_driver(module):
+    assert _bad_imports(module, ("musebench.cases", *ABOVE_CASES)) == []
 
 
 @pytest.mark.parametrize("module", _xfail(sorted(modules()), KNOWN_MODULE_CYCLES))

@@ -2,9 +2,10 @@
 
 A `DeviceMailbox` is one rank's view: its own words (int16 `[3, slots, capacity, width]` on the
 GPU, armed with the sentinel), a device table of every rank's mailbox base address (the unicast
-transport stores through it), its two int32 stage words (zero at first; what they hold is the kernels'
-protocol; device memory so a CUDA-graph replay advances them) and its fault record (int32 [4], -1 when clear; the first
-bounded wait that runs out fills it, the kernel module decodes it and the host reports it).
+transport stores through it), its two int32 stage words (zero at first; device memory so a
+CUDA-graph replay advances them) and its fault record (int32 [4], -1 when clear; the first bounded
+wait that runs out fills it, the kernel module decodes it and the host reports it). What the words
+mean is the protocol's, `musebench.comm.protocol`.
 
 Transports here:
 - `local`: virtual ranks in one process on one GPU; the table holds plain device pointers;
@@ -21,10 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from musebench.comm import lamport
+from musebench.comm.protocol import FAULT_CLEAR, FAULT_WORDS, SENTINEL_BF16_BITS, STAGE_WORDS, mailbox_shape
 from musebench.comm.transport import IPC_OPEN_MODES
-
-FAULT_CLEAR = -1
 
 
 @dataclass
@@ -36,27 +35,27 @@ class DeviceMailbox:
     width: int
     words: torch.Tensor  # int16 [3, slots, capacity, width], this rank's
     peer_table: torch.Tensor  # int64 [tp]: base address of every rank's words
-    stage: torch.Tensor  # int32 [2]
-    fault: torch.Tensor  # int32 [4]
+    stage: torch.Tensor  # int32 [STAGE_WORDS]
+    fault: torch.Tensor  # int32 [FAULT_WORDS]
     transport: str = "local"
     keepalive: object = None  # what keeps the peers' mappings open (IPC tensors, a SymmetricMemory handle)
 
     def reset(self) -> None:
         """Re-arm every word, restart the generations, clear the fault record (no call in flight)."""
-        self.words.fill_(lamport.SENTINEL_BF16_BITS)
+        self.words.fill_(SENTINEL_BF16_BITS)
         self.stage.zero_()
         self.fault.fill_(FAULT_CLEAR)
 
 
 def local_device_group(tp: int, slots: int, capacity: int, width: int, device: torch.device | str) -> list[DeviceMailbox]:
     """Mailboxes of `tp` virtual ranks on one GPU (transport `local`), armed."""
-    shape = lamport.mailbox_shape(slots, capacity, width)
-    words = [torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device) for _ in range(tp)]
+    shape = mailbox_shape(slots, capacity, width)
+    words = [torch.full(shape, SENTINEL_BF16_BITS, dtype=torch.int16, device=device) for _ in range(tp)]
     table = torch.tensor([w.data_ptr() for w in words], dtype=torch.int64, device=device)
     return [
         DeviceMailbox(rank=r, tp=tp, slots=slots, capacity=capacity, width=width, words=words[r], peer_table=table,
-                      stage=torch.zeros(2, dtype=torch.int32, device=device),
-                      fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device))
+                      stage=torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device),
+                      fault=torch.full((FAULT_WORDS,), FAULT_CLEAR, dtype=torch.int32, device=device))
         for r in range(tp)
     ]
 
@@ -82,8 +81,8 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
 
     if open_mode not in IPC_OPEN_MODES:  # before the collective: every rank refuses alike
         raise ValueError(f"open_mode must be one of {', '.join(IPC_OPEN_MODES)}, got {open_mode!r}")
-    shape = lamport.mailbox_shape(slots, capacity, width)
-    words = torch.full(shape, lamport.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
+    shape = mailbox_shape(slots, capacity, width)
+    words = torch.full(shape, SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
     torch.cuda.synchronize(device)  # armed before any peer can map and write it
     here = words.device.index
     shared: list[object] = [None] * tp
@@ -108,8 +107,8 @@ def ipc_device_group(rank: int, tp: int, slots: int, capacity: int, width: int, 
             addresses.append(opened.open(exports[peer]))
     table = torch.tensor(addresses, dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
-                        stage=torch.zeros(2, dtype=torch.int32, device=device),
-                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc",
+                        stage=torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device),
+                        fault=torch.full((FAULT_WORDS,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="ipc",
                         keepalive=(through_torch, opened))
     return box
 
@@ -210,16 +209,16 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     symmetric_memory = enable_symmetric_memory(group)
-    shape = lamport.mailbox_shape(slots, capacity, width)
+    shape = mailbox_shape(slots, capacity, width)
     words = symmetric_memory.empty(*shape, dtype=torch.int16, device=device)
-    words.fill_(lamport.SENTINEL_BF16_BITS)
+    words.fill_(SENTINEL_BF16_BITS)
     torch.cuda.synchronize(device)  # armed before any peer can write it
     handle = symmetric_memory.rendezvous(words, group if group is not None else dist.group.WORLD)
     offset = words.data_ptr() - int(handle.buffer_ptrs[rank])  # the words within this rank's allocation
     table = torch.tensor([int(base) + offset for base in handle.buffer_ptrs], dtype=torch.int64, device=device)
     box = DeviceMailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words, peer_table=table,
-                        stage=torch.zeros(2, dtype=torch.int32, device=device),
-                        fault=torch.full((4,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast",
+                        stage=torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device),
+                        fault=torch.full((FAULT_WORDS,), FAULT_CLEAR, dtype=torch.int32, device=device), transport="unicast",
                         keepalive=handle)
     return box
 

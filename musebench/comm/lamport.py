@@ -1,32 +1,16 @@
-"""The Lamport mailbox protocol, written once, and its host-memory mailboxes (CPU model).
+"""Host-memory mailboxes of the Lamport protocol, for the CPU model of the tails.
 
-Protocol (shared by the CuTe DSL tails and their CPU model):
-
-- A mailbox is `[LAMPORT_GENERATIONS, slots, capacity, width]` BF16 words owned by one rank and
-  written by its peers. Every word is armed with the sentinel -0.0 (`SENTINEL_BF16_BITS`).
-- A publisher scrubs -0.0 from its payload (-0.0 -> +0.0, numerically equal) and stores it to
-  slot `[generation, its slot]` of every destination mailbox. The sentinel unit is the 16-bit
-  half (EP tail: any half equal to 0x8000 is "not arrived") or the 32-bit word (TP tail: only a
-  word equal to 0x80008000 is; a lone -0.0 half is data), and the scrub matches the unit. The data write *is* the release:
-  no flag, no fence; a word that no longer reads as the sentinel has landed.
-- A reader polls its own mailbox until no word of the slots it needs is the sentinel, bounded by
-  a deadline: on timeout it records (waiting rank, missing peer, slot, generation) and gives up,
-  never hangs. It then consumes the words and re-arms exactly what it read.
-- Generations rotate modulo 3: a call reads and writes generation g; a peer can write g+1 only
-  after this rank published g, and g+2 == g-1 only after this rank finished reading g-1 and
-  re-armed it, because a peer cannot finish call i+1 without this rank's publish of call i+1,
-  which follows this rank's re-arm of call i-1 in stream order. So re-arming never races a
-  live write and three buffers suffice.
-- Stage words `[NEXT_STAGE, ACTIVE_STAGE]` live beside the mailbox in the rank's own memory
-  (device memory on the GPU, so CUDA-graph replay advances them): in the CPU model the
-  publisher takes NEXT_STAGE and stores it as ACTIVE_STAGE; the reader reads ACTIVE_STAGE and
-  stores (ACTIVE_STAGE + 1) % 3 as NEXT_STAGE. The CuTe tails keep the generation rotation but
-  not this hand-over: their second word is an arrival count, and the last CTA to arrive advances
-  the generation (`musebench.kernels.ep_tail`, `musebench.kernels.tp_tail`).
+The protocol itself (mailbox shapes, sentinels, generations, stage words, who re-arms, the fault
+record) is written once in `musebench.comm.protocol`; this module runs it over host tensors:
+arming, publishing a scrubbed payload, bounded polling (`MailboxTimeout` carrying a
+`FaultRecord`: waiting rank, missing peer, slot, generation) and re-arming. The sentinel unit is
+the 16-bit half (EP tail) or the 32-bit word (TP tail), chosen per call with `word_bits`. The CPU
+model hands the generation over through ACTIVE_STAGE (`musebench.cpu.tail`); the CuTe tails count
+arrivals in that word instead.
 
 Transports of this module (host memory, for the CPU model): `local` (virtual ranks in one
 process share plain tensors) and `shm` (processes on one host map POSIX shared-memory files).
-The device transports (peer pointers, CUDA IPC, multicast) live beside the kernels' mailboxes.
+The device transports (peer pointers, CUDA IPC, multicast) live in `musebench.comm.device`.
 """
 
 from __future__ import annotations
@@ -38,12 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-LAMPORT_GENERATIONS = 3
-NEXT_STAGE = 0
-ACTIVE_STAGE = 1
-SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
-SENTINEL_WORD32_BITS = 0x80008000 - (1 << 32)  # two BF16 -0.0 as int32: the TP tail's per-word sentinel
-POLL_BACKOFF_S = 20e-6
+from musebench.comm.protocol import SENTINEL_BF16_BITS, SENTINEL_WORD32_BITS, STAGE_WORDS, mailbox_shape
+
+POLL_BACKOFF_S = 20e-6  # the CPU model's sleep between two polls
 
 
 @dataclass(frozen=True)
@@ -101,10 +82,6 @@ class Mailbox:
                 pass
 
 
-def mailbox_shape(slots: int, capacity: int, width: int) -> tuple[int, int, int, int]:
-    return (LAMPORT_GENERATIONS, slots, capacity, width)
-
-
 def _armed(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.full(shape, SENTINEL_BF16_BITS, dtype=torch.int16)
 
@@ -115,7 +92,7 @@ def local_group(tp: int, slots: int, capacity: int, width: int) -> list[Mailbox]
     words = [_armed(shape) for _ in range(tp)]
     return [
         Mailbox(rank=r, tp=tp, slots=slots, capacity=capacity, width=width, words=words,
-                stage=torch.zeros(2, dtype=torch.int32), transport="local")
+                stage=torch.zeros(STAGE_WORDS, dtype=torch.int32), transport="local")
         for r in range(tp)
     ]
 
@@ -148,7 +125,7 @@ def shm_open(job: str, name: str, rank: int, tp: int, slots: int, capacity: int,
             raise RuntimeError(f"rank {rank}: mailbox of rank {peer} is missing ({path}); did rank {peer} start?")
         words.append(torch.from_file(path, shared=True, size=numel, dtype=torch.int16).view(shape))
     return Mailbox(rank=rank, tp=tp, slots=slots, capacity=capacity, width=width, words=words,
-                   stage=torch.zeros(2, dtype=torch.int32), transport="shm",
+                   stage=torch.zeros(STAGE_WORDS, dtype=torch.int32), transport="shm",
                    _cleanup=(shm_path(job, name, rank),))
 
 

@@ -1,5 +1,6 @@
-"""CPU model of the MoE tails: the kernels' Lamport protocol (mailboxes, sentinels, generations;
-its own stage-word hand-over, `musebench.comm.lamport`), rank by rank, in torch.
+"""CPU model of the MoE tails: the kernels' Lamport protocol (`musebench.comm.protocol`: mailboxes,
+sentinels, generations; its own stage-word hand-over) over host mailboxes (`musebench.comm.lamport`),
+rank by rank, in torch.
 
 Each `CpuEpTail` / `CpuTpTail` is one rank's bound tail over a `Mailbox` group (virtual ranks
 share host tensors, processes share /dev/shm files). Ranks run concurrently and call `run`
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from musebench import numerics as nx
-from musebench.comm import lamport
+from musebench.comm import lamport, protocol
 from musebench.layout import UnfinalizedMoEOutput
 from musebench.stock import ep as stock_ep
 
@@ -87,7 +88,7 @@ class CpuEpTail:
             return
         if m > box.capacity:
             raise ValueError(f"{m} tokens exceed the mailbox capacity {box.capacity}")
-        stage = int(box.stage[lamport.NEXT_STAGE])
+        stage = int(box.stage[protocol.NEXT_STAGE])
         partial = stock_ep.ep_partial(
             unfinalized, self.norm_weight, eps=o.eps, gain_center=o.gain_center,
             weight_before_norm=o.weight_before_norm, approximations=o.approximations,
@@ -98,15 +99,15 @@ class CpuEpTail:
             for step in range(box.tp):
                 peer = (box.rank + 1 + step) % box.tp
                 lamport.publish(box.words[peer][stage, box.rank, :m], payload)
-        box.stage[lamport.ACTIVE_STAGE] = stage
+        box.stage[protocol.ACTIVE_STAGE] = stage
 
-        active = int(box.stage[lamport.ACTIVE_STAGE])
+        active = int(box.stage[protocol.ACTIVE_STAGE])
         region = box.own[active, :, :m]
         started = time.monotonic()
         slots = lamport.poll(region, deadline=started + o.timeout_s, started=started, rank=box.rank,
                              generation=active, what="EP partial")
         out.copy_(stock_ep.rank_order_sum([slots[source].view(torch.bfloat16) for source in range(box.tp)]))
-        box.stage[lamport.NEXT_STAGE] = (active + 1) % lamport.LAMPORT_GENERATIONS
+        box.stage[protocol.NEXT_STAGE] = (active + 1) % protocol.LAMPORT_GENERATIONS
         lamport.rearm(region)
 
 
@@ -143,7 +144,7 @@ class CpuTpTail:
             return
         if m * k > routes.capacity or m > tokens.capacity:
             raise ValueError(f"{m} tokens exceed the mailbox capacity")
-        generation = int(routes.stage[lamport.NEXT_STAGE])
+        generation = int(routes.stage[protocol.NEXT_STAGE])
         path = stock_tp.tp_stock_path(m, tp, self.nsm)
         index = unfinalized.expanded_idx_to_permuted_idx.long()
 
@@ -197,4 +198,4 @@ class CpuTpTail:
             )
             out[t] = _narrow(final[0, 0])
             lamport.rearm(row)
-        routes.stage[lamport.NEXT_STAGE] = (generation + 1) % lamport.LAMPORT_GENERATIONS
+        routes.stage[protocol.NEXT_STAGE] = (generation + 1) % protocol.LAMPORT_GENERATIONS

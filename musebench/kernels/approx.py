@@ -22,14 +22,12 @@ import torch
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
 
-from musebench.kernels import ptx
+from musebench.kernels import compilation, ptx
 from musebench.numerics import PRECISE, Approximations
 
 THREADS = 256
 UNARY_OPS = ("ex2_approx_f32", "rsqrt_approx_ftz_f32")
 BINARY_OPS = ("div_full_f32",)
-
-_COMPILED: dict[tuple, Any] = {}
 
 
 class _ElementwiseKernel:
@@ -63,24 +61,22 @@ class _ElementwiseKernel:
 
 def compile_elementwise(op: str, *, arch: str | None = None, ptx_dir: str | None = None) -> Any:
     """The compiled kernel for `op` (cached by op, arch and ptx_dir; never during capture)."""
-    key = (op, arch, ptx_dir)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        return compiled
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("compile the approximation kernels before CUDA graph capture")
-    options = []
-    if arch is not None:
-        options.append(cute.GPUArch(arch))
-    if ptx_dir is not None:
-        from cutlass.base_dsl.compiler import DumpDir
 
-        options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
-    compiler = cute.compile[tuple(options)] if options else cute.compile
-    flat = make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4)
-    compiled = compiler(_ElementwiseKernel(op=op), flat, flat, flat, Int32(1), cuda.CUstream(0))
-    _COMPILED[key] = compiled
-    return compiled
+    def build() -> Any:
+        # not kernels.compilation.compiler: no occupancy query needs the cubin of these helpers
+        options = []
+        if arch is not None:
+            options.append(cute.GPUArch(arch))
+        if ptx_dir is not None:
+            from cutlass.base_dsl.compiler import DumpDir
+
+            options.extend([cute.KeepPTX(True), DumpDir(ptx_dir)])
+        compiler = cute.compile[tuple(options)] if options else cute.compile
+        flat = make_fake_compact_tensor(Float32, (cute.sym_int32(),), assumed_align=4)
+        return compiler(_ElementwiseKernel(op=op), flat, flat, flat, Int32(1), cuda.CUstream(0))
+
+    key = compilation.kernel_key(_ElementwiseKernel, arch=arch, ptx_dir=ptx_dir, op=op)
+    return compilation.compiled(key, build, what="the approximation kernels")
 
 
 def _arch_of(device: torch.device) -> str:

@@ -1,7 +1,13 @@
 """What every kernel module shares to compile and call its kernels (host side of device code).
 
+- `compiled(key, build)`: the one compile cache of the process. `kernel_key(kernel_class,
+  arch=..., ptx_dir=..., **config)` names a variant by exactly its compile-time values (the
+  kernel class, its compile-time configuration, the target and the PTX dump folder; never a
+  runtime value such as the rank); `build()` compiles it on the first request, and the result
+  serves every later one. `clear()` empties it (tests), `CACHE` is the cache itself.
 - `refuse_during_capture(what)`: compiling inside CUDA-graph capture would allocate and
-  synchronize; every `compile_*` calls this before compiling a new variant.
+  synchronize; the cache calls this before compiling a new variant, so a variant first asked
+  for during capture is refused (compile before capture).
 - `compiler(arch, ptx_dir)`: `cute.compile` keeping the cubin (for `kernels.occupancy`), for a
   target (`sm_90a`, `sm_100a`; compiles with no GPU present) and, with `ptx_dir`, keeping the PTX
   there (the compile tests read it). The DSL keeps an artifact by writing it to a file and
@@ -20,7 +26,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import threading
+from collections.abc import Callable, Hashable
 from pathlib import Path
+from typing import Any
 
 import cutlass.cute as cute
 import torch
@@ -50,6 +59,71 @@ def dump_dir() -> str:
         path.mkdir(parents=True, exist_ok=True)
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     return str(path)
+
+
+def kernel_name(kernel: type) -> str:
+    """`module.Class` of a kernel class: the first element of its cache keys."""
+    return f"{kernel.__module__}.{kernel.__qualname__}"
+
+
+def kernel_key(kernel: type, *, arch: str | None, ptx_dir: str | None, **config: Hashable) -> tuple:
+    """The cache key of one compiled variant: (kernel, arch, ptx_dir, config sorted by name).
+
+    `config` holds exactly the kernel's compile-time values, normalised by the caller (bools as
+    bool, floats as float) so that equal variants have equal keys; runtime arguments stay out.
+    """
+    return (kernel_name(kernel), arch, ptx_dir, tuple(sorted(config.items())))
+
+
+class CompileCache:
+    """Compiled kernels of this process, by `kernel_key`; a variant is compiled once."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, Any] = {}
+        self._lock = threading.RLock()  # virtual ranks bind from threads: compile each variant once
+
+    def compiled(self, key: tuple, build: Callable[[], Any], *, what: str | None = None) -> Any:
+        """The variant `key`, compiled by `build()` on first use; RuntimeError where that first use
+        happens during CUDA-graph capture (`what` names the kernels in the message)."""
+        with self._lock:
+            found = self._entries.get(key)
+            if found is None:
+                refuse_during_capture(what or key[0])
+                found = self._entries[key] = build()
+            return found
+
+    def keys(self) -> frozenset[tuple]:
+        with self._lock:
+            return frozenset(self._entries)
+
+    def clear(self, kernel: type | None = None) -> None:
+        """Forget every variant, or only those of `kernel` (the next request compiles again)."""
+        with self._lock:
+            if kernel is None:
+                self._entries.clear()
+            else:
+                name = kernel_name(kernel)
+                for key in [key for key in self._entries if key[0] == name]:
+                    del self._entries[key]
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+CACHE = CompileCache()
+
+
+def compiled(key: tuple, build: Callable[[], Any], *, what: str | None = None) -> Any:
+    """`CACHE.compiled`: the one compile cache every kernel module uses."""
+    return CACHE.compiled(key, build, what=what)
+
+
+def clear(kernel: type | None = None) -> None:
+    """`CACHE.clear`: forget compiled variants (for tests)."""
+    CACHE.clear(kernel)
 
 
 def compiler(arch: str | None, ptx_dir: str | None):

@@ -4,7 +4,8 @@ What it computes (bit for bit, docs/contract.md §1; torch reference `musebench.
 the BF16 partial of each token, the sum over the token's local routes of the route-weighted,
 RMS-normalised expert row, then the rank-order FP32 sum of every rank's partial, as BF16.
 
-Phases, one CUDA stream per rank, two launches per call:
+Phases, one CUDA stream per rank, two launches per call. The rank is a runtime argument of both
+kernels (`Int32`), as in the TP tail: one compilation serves every rank of a group.
 
 1. `_EpPublisherKernel`, grid (m,), 128 threads: thread t owns the 16-byte fragments at columns
    8 * (t + 128 * trip) .. +7. Gamma (+ gain centre) is loaded before `griddepcontrol.wait`
@@ -16,8 +17,8 @@ Phases, one CUDA stream per rank, two launches per call:
    `fma.rn(total, 1/width, eps)`, then `acc = fma.rn(y, w, acc)`. The partial is converted with
    `cvt.rn.bf16x2.f32`, -0.0 is scrubbed to +0.0 and the words are stored to slot
    [stage, rank, token] of every rank's mailbox: `st.relaxed.sys` through the peer table
-   (transport "unicast", peers from rank + 1 upward, wrapping, own mailbox last) or one
-   `multimem.st` (transport "multicast"). The generation is NEXT_STAGE, read after the wait;
+   (transport "unicast", peers from rank + 1 upward, wrapping, own mailbox last: `peer_index`) or
+   one `multimem.st` (transport "multicast"). The generation is NEXT_STAGE, read after the wait;
    the publisher writes no stage word.
 2. `_EpReduceKernel`, grid (m, width / 8 / 128), 128 threads: a thread owns one 16-byte fragment
    of one token. Thread 0 of each CTA reads NEXT_STAGE and counts the CTA in (the generation
@@ -45,7 +46,7 @@ of its CTA's token under one timer: the same polls (every trip's in one loop whe
 32 vectors, tp <= 8 at width 4096; trip by trip beyond), rank-order sums, re-arms and fault
 record, inlined.
 
-Memory ordering (the Lamport protocol, `musebench.comm.lamport`): the data write is the release.
+Memory ordering (the Lamport protocol, `musebench.comm.protocol`): the data write is the release.
 The publisher scrubs -0.0 from its payload, so a reader that sees no sentinel half in a fragment
 sees the whole fragment (each 16-bit half is written once, sentinel -> value, and checked on
 its own, so a torn 16-byte access is harmless). A slot of generation g is written again only at
@@ -76,7 +77,13 @@ Numbers measured: compile (CPU host, CuTe DSL 4.8.1) about 0.4 s per publisher v
 0.5 s), 0.1-0.3 s per reduction; SASS (nvdisasm 13.5) of the tp 8 publisher, sm_90a and sm_100a:
 520 FFMA, 512 FMUL (768 with the weight before the norm: x * gamma is recomputed after the
 barrier rather than kept, the same operands), 104 FADD, 8 MUFU.RSQ, no FTZ, no packed f32x2;
-ptxas: 255 registers, no spill (tp 2..32, both forms). H200, 2026-11-29, CuTe DSL
+ptxas 13.0 (sm_90a -O3), 2026-12-01, with the runtime rank: no spill at tp 2, 3, 8, 32 in either
+form; the two-launch unicast publisher 232-255 registers (229-246 with the rank a compile-time
+constant: the peer indices are now a compare and a select each), the single launch 235-255
+(240-255), the two-launch multicast publisher 229 (227), the reduction unchanged (31 at tp 2,
+61 at tp 8, 253 at tp 32); at 128 threads 232 and 255 registers both fit two CTAs per SM. The
+runtime rank is not yet run on a GPU: the H200 results below are of the compile-time-rank
+kernels (one compilation per rank). H200, 2026-11-29, CuTe DSL
 4.8.1 (cu13 libs), torch 2.11+cu130, commit 302d270: `pytest -m gpu tests/kernels` 690 passed
 (records/2026-11-29-h200-pytest-gpu-kernels.summary.json), both EP forms bitwise equal to the reference
 (tp 2, 3, 4, 8; m 1..8; both weight dtypes and norm orders; random and adversarial rows), the
@@ -112,36 +119,36 @@ import torch
 from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from musebench.kernels import ptx
+from musebench.comm import protocol
+from musebench.comm.protocol import (
+    ARRIVAL_COUNT,
+    DEFAULT_TIMEOUT_NS,
+    FAULT_CLEAR,
+    FAULT_GENERATION,
+    FAULT_PEER,
+    FAULT_RANK,
+    FAULT_WHERE,
+    FAULT_WORD_BYTES,
+    FAULT_WORDS,
+    LAMPORT_GENERATIONS,
+    NEXT_STAGE,
+    SENTINEL_BF16X2,
+    STAGE_WORD_BYTES,
+    STAGE_WORDS,
+)
+from musebench.kernels import compilation, ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat
 from musebench.kernels.occupancy import LaunchDemand
-from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
 from musebench.numerics import check_eps
 
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
 
-# The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_ptx.py).
-LAMPORT_GENERATIONS = 3
-NEXT_STAGE = 0
-ARRIVAL_COUNT = 1  # the kernels' second stage word: CTAs of this call that read NEXT_STAGE; 0 between calls
-SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: BF16 -0.0
-SENTINEL_BF16X2 = 0x80008000  # two sentinel halves in one 32-bit word
-
 WARP = 32
 FRAGMENT = 8  # BF16 elements per 16-byte fragment
 FRAGMENT_WORDS = 4  # 32-bit words per fragment
 BF16_BYTES = 2
-STAGE_WORDS = 2
 GENERATION_SLOT_BYTES = 16  # a CTA's shared generation word (thread 0 reads it), padded to its alignment
-STAGE_WORD_BYTES = 4
-
-# Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
-FAULT_WORDS = 4
-FAULT_CLEAR = -1
-FAULT_RANK = 0  # the waiting rank (written by the atom.cas that claims the record)
-FAULT_PEER = 1  # the first source rank whose fragment never landed
-FAULT_ROW = 2  # mailbox row within the generation: slot * capacity + token
-FAULT_GENERATION = 3
 
 DEFAULT_WIDTH = 4096
 DEFAULT_TOP_K = 8
@@ -149,7 +156,6 @@ DEFAULT_THREADS = 128
 # The single launch polls all its trips' tp vectors in one loop up to this many 16-byte vectors
 # (4 registers each: 128 at tp 8); beyond, trip by trip.
 SINGLE_LAUNCH_POLL_VECTORS = 32
-DEFAULT_TIMEOUT_NS = 2_000_000_000
 TRANSPORTS = ("unicast", "multicast")
 WEIGHT_DTYPES = ("bf16", "fp32")
 _CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
@@ -168,8 +174,9 @@ def _require(condition: bool, message: str) -> None:
 
 
 def mailbox_shape(tp: int, capacity: int, width: int = DEFAULT_WIDTH) -> tuple[int, int, int, int]:
-    """[generations, source slots, capacity, width] of one rank's EP mailbox (int16 words)."""
-    return (LAMPORT_GENERATIONS, tp, capacity, width)
+    """[generations, source slots, capacity, width] of one rank's EP mailbox (int16 words):
+    `musebench.comm.protocol.ep_mailbox_shape` at this module's default width."""
+    return protocol.ep_mailbox_shape(tp, capacity, width)
 
 
 def slot_element(stage: int, slot: int, token: int, column: int, *, tp: int, capacity: int, width: int) -> int:
@@ -179,7 +186,22 @@ def slot_element(stage: int, slot: int, token: int, column: int, *, tp: int, cap
 
 def peer_order(rank: int, tp: int) -> tuple[int, ...]:
     """The order the unicast publisher visits mailboxes: rank + 1 upward, wrapping, own last."""
-    return tuple((rank + 1 + step) % tp for step in range(tp))
+    return tuple(peer_index(rank, step, tp) for step in range(tp))
+
+
+def _python_select(condition, if_true, if_false):
+    return if_true if condition else if_false
+
+
+def peer_index(rank, step: int, tp: int, select=_python_select):
+    """`(rank + 1 + step) % tp` without a division, for a rank known only at run time (the
+    publisher's `Int32`; 0 <= rank < tp): rank + 1 + step < 2 tp, so one conditional subtraction
+    wraps it, and the last step is the own mailbox. `select` is `cutlass.select_` in the kernel,
+    a Python conditional on the host (the same function, so `peer_order` tests the kernel's)."""
+    if step == tp - 1:
+        return rank
+    peer = rank + (1 + step)
+    return select(peer >= tp, peer - tp, peer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +238,12 @@ def _advance_if_last(stage_base: Int64, current: Int32, arrived: Uint32, tidx: I
 class _EpPublisherKernel:
     """Per-rank partial of the EP tail, published to every rank's mailbox (grid (m,)); with
     `single_launch` the whole tail: each CTA then reduces its own token (`_EpReduceKernel`'s
-    fragments, inlined) after publishing, and advances the generation itself."""
+    fragments, inlined) after publishing, and advances the generation itself.
+
+    Compile time: every constructor knob (width, top_k, tp, capacity, threads, the norm's order,
+    weight dtype, eps and gain centre, transport, PDL, single launch, timeout). Run time: m, the
+    rows' count and the rank (`Int32`, 0 <= rank < tp, not checked on the device), so one
+    compilation serves every rank of the group."""
 
     def __init__(
         self,
@@ -224,7 +251,6 @@ class _EpPublisherKernel:
         width: int = DEFAULT_WIDTH,
         top_k: int = DEFAULT_TOP_K,
         tp: int,
-        rank: int,
         capacity: int,
         threads: int = DEFAULT_THREADS,
         weight_before_norm: bool,
@@ -240,7 +266,6 @@ class _EpPublisherKernel:
         _require(width > 0 and width % (threads * FRAGMENT) == 0, f"width {width} must be a multiple of {threads * FRAGMENT}")
         _require(top_k >= 1, f"top_k must be positive, got {top_k}")
         _require(tp >= 1, f"tp must be positive, got {tp}")
-        _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
         _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         _require(transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -249,7 +274,6 @@ class _EpPublisherKernel:
         self.width = width
         self.top_k = top_k
         self.tp = tp
-        self.rank = rank
         self.capacity = capacity
         self.threads = threads
         self.warps = threads // WARP
@@ -264,7 +288,7 @@ class _EpPublisherKernel:
         # the single launch's inlined reduction (it validates timeout_ns), polling every trip's
         # fragments together where tp * trips vectors fit in registers
         together = self.trips if tp * self.trips <= SINGLE_LAUNCH_POLL_VECTORS else 1
-        self.reduction = (_EpReduceKernel(width=width, tp=tp, rank=rank, capacity=capacity, threads=threads,
+        self.reduction = (_EpReduceKernel(width=width, tp=tp, capacity=capacity, threads=threads,
                                           enable_pdl=enable_pdl, timeout_ns=timeout_ns, fragments=together)
                           if single_launch else None)
         self.smem_bytes = publisher_smem_bytes(top_k, threads, single_launch)
@@ -284,10 +308,11 @@ class _EpPublisherKernel:
         fault: cute.Tensor,
         m: Int32,
         num_rows: Int32,
+        rank: Int32,
         stream: cuda.CUstream,
     ) -> None:
         self.kernel(rows, route_weights, permuted_idx, norm_weight, stage, peer_mailboxes, multicast_base, mailbox, out,
-                    fault, num_rows).launch(
+                    fault, num_rows, rank).launch(
             grid=(m, 1, 1),
             block=(self.threads, 1, 1),
             smem=self.smem_bytes,
@@ -320,6 +345,7 @@ class _EpPublisherKernel:
         out: cute.Tensor,
         fault: cute.Tensor,
         num_rows: Int32,
+        rank: Int32,
     ) -> None:
         # mailbox, out and fault (this rank's) are read only by the single launch
         token, _, _ = cute.arch.block_idx()
@@ -438,8 +464,9 @@ class _EpPublisherKernel:
         peer_bases = []
         if cutlass.const_expr(self.transport != "multicast"):
             for step in cutlass.range_constexpr(self.tp):
-                peer_bases.append(Int64(peer_mailboxes[(self.rank + 1 + step) % self.tp]))
-        slot_bytes = ((Int64(generation) * self.tp + self.rank) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
+                # `peer_order` with the runtime rank: a compare and a select per peer, no division
+                peer_bases.append(Int64(peer_mailboxes[peer_index(rank, step, self.tp, cutlass.select_)]))
+        slot_bytes = ((Int64(generation) * self.tp + Int64(rank)) * self.capacity + Int64(token)) * (self.width * BF16_BYTES)
         if cutlass.const_expr(self.transport == "multicast"):
             for trip in cutlass.range_constexpr(self.trips):
                 column = Int64(tidx + trip * self.threads) * FRAGMENT
@@ -460,7 +487,8 @@ class _EpPublisherKernel:
             fault_base = Int64(fault.iterator.toint())
             for trip in cutlass.range_constexpr(0, self.trips, self.reduction.fragments):
                 column = Int64(tidx + trip * self.threads) * FRAGMENT
-                self.reduction.reduce_fragments(mailbox_base, out_base, fault_base, generation, Int32(token), column, started)
+                self.reduction.reduce_fragments(mailbox_base, out_base, fault_base, generation, Int32(token), column, started,
+                                                rank)
             _advance_if_last(stage_base, current, arrived, tidx)
         if cutlass.const_expr(self.enable_pdl and self.single_launch):
             # The next call's publisher launches only once this one is done: launched earlier, its
@@ -469,14 +497,17 @@ class _EpPublisherKernel:
 
 
 class _EpReduceKernel:
-    """Rank-order sum of the tp partials in this rank's mailbox (grid (m, width / 8 / threads))."""
+    """Rank-order sum of the tp partials in this rank's mailbox (grid (m, width / 8 / threads)).
+
+    Compile time: width, tp, capacity, threads, PDL, timeout and the fragments one thread polls
+    together. Run time: m and the rank (`Int32`, written to the fault record only), so one
+    compilation serves every rank of the group."""
 
     def __init__(
         self,
         *,
         width: int = DEFAULT_WIDTH,
         tp: int,
-        rank: int,
         capacity: int,
         threads: int = DEFAULT_THREADS,
         enable_pdl: bool,
@@ -488,12 +519,10 @@ class _EpReduceKernel:
         _require(fragments >= 1 and (width // (threads * FRAGMENT)) % fragments == 0,
                  f"fragments must divide the {width // (threads * FRAGMENT)} trips, got {fragments}")
         _require(tp >= 1, f"tp must be positive, got {tp}")
-        _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
         _require(isinstance(timeout_ns, int) and 0 < timeout_ns < 2**62, f"timeout_ns must be a positive int, got {timeout_ns!r}")
         self.width = width
         self.tp = tp
-        self.rank = rank
         self.capacity = capacity
         self.threads = threads
         self.parts = width // (threads * FRAGMENT)
@@ -510,9 +539,10 @@ class _EpReduceKernel:
         stage: cute.Tensor,
         fault: cute.Tensor,
         m: Int32,
+        rank: Int32,
         stream: cuda.CUstream,
     ) -> None:
-        self.kernel(mailbox, out, stage, fault).launch(
+        self.kernel(mailbox, out, stage, fault, rank).launch(
             grid=(m, self.parts, 1),
             block=(self.threads, 1, 1),
             smem=GENERATION_SLOT_BYTES,
@@ -521,7 +551,7 @@ class _EpReduceKernel:
         )
 
     @cute.kernel
-    def kernel(self, mailbox: cute.Tensor, out: cute.Tensor, stage: cute.Tensor, fault: cute.Tensor) -> None:
+    def kernel(self, mailbox: cute.Tensor, out: cute.Tensor, stage: cute.Tensor, fault: cute.Tensor, rank: Int32) -> None:
         token, part, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         column = Int64(part * self.threads + tidx) * FRAGMENT
@@ -539,7 +569,7 @@ class _EpReduceKernel:
         # The slots carry their own completeness (Lamport): polled while the publisher still runs.
         started = ptx.read_globaltimer_u64()
         self.reduce_fragments(Int64(mailbox.iterator.toint()), Int64(out.iterator.toint()), Int64(fault.iterator.toint()),
-                             generation, Int32(token), column, started)
+                              generation, Int32(token), column, started, rank)
 
         # This call's publisher reads NEXT_STAGE after its own wait: the advance waits for its grid.
         if cutlass.const_expr(self.enable_pdl):
@@ -550,7 +580,7 @@ class _EpReduceKernel:
 
     @cute.jit
     def reduce_fragments(self, mailbox_base: Int64, out_base: Int64, fault_base: Int64, generation: Int32,
-                        token: Int32, column: Int64, started: Int64) -> None:
+                         token: Int32, column: Int64, started: Int64, rank: Int32) -> None:
         """One thread's fragments of the reduction (`self.fragments` of them, the f-th at columns
         column + f * threads * 8 .. +7 of `token`), inlined into the reduce kernel (one fragment)
         and the single-launch tail: poll the tp slots of `generation` of every fragment in one
@@ -600,11 +630,11 @@ class _EpReduceKernel:
                         dirty = dirty | ptx.has_negative_zero_u32(landed[(f * self.tp + source) * FRAGMENT_WORDS + j])
                     if dirty != 0:
                         missing = Int32(source)
-                previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * 4, Int32(FAULT_CLEAR), Int32(self.rank))
+                previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * FAULT_WORD_BYTES, Int32(FAULT_CLEAR), rank)
                 if previous == Int32(FAULT_CLEAR):
-                    ptx.st_global_u32(fault_base + FAULT_PEER * 4, missing)
-                    ptx.st_global_u32(fault_base + FAULT_ROW * 4, missing * self.capacity + token)
-                    ptx.st_global_u32(fault_base + FAULT_GENERATION * 4, generation)
+                    ptx.st_global_u32(fault_base + FAULT_PEER * FAULT_WORD_BYTES, missing)
+                    ptx.st_global_u32(fault_base + FAULT_WHERE * FAULT_WORD_BYTES, missing * self.capacity + token)
+                    ptx.st_global_u32(fault_base + FAULT_GENERATION * FAULT_WORD_BYTES, generation)
             else:
                 total = []
                 for _ in cutlass.range_constexpr(FRAGMENT):
@@ -623,10 +653,11 @@ class _EpReduceKernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
-_PUBLISHERS: dict[tuple, Any] = {}
-_REDUCERS: dict[tuple, Any] = {}
+def _check_rank(rank: int | None, tp: int) -> None:
+    """A rank given to `compile_*` (not part of any key) must still be one of the group's."""
+    _require(rank is None or 0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
 
 
 def compile_publisher(
@@ -634,7 +665,7 @@ def compile_publisher(
     width: int = DEFAULT_WIDTH,
     top_k: int = DEFAULT_TOP_K,
     tp: int,
-    rank: int,
+    rank: int | None = None,
     capacity: int,
     threads: int = DEFAULT_THREADS,
     weight_before_norm: bool,
@@ -651,48 +682,52 @@ def compile_publisher(
     """The compiled EP publisher for these compile-time values (cached; never during capture);
     `single_launch`: the whole tail in one kernel (its polls bounded by `timeout_ns`).
 
-    `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the
-    PTX there (`compiled.artifacts.PTX`). Both are part of the cache key.
+    The rank is a runtime argument of the compiled kernel (`Int32`, after `num_rows`): one
+    compilation serves every rank of the group. `rank`, accepted for the callers that pass it,
+    is only checked (0 <= rank < tp) and is not part of the cache key. `arch` overrides the
+    target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the PTX there
+    (`compiled.artifacts.PTX`). Both are part of the cache key.
     """
+    _check_rank(rank, tp)
     timeout_ns = int(timeout_ns) if single_launch else DEFAULT_TIMEOUT_NS  # the publisher alone never waits
-    key = (width, top_k, tp, rank, capacity, threads, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
-           transport, bool(enable_pdl), bool(single_launch), timeout_ns, arch, ptx_dir)
-    compiled = _PUBLISHERS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the EP tail kernels")
-    kernel = _EpPublisherKernel(
-        width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
-        weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-        transport=transport, enable_pdl=enable_pdl, single_launch=single_launch, timeout_ns=timeout_ns,
+    config = dict(
+        width=width, top_k=top_k, tp=tp, capacity=capacity, threads=threads,
+        weight_before_norm=bool(weight_before_norm), weight_dtype=weight_dtype, eps=float(eps),
+        gain_center=float(gain_center), transport=transport, enable_pdl=bool(enable_pdl),
+        single_launch=bool(single_launch), timeout_ns=timeout_ns,
     )
-    weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
-    peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        fake_flat(BFloat16, width, 16),
-        fake_flat(weight_type, top_k, weight_type.width // 8),
-        fake_flat(Int32, top_k, 4),
-        make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        peers,
-        Int64(0),
-        make_fake_compact_tensor(Int16, (LAMPORT_GENERATIONS * tp * capacity * width,), assumed_align=16),
-        fake_flat(BFloat16, width, 16),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        Int32(1),
-        Int32(1),
-        cuda.CUstream(0),
-    )
-    _PUBLISHERS[key] = compiled
-    return compiled
+
+    def build() -> Any:
+        kernel = _EpPublisherKernel(**config)
+        weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
+        peers = make_fake_compact_tensor(Int64, (tp,), assumed_align=8) if transport == "unicast" else None
+        return compiler(arch, ptx_dir)(
+            kernel,
+            fake_flat(BFloat16, width, 16),
+            fake_flat(weight_type, top_k, weight_type.width // 8),
+            fake_flat(Int32, top_k, 4),
+            make_fake_compact_tensor(BFloat16, (width,), assumed_align=16),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            peers,
+            Int64(0),
+            make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
+            fake_flat(BFloat16, width, 16),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            Int32(1),
+            Int32(1),
+            Int32(0),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_EpPublisherKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the EP tail kernels")
 
 
 def compile_reduce(
     *,
     width: int = DEFAULT_WIDTH,
     tp: int,
-    rank: int,
+    rank: int | None = None,
     capacity: int,
     threads: int = DEFAULT_THREADS,
     enable_pdl: bool,
@@ -700,27 +735,28 @@ def compile_reduce(
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
-    """The compiled EP reduction for these compile-time values (cached; never during capture)."""
-    key = (width, tp, rank, capacity, threads, bool(enable_pdl), int(timeout_ns), arch, ptx_dir)
-    compiled = _REDUCERS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the EP tail kernels")
-    kernel = _EpReduceKernel(
-        width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
-    )
-    words = LAMPORT_GENERATIONS * tp * capacity * width
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        make_fake_compact_tensor(Int16, (words,), assumed_align=16),
-        fake_flat(BFloat16, width, 16),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        Int32(1),
-        cuda.CUstream(0),
-    )
-    _REDUCERS[key] = compiled
-    return compiled
+    """The compiled EP reduction for these compile-time values (cached; never during capture).
+
+    The rank is a runtime argument of the compiled kernel (`Int32`, after `m`); `rank`, as in
+    `compile_publisher`, is only checked and is not part of the cache key."""
+    _check_rank(rank, tp)
+    config = dict(width=width, tp=tp, capacity=capacity, threads=threads, enable_pdl=bool(enable_pdl),
+                  timeout_ns=timeout_ns)
+
+    def build() -> Any:
+        return compiler(arch, ptx_dir)(
+            _EpReduceKernel(**config),
+            make_fake_compact_tensor(Int16, (math.prod(mailbox_shape(tp, capacity, width)),), assumed_align=16),
+            fake_flat(BFloat16, width, 16),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            Int32(1),
+            Int32(0),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_EpReduceKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the EP tail kernels")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,7 +786,7 @@ def decode_fault(words: list[int], capacity: int) -> EpFault | None:
         raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
     if words[FAULT_RANK] == FAULT_CLEAR:
         return None
-    row = words[FAULT_ROW]
+    row = words[FAULT_WHERE]
     return EpFault(
         rank=words[FAULT_RANK], peer=words[FAULT_PEER], slot=row // capacity, token=row % capacity,
         generation=words[FAULT_GENERATION],
@@ -771,8 +807,9 @@ class EpTail:
     - `stage`: int32 [2] on CUDA, zero on every rank; `fault`: int32 [4] on CUDA, all -1;
     - `norm_weight`: BF16 [width] gamma (not written by the kernel that precedes `run`).
 
-    Construction compiles (not during capture) and launches each kernel once on scratch buffers
-    (`warm_up`: lazy module loading must not happen behind a spinning peer). `run` is collective
+    Construction compiles (not during capture; one variant per group, the rank is an argument of
+    each launch) and launches each kernel once on scratch buffers (`warm_up`: lazy module loading
+    must not happen behind a spinning peer). `run` is collective
     (every rank, same m, calls in the same order, never overlapping on one rank),
     graph-capturable and allocates nothing. `single_launch=True` runs the whole tail as one
     kernel (publisher and reduction per token in one CTA), bitwise the same; every rank of a
@@ -807,6 +844,7 @@ class EpTail:
         transport = "multicast" if multicast_address is not None else "unicast"
         _require((peer_mailboxes is None) != (multicast_address is None), "give exactly one of peer_mailboxes and multicast_address")
         _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
         self._check(mailbox, torch.int16, mailbox_shape(tp, capacity, width), "mailbox", 16)
         self._check(stage, torch.int32, (STAGE_WORDS,), "stage", 8)
         self._check(fault, torch.int32, (FAULT_WORDS,), "fault", 16)
@@ -819,14 +857,16 @@ class EpTail:
         self.transport = transport
         self.fault = fault
         self.single_launch = bool(single_launch)
+        # One compilation per group: the rank is a runtime argument of both kernels.
         self._publisher = compile_publisher(
-            width=width, top_k=top_k, tp=tp, rank=rank, capacity=capacity, threads=threads,
+            width=width, top_k=top_k, tp=tp, capacity=capacity, threads=threads,
             weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
             transport=transport, enable_pdl=enable_pdl, single_launch=single_launch, timeout_ns=timeout_ns,
         )
         self._reduce = None if single_launch else compile_reduce(
-            width=width, tp=tp, rank=rank, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
+            width=width, tp=tp, capacity=capacity, threads=threads, enable_pdl=enable_pdl, timeout_ns=timeout_ns
         )
+        self._rank = Int32(rank)
         # The fixed buffers are exported once; run converts only the per-call tensors.
         self._mailbox = cute_view(mailbox.view(-1), 16)
         self._stage = cute_view(stage, 8)
@@ -863,10 +903,10 @@ class EpTail:
             self._publisher(
                 cute_flat(rows, 16, self.width), cute_flat(weights, weights.element_size(), self.top_k),
                 cute_flat(index, 4, self.top_k), self._gamma, cute_view(stage, 8), cute_view(peers, 8), Int64(0),
-                *scratch, Int32(1), Int32(1), stream,
+                *scratch, Int32(1), Int32(1), self._rank, stream,
             )
         if self._reduce is not None:
-            self._reduce(scratch[0], scratch[1], cute_view(stage, 8), scratch[2], Int32(1), stream)
+            self._reduce(scratch[0], scratch[1], cute_view(stage, 8), scratch[2], Int32(1), self._rank, stream)
         torch.cuda.current_stream(device).synchronize()
         if int(fault[FAULT_RANK]) != FAULT_CLEAR:
             raise RuntimeError("EP tail warm-up: the reduction timed out on a scratch mailbox with every slot landed")
@@ -926,7 +966,7 @@ class EpTail:
         return m
 
     def _launch_reduce(self, out_view: cute.Tensor, m: int, stream: cuda.CUstream) -> None:
-        self._reduce(self._mailbox, out_view, self._stage, self._fault, Int32(m), stream)
+        self._reduce(self._mailbox, out_view, self._stage, self._fault, Int32(m), self._rank, stream)
 
     def _launch_publisher(self, unfinalized: UnfinalizedMoEOutput, out: torch.Tensor) -> tuple[cuda.CUstream, cute.Tensor]:
         """Check `run`'s arguments (ValueError before anything launches), launch the publisher on
@@ -954,6 +994,7 @@ class EpTail:
             self._fault,
             Int32(m),
             Int32(rows.shape[0]),
+            self._rank,
             stream,
         )
         return stream, out_view

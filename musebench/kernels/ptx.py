@@ -15,7 +15,7 @@ side effects as a pure function of its operands. Arithmetic wrappers are pure.
 
 The helpers at the end (`scrub_negative_zero_u32`, `has_negative_zero_u32`, `bf16x2_*_bits`) are
 integer arithmetic, not asm: the same function runs on DSL `Uint32` values inside a kernel and on
-Python ints in a unit test.
+Python ints in a unit test. The sentinels they test and scrub are `musebench.comm.protocol`'s.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from cutlass import Float32, Int32, Int64, Numeric, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-BF16_NEGATIVE_ZERO_BITS = 0x8000  # one BF16 half: -0.0, the Lamport sentinel
+from musebench.comm.protocol import SENTINEL_BF16, SENTINEL_BF16X2
+
 BF16_HALF_MASK = 0xFFFF
 BF16_HIGH_MASK = 0xFFFF0000
 U32_MASK = 0xFFFFFFFF
-SENTINEL_BF16X2 = 0x80008000  # both halves -0.0
 LOW_HALF_ONES = 0x00010001
 
 
@@ -322,7 +322,7 @@ def has_negative_zero_u32(word):
 
 def _half_is_sentinel(half, like):
     """1 if a 16-bit value equals 0x8000, else 0 (branch-free)."""
-    difference = half ^ _like(like, BF16_NEGATIVE_ZERO_BITS)  # 0 exactly when the half is the sentinel
+    difference = half ^ _like(like, SENTINEL_BF16)  # 0 exactly when the half is the sentinel
     return _like(like, 1) - ((difference + _like(like, BF16_HALF_MASK)) >> _like(like, 16))
 
 

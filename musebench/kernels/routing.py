@@ -84,7 +84,6 @@ compile-tested only.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +96,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
 from musebench import config
-from musebench.kernels import ptx
+from musebench.kernels import compilation, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 from musebench.numerics import LOG2_E
 from musebench.routing_metadata import (
@@ -456,7 +455,7 @@ class _RoutingKernel:
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
 
 @dataclass(frozen=True)
@@ -476,13 +475,6 @@ class RoutingOptions:
 
 DEFAULT_OPTIONS = RoutingOptions()
 
-_COMPILED: dict[tuple[bool, bool, str, RoutingOptions], Any] = {}
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _option_string(build: RoutingOptions, options: str) -> str:
     """`options` after the target and PTX folder of `build`, in the DSL's string form. A string
     replaces the DSL's option objects, so this compile keeps no cubin (routing needs no
@@ -492,12 +484,13 @@ def _option_string(build: RoutingOptions, options: str) -> str:
         words.append(f"--gpu-arch {build.arch}")
     if build.ptx_dir is not None:
         words.append(f"--keep-ptx --dump-dir {build.ptx_dir}")
-    return " ".join([*words, options.strip()])
+    return " ".join([*words, options])
 
 
 def compile_routing(metadata: bool, renormalize: bool, options: str = "", *,
                     build: RoutingOptions = DEFAULT_OPTIONS) -> Any:
-    """Compile the routing kernel for one (metadata, renormalize) variant; cached per process.
+    """Compile the routing kernel for one (metadata, renormalize) variant; cached per process
+    (`compilation.compiled`, keyed by every compile-time value).
 
     `options`: extra CuTe DSL compile options in the DSL's string form (e.g. `--opt-level 2`),
     part of the cache key. `build` (musebench's, internal): PDL on or off, the target (default:
@@ -510,37 +503,34 @@ def compile_routing(metadata: bool, renormalize: bool, options: str = "", *,
     _require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
     _require(isinstance(options, str), f"options must be a string of compile options, got {options!r}")
     _require(isinstance(build, RoutingOptions), f"build must be RoutingOptions, got {build!r}")
-    key = (metadata, renormalize, options.strip(), build)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        return compiled
-    if _capturing():
-        raise RuntimeError("compile the routing kernels before CUDA graph capture (musebench.kernels.routing.prepare)")
-    kernel = _RoutingKernel(metadata=metadata, renormalize=renormalize, enable_pdl=build.enable_pdl)
-    extra = {"options": _option_string(build, options)} if options.strip() else {}
-    compiled = compiler(build.arch, build.ptx_dir)(
-        kernel,
-        fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
-        make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
-        fake_flat(Int32, TOP_K, ALIGN_BYTES),
-        fake_flat(Float32, TOP_K, ALIGN_BYTES),
-        fake_flat(Int32, 1, ALIGN_BYTES) if metadata else None,  # any length >= size: a guard word may follow
-        Int32(1),
-        Int32(0),
-        Int32(1),
-        Int32(1),
-        Float32(1.0),
-        cuda.CUstream(0),
-        **extra,
-    )
-    _COMPILED[key] = compiled
-    return compiled
+    extra = options.strip()
+    knobs = dict(metadata=metadata, renormalize=renormalize, enable_pdl=build.enable_pdl)
+
+    def compile_variant() -> Any:
+        string = {"options": _option_string(build, extra)} if extra else {}
+        return compiler(build.arch, build.ptx_dir)(
+            _RoutingKernel(**knobs),
+            fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
+            make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
+            fake_flat(Int32, TOP_K, ALIGN_BYTES),
+            fake_flat(Float32, TOP_K, ALIGN_BYTES),
+            fake_flat(Int32, 1, ALIGN_BYTES) if metadata else None,  # any length >= size: a guard word may follow
+            Int32(1),
+            Int32(0),
+            Int32(1),
+            Int32(1),
+            Float32(1.0),
+            cuda.CUstream(0),
+            **string,
+        )
+
+    key = compilation.kernel_key(_RoutingKernel, arch=build.arch, ptx_dir=build.ptx_dir, options=extra, **knobs)
+    return compilation.compiled(key, compile_variant, what="the routing kernels (musebench.kernels.routing.prepare)")
 
 
-@functools.cache
 def compiled_routing(metadata: bool, renormalize: bool) -> Any:
-    """`compile_routing(metadata, renormalize)` with the default options, once per process
-    (compile it before CUDA-graph capture: `prepare`)."""
+    """`compile_routing(metadata, renormalize)` with the default options, compiled once per process
+    (the one compile cache holds it; compile it before CUDA-graph capture: `prepare`)."""
     return compile_routing(metadata, renormalize)
 
 

@@ -221,8 +221,9 @@ def compile_publisher(
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
-    """The EP tail's publisher for one norm and route-weight dtype, for rank `rank` of `tp`
-    publishing into [3, tp, capacity, P] mailboxes (the peer-address table's, unicast).
+    """The EP tail's publisher for one norm and route-weight dtype, publishing into tp ranks'
+    [3, tp, capacity, P] mailboxes (through the peer-address table, unicast). The rank is a
+    runtime argument of musebench's kernel (one compilation serves the group); `rank` is checked.
 
     musebench's extras: `single_launch` compiles the whole tail as one kernel (publish, then
     reduce the CTA's own token, spinning at most `timeout_ns`); `arch` / `ptx_dir` choose the
@@ -241,7 +242,7 @@ def compile_reduce(
     tp: int,
     capacity: int,
     enable_pdl: bool,
-    rank: int = 0,
+    rank: int | None = None,
     timeout_ns: int = SPIN_TIMEOUT_NS,
     arch: str | None = None,
     ptx_dir: str | None = None,
@@ -249,8 +250,9 @@ def compile_reduce(
     """The EP tail's reduction of a [3, tp, capacity, P] mailbox: every token's tp partials
     summed in rank order once all have landed (each spin bounded by `timeout_ns`).
 
-    musebench's extras: `rank` is the rank its fault record names as the waiting one (compiled
-    in today); `arch` / `ptx_dir` as for `compile_publisher`. RuntimeError during capture."""
+    musebench's extras: `rank` (the rank is a runtime argument of musebench's reduction: one
+    compilation serves the group; given, it is only checked); `arch` / `ptx_dir` as for
+    `compile_publisher`. RuntimeError during capture."""
     return _ep.compile_reduce(width=POOLED, tp=tp, rank=rank, capacity=capacity, threads=_ep.DEFAULT_THREADS,
                               enable_pdl=enable_pdl, timeout_ns=timeout_ns, arch=arch, ptx_dir=ptx_dir)
 

@@ -48,13 +48,14 @@ therefore publishes its FP32 row before rounding, the pattern 0x80008000 (-2^-13
 -0.0 (`ptx.encode_sentinel_word_f32`; both round to BF16 -0.0), and every reader rounds it with
 the same `cvt.rn.bf16x2.f32`: the token mailbox is 2H int16 wide for EXACT variants.
 
-Memory ordering (the Lamport protocol, `musebench.comm.lamport`, 32-bit-word unit as in the stock
+Memory ordering (the Lamport protocol, `musebench.comm.protocol`, 32-bit-word unit as in the stock
 TP kernel). A word that still reads 0x80008000 has not arrived; every payload word is scrubbed
 or encoded so it never equals it, and each word is written once per generation, so the data
 store is the release and a torn 16-byte access is harmless. Generations: stage words
-[GENERATION, DONE] in the rank's device memory; every CTA reads GENERATION after
-`griddepcontrol.wait`, the last CTA to add itself to DONE (`atom.acq_rel.gpu`, after a CTA
-barrier, so every thread's read precedes it) resets DONE and stores (g + 1) % 3. All ranks make
+[NEXT_STAGE, ARRIVAL_COUNT] in the rank's device memory; every CTA reads NEXT_STAGE after
+`griddepcontrol.wait` and counts itself in on ARRIVAL_COUNT once done (`atom.acq_rel.gpu`, after
+a CTA barrier, so every thread's read precedes it); the last to arrive zeroes the count and
+stores (g + 1) % 3. All ranks make
 the same calls, so they agree on g. Lockstep: token 0 exists in every call (m >= 1); its owner,
 rank 0, waits for every rank's pushes of call j, which each rank makes only after its call j - 1
 completed (stream order; with PDL the pushes follow `griddepcontrol.wait`), and every other rank
@@ -115,8 +116,27 @@ import torch
 from cutlass import BFloat16, Float32, Int16, Int32, Int64, Uint32
 from cutlass.cute.runtime import make_fake_compact_tensor
 
-from musebench.kernels import ptx
-from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat, refuse_during_capture
+from musebench.comm import protocol
+from musebench.comm.protocol import (
+    ARRIVAL_COUNT,
+    DEFAULT_TIMEOUT_NS,
+    FAULT_CLEAR,
+    FAULT_GENERATION,
+    FAULT_PEER,
+    FAULT_RANK,
+    FAULT_SLOTS,
+    FAULT_WHERE,
+    FAULT_WORD_BYTES,
+    FAULT_WORDS,
+    LAMPORT_GENERATIONS,
+    NEXT_STAGE,
+    SENTINEL_BF16X2,
+    STAGE_WORD_BYTES,
+    STAGE_WORDS,
+    TOKEN_SLOT,
+)
+from musebench.kernels import compilation, ptx
+from musebench.kernels.compilation import compiler, cute_flat, cute_view, fake_flat
 from musebench.kernels.occupancy import LaunchDemand
 from musebench.numerics import check_eps
 from musebench.tp_dispatch import TpStockPath
@@ -124,26 +144,7 @@ from musebench.tp_dispatch import TpStockPath
 if TYPE_CHECKING:
     from musebench.layout import UnfinalizedMoEOutput
 
-# The Lamport protocol's constants; equal to musebench.comm.lamport's (tests/kernels/test_tp_tail_compile.py).
-LAMPORT_GENERATIONS = 3
-SENTINEL_BF16_BITS = -32768  # 0x8000 as int16: how a mailbox is armed
-SENTINEL_WORD = 0x80008000  # the TP unit: a 32-bit word of two BF16 -0.0 means "not arrived"
-
-# Stage words, int32[STAGE_WORDS] in the rank's device memory (a DeviceMailbox's `stage`, zeroed).
-STAGE_WORDS = 2
-GENERATION = 0  # the generation every CTA of a call reads
-DONE = 1  # CTAs of the current call that finished; the last one advances GENERATION, resets DONE
-WORD_BYTES = 4
-
-# Fault record: int32[FAULT_WORDS], FAULT_CLEAR in every word until the first timeout.
-FAULT_WORDS = 4
-FAULT_CLEAR = -1
-FAULT_RANK = 0  # the waiting rank (written by the atom.cas that claims the record)
-FAULT_PEER = 1  # the rank whose words never landed
-FAULT_WHERE = 2  # token * FAULT_SLOTS + slot: slot = route k (route mailbox) or TOKEN_SLOT
-FAULT_GENERATION = 3
-FAULT_SLOTS = 16
-TOKEN_SLOT = 8
+WORD_BYTES = 4  # a 32-bit word of shared memory
 
 H_DIM = 4096  # columns of a row (the contract's H)
 TOP_K = 8  # routes per token (the contract's K)
@@ -168,7 +169,6 @@ EXACT = "exact"  # expert-owner / chunked delivery: every rank gets the owner's 
 DELIVERIES = (SCRUBBED, EXACT)
 OWNER_GROUPS = (1, 2, 4)  # routes per owner partial: KO = 8 / P for P = 8, 4, 2
 
-DEFAULT_TIMEOUT_NS = 2_000_000_000
 WEIGHT_DTYPES = ("bf16", "fp32")
 _CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
 _TORCH_WEIGHT_TYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -217,15 +217,16 @@ class TpVariant:
 
 
 def route_mailbox_shape(tp: int, capacity: int) -> tuple[int, int, int, int]:
-    """[generations, source ranks, capacity * 8 route rows, H] of one rank's route mailbox (int16)."""
-    return (LAMPORT_GENERATIONS, tp, capacity * TOP_K, H_DIM)
+    """[generations, source ranks, capacity * 8 route rows, H] of one rank's route mailbox (int16):
+    `musebench.comm.protocol.tp_route_mailbox_shape` at H and K."""
+    return protocol.tp_route_mailbox_shape(tp, capacity, H_DIM, TOP_K)
 
 
 def token_mailbox_shape(capacity: int, delivery: str = EXACT) -> tuple[int, int, int, int]:
     """[generations, 1, capacity, width] of one rank's token mailbox (int16): width H for BF16
     rows (SCRUBBED only), 2H for FP32 rows (needed as soon as any variant delivers EXACT)."""
     _require(delivery in DELIVERIES, f"delivery must be one of {DELIVERIES}, got {delivery!r}")
-    return (LAMPORT_GENERATIONS, 1, capacity, H_DIM if delivery == SCRUBBED else 2 * H_DIM)
+    return protocol.tp_token_mailbox_shape(capacity, H_DIM, fp32_rows=delivery == EXACT)
 
 
 def poll_batches(tp: int, split: int) -> list[list[tuple[int, int]]]:
@@ -376,7 +377,7 @@ class _TpTailKernel:
             cute.arch.griddepcontrol_wait()
 
         stage_base = Int64(stage.iterator.toint())
-        generation = Int32(ptx.ld_volatile_global_u32(stage_base + GENERATION * WORD_BYTES))
+        generation = Int32(ptx.ld_volatile_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES))
 
         if token < m:
             self.send(rows, permuted_idx, route_peers, Int64(norm_weight.iterator.toint()), token, slot, owner, column,
@@ -397,10 +398,10 @@ class _TpTailKernel:
         if tidx == 0:
             grid_x, grid_y, grid_z = cute.arch.grid_dim()
             ctas = Uint32(grid_x * grid_y * grid_z)
-            arrived = ptx.atom_add_gpu_global_u32(stage_base + DONE * WORD_BYTES, Uint32(1), "acq_rel")
+            arrived = ptx.atom_add_gpu_global_u32(stage_base + ARRIVAL_COUNT * STAGE_WORD_BYTES, Uint32(1), "acq_rel")
             if arrived == ctas - Uint32(1):
-                ptx.st_global_u32(stage_base + DONE * WORD_BYTES, Uint32(0))
-                ptx.st_global_u32(stage_base + GENERATION * WORD_BYTES, Uint32((generation + 1) % LAMPORT_GENERATIONS))
+                ptx.st_global_u32(stage_base + ARRIVAL_COUNT * STAGE_WORD_BYTES, Uint32(0))
+                ptx.st_global_u32(stage_base + NEXT_STAGE * STAGE_WORD_BYTES, Uint32((generation + 1) % LAMPORT_GENERATIONS))
 
     @cute.jit
     def send(
@@ -454,11 +455,11 @@ class _TpTailKernel:
     def record_fault(self, fault: cute.Tensor, rank: Int32, peer: Int32, where: Int32, generation: Int32) -> None:
         """Claim the fault record (first timeout of this rank wins) and fill it."""
         fault_base = Int64(fault.iterator.toint())
-        previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * WORD_BYTES, Int32(FAULT_CLEAR), rank)
+        previous = ptx.atom_cas_relaxed_gpu_global_b32(fault_base + FAULT_RANK * FAULT_WORD_BYTES, Int32(FAULT_CLEAR), rank)
         if previous == Int32(FAULT_CLEAR):
-            ptx.st_global_u32(fault_base + FAULT_PEER * WORD_BYTES, peer)
-            ptx.st_global_u32(fault_base + FAULT_WHERE * WORD_BYTES, where)
-            ptx.st_global_u32(fault_base + FAULT_GENERATION * WORD_BYTES, generation)
+            ptx.st_global_u32(fault_base + FAULT_PEER * FAULT_WORD_BYTES, peer)
+            ptx.st_global_u32(fault_base + FAULT_WHERE * FAULT_WORD_BYTES, where)
+            ptx.st_global_u32(fault_base + FAULT_GENERATION * FAULT_WORD_BYTES, generation)
 
     @cute.jit
     def reduce(
@@ -531,7 +532,7 @@ class _TpTailKernel:
                 timed_out = Int32(1)
             else:
                 # Re-arm exactly what was read: peers write it again three calls later.
-                sentinel = Uint32(SENTINEL_WORD)
+                sentinel = Uint32(SENTINEL_BF16X2)
                 for i, (k, s) in enumerate(batch):
                     ptx.st_global_v4_u32(own_base + s * source_stride + k * route_stride, sentinel, sentinel, sentinel, sentinel)
             for i, (k, s) in enumerate(batch):
@@ -714,16 +715,13 @@ class _TpTailKernel:
                     for j in range(FRAGMENT_WORDS)
                 ]
                 ptx.st_global_v4_u32(out_address, words[0], words[1], words[2], words[3])
-            sentinel = Uint32(SENTINEL_WORD)
+            sentinel = Uint32(SENTINEL_BF16X2)
             for v in cutlass.range_constexpr(vectors):
                 ptx.st_global_v4_u32(source + v * 16, sentinel, sentinel, sentinel, sentinel)
 
 
 # ---------------------------------------------------------------------------------------------
-# Compilation (fake tensors, cached by the exact compile-time values).
-
-_KERNELS: dict[tuple, Any] = {}
-
+# Compilation (fake tensors; `kernels.compilation`'s cache, keyed by the exact compile-time values).
 
 def compile_tp_tail(
     *,
@@ -746,41 +744,40 @@ def compile_tp_tail(
     overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the PTX
     there (`compiled.artifacts.PTX`). Both are part of the cache key.
     """
-    key = (tp, capacity, token_width, variant, bool(weight_before_norm), weight_dtype, float(eps), float(gain_center),
-           int(timeout_ns), bool(enable_pdl), arch, ptx_dir)
-    compiled = _KERNELS.get(key)
-    if compiled is not None:
-        return compiled
-    refuse_during_capture("the TP tail kernel")
-    kernel = _TpTailKernel(
+    config = dict(
         tp=tp, capacity=capacity, token_width=token_width, split=variant.split, combine=variant.combine,
-        group=variant.group, delivery=variant.delivery, weight_before_norm=weight_before_norm,
-        weight_dtype=weight_dtype, eps=eps, gain_center=gain_center, timeout_ns=timeout_ns, enable_pdl=enable_pdl,
+        group=variant.group, delivery=variant.delivery, weight_before_norm=bool(weight_before_norm),
+        weight_dtype=weight_dtype, eps=float(eps), gain_center=float(gain_center), timeout_ns=timeout_ns,
+        enable_pdl=bool(enable_pdl),
     )
-    weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
-    route_words = math.prod(route_mailbox_shape(tp, capacity))
-    token_words = LAMPORT_GENERATIONS * capacity * token_width
-    compiled = compiler(arch, ptx_dir)(
-        kernel,
-        fake_flat(BFloat16, VEC, 16),
-        fake_flat(weight_type, TOP_K, weight_type.width // 8),
-        fake_flat(Int32, TOP_K, 4),
-        make_fake_compact_tensor(BFloat16, (H_DIM,), assumed_align=16),
-        make_fake_compact_tensor(Int16, (route_words,), assumed_align=16),
-        make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
-        make_fake_compact_tensor(Int16, (token_words,), assumed_align=16),
-        make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
-        make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
-        fake_flat(BFloat16, H_DIM, 16),
-        Int32(1),
-        Int32(1),
-        Int32(H_DIM),
-        Int32(0),
-        cuda.CUstream(0),
-    )
-    _KERNELS[key] = compiled
-    return compiled
+
+    def build() -> Any:
+        kernel = _TpTailKernel(**config)
+        weight_type = _CUTE_WEIGHT_TYPES[weight_dtype]
+        route_words = math.prod(route_mailbox_shape(tp, capacity))
+        token_words = math.prod(protocol.mailbox_shape(1, capacity, token_width))
+        return compiler(arch, ptx_dir)(
+            kernel,
+            fake_flat(BFloat16, VEC, 16),
+            fake_flat(weight_type, TOP_K, weight_type.width // 8),
+            fake_flat(Int32, TOP_K, 4),
+            make_fake_compact_tensor(BFloat16, (H_DIM,), assumed_align=16),
+            make_fake_compact_tensor(Int16, (route_words,), assumed_align=16),
+            make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+            make_fake_compact_tensor(Int16, (token_words,), assumed_align=16),
+            make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
+            make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
+            fake_flat(BFloat16, H_DIM, 16),
+            Int32(1),
+            Int32(1),
+            Int32(H_DIM),
+            Int32(0),
+            cuda.CUstream(0),
+        )
+
+    key = compilation.kernel_key(_TpTailKernel, arch=arch, ptx_dir=ptx_dir, **config)
+    return compilation.compiled(key, build, what="the TP tail kernel")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -826,7 +823,7 @@ class TpTail:
       `route_peers`: int64 [tp], every rank's route mailbox address as this device sees it;
     - `token_mailbox`: int16 `token_mailbox_shape(capacity, delivery)`, armed, width 2H as
       soon as one variant delivers EXACT; `token_peers`: int64 [tp] likewise;
-    - `stage`: int32 [2] zero on every rank ([GENERATION, DONE]); `fault`: int32 [4], all -1;
+    - `stage`: int32 [2] zero on every rank ([NEXT_STAGE, ARRIVAL_COUNT]); `fault`: int32 [4], all -1;
     - `norm_weight`: BF16 [4096] gamma (not written by the kernel that precedes `run`).
 
     `variants` maps every token count m the group will call with (1..capacity) to the stock
@@ -878,7 +875,7 @@ class TpTail:
         if needed == EXACT:
             _require(token_width == 2 * H_DIM, f"EXACT delivery needs token_mailbox {token_mailbox_shape(capacity, EXACT)}")
         self._check(route_mailbox, torch.int16, route_mailbox_shape(tp, capacity), "route_mailbox", 16)
-        self._check(token_mailbox, torch.int16, (LAMPORT_GENERATIONS, 1, capacity, token_width), "token_mailbox", 16)
+        self._check(token_mailbox, torch.int16, protocol.mailbox_shape(1, capacity, token_width), "token_mailbox", 16)
         self._check(route_peers, torch.int64, (tp,), "route_peers", 8)
         self._check(token_peers, torch.int64, (tp,), "token_peers", 8)
         self._check(stage, torch.int32, (STAGE_WORDS,), "stage", 8)
@@ -923,7 +920,7 @@ class TpTail:
         finds its words landed and nothing of a peer is touched.
         """
         route_box = torch.zeros(route_mailbox_shape(self.tp, self.capacity), dtype=torch.int16, device=device)
-        token_box = torch.zeros((LAMPORT_GENERATIONS, 1, self.capacity, self.token_width), dtype=torch.int16, device=device)
+        token_box = torch.zeros(protocol.mailbox_shape(1, self.capacity, self.token_width), dtype=torch.int16, device=device)
         route_peers = torch.full((self.tp,), route_box.data_ptr(), dtype=torch.int64, device=device)
         token_peers = torch.full((self.tp,), token_box.data_ptr(), dtype=torch.int64, device=device)
         stage = torch.zeros(STAGE_WORDS, dtype=torch.int32, device=device)

@@ -8,12 +8,12 @@ import uuid
 import pytest
 import torch
 
-from musebench.comm import lamport
+from musebench.comm import lamport, protocol
 
 
 def test_local_group_is_armed_and_shared():
     boxes = lamport.local_group(tp=3, slots=3, capacity=2, width=16)
-    assert all(bool((box.own == lamport.SENTINEL_BF16_BITS).all()) for box in boxes)
+    assert all(bool((box.own == protocol.SENTINEL_BF16_BITS).all()) for box in boxes)
     payload = torch.ones(2, 16, dtype=torch.int16)
     lamport.publish(boxes[0].words[2][0, 0], payload)
     assert torch.equal(boxes[2].own[0, 0], payload)  # rank 0's store landed in rank 2's memory
@@ -21,7 +21,7 @@ def test_local_group_is_armed_and_shared():
 
 def test_publish_refuses_the_sentinel():
     boxes = lamport.local_group(tp=2, slots=2, capacity=1, width=8)
-    payload = torch.full((1, 8), lamport.SENTINEL_BF16_BITS, dtype=torch.int16)
+    payload = torch.full((1, 8), protocol.SENTINEL_BF16_BITS, dtype=torch.int16)
     with pytest.raises(AssertionError, match="scrub"):
         lamport.publish(boxes[0].words[1][0, 0], payload)
 
@@ -62,7 +62,7 @@ def test_rearm_restores_the_sentinel():
     boxes = lamport.local_group(tp=2, slots=2, capacity=1, width=8)
     boxes[0].own.fill_(3)
     lamport.rearm(boxes[0].own[1])
-    assert bool((boxes[0].own[1] == lamport.SENTINEL_BF16_BITS).all())
+    assert bool((boxes[0].own[1] == protocol.SENTINEL_BF16_BITS).all())
     assert bool((boxes[0].own[0] == 3).all())
 
 

@@ -15,7 +15,8 @@ contract's, checked in the emitted code rather than the source:
 - the reduction is 8 chains of tp `add.rn.f32` from +0.0 in rank order, traced to the polled
   slots, and no fma;
 - bounded waits: every loop of either kernel that holds an `ld.volatile` also reads
-  `%globaltimer`; the publisher has no loop at all; the reduction re-arms exactly tp fragments.
+  `%globaltimer`; the publisher has no loop at all; the reduction re-arms exactly tp fragments;
+- the rank is a runtime argument: one compiled variant serves every rank (no rank in any key).
 
 Compile times (this CPU host, CuTe DSL 4.8.1): publisher about 0.3-0.5 s (tp 32: about 1 s),
 reduction about 0.1-0.3 s per variant.
@@ -33,6 +34,7 @@ import pytest
 
 pytest.importorskip("cutlass")
 
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
@@ -42,20 +44,16 @@ TRIPS = WIDTH // (THREADS * 8)
 VALUES = TRIPS * 8
 TRIP_BYTES = THREADS * 16
 EPS_BITS, INV_WIDTH_BITS, ONE_BITS = 0x322BCC77, 0x39800000, 0x3F800000
-SENTINEL_I32 = tail.SENTINEL_BF16X2 - (1 << 32)  # how PTX prints 0x80008000
+SENTINEL_I32 = protocol.SENTINEL_BF16X2 - (1 << 32)  # how PTX prints 0x80008000
 
 _DUMP = tempfile.mkdtemp(prefix="musebench-ptx-")
-
-
-def _rank(tp: int) -> int:
-    return tp // 2 + (tp > 2)  # not 0, not tp - 1 for tp >= 3: the peer loop wraps mid-way
 
 
 @functools.lru_cache(maxsize=None)
 def publisher_ptx(arch: str, tp: int, weight_dtype: str, before: bool, transport: str, pdl: bool,
                   single_launch: bool = False) -> str:
     compiled = tail.compile_publisher(
-        width=WIDTH, top_k=TOP_K, tp=tp, rank=_rank(tp), capacity=CAPACITY, threads=THREADS,
+        width=WIDTH, top_k=TOP_K, tp=tp, capacity=CAPACITY, threads=THREADS,
         weight_before_norm=before, weight_dtype=weight_dtype, eps=1e-8, gain_center=1.0,
         transport=transport, enable_pdl=pdl, single_launch=single_launch, timeout_ns=1_000_000_000,
         arch=arch, ptx_dir=_DUMP,
@@ -66,7 +64,7 @@ def publisher_ptx(arch: str, tp: int, weight_dtype: str, before: bool, transport
 @functools.lru_cache(maxsize=None)
 def reduce_ptx(arch: str, tp: int, pdl: bool) -> str:
     compiled = tail.compile_reduce(
-        width=WIDTH, tp=tp, rank=_rank(tp), capacity=CAPACITY, threads=THREADS, enable_pdl=pdl,
+        width=WIDTH, tp=tp, capacity=CAPACITY, threads=THREADS, enable_pdl=pdl,
         timeout_ns=1_000_000_000, arch=arch, ptx_dir=_DUMP,
     )
     return _ptx_text(compiled)
@@ -453,8 +451,9 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("tp, weight_dtype, before, single_launch", [
-    (2, "bf16", True, False), (32, "fp32", False, False), (8, "bf16", True, True), (32, "fp32", False, True),
-], ids=["tp2-two", "tp32-two", "tp8-single", "tp32-single"])
+    (2, "bf16", True, False), (8, "bf16", True, False), (32, "fp32", False, False),
+    (2, "bf16", True, True), (8, "bf16", True, True), (32, "fp32", False, True),
+], ids=["tp2-two", "tp8-two", "tp32-two", "tp2-single", "tp8-single", "tp32-single"])
 def test_the_publisher_assembles_without_spills(tp, weight_dtype, before, single_launch, tmp_path):
     """Every route's fragments are live at once (255 registers): a spill would put local memory on
     the load path the batching removed, and the single launch adds its reduction on top."""
@@ -475,12 +474,24 @@ def test_every_loop_that_polls_reads_the_timer_in_a_broken_example():
 
 
 def test_compile_cache_is_keyed_by_every_knob():
-    knobs = dict(tp=2, rank=0, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+    knobs = dict(tp=2, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
                  transport="unicast", enable_pdl=True, arch="sm_90a")
-    publisher = tail.compile_publisher(**knobs)
-    assert tail.compile_publisher(**knobs, timeout_ns=5) is publisher  # the publisher alone never waits
-    single = tail.compile_publisher(**knobs, single_launch=True)
-    assert single is not publisher and tail.compile_publisher(**knobs, single_launch=True, timeout_ns=5) is not single
+    publisher = tail.compile_publisher(**knobs, rank=0)
+    assert tail.compile_publisher(**knobs, rank=0, timeout_ns=5) is publisher  # the publisher alone never waits
+    single = tail.compile_publisher(**knobs, rank=0, single_launch=True)
+    assert single is not publisher and tail.compile_publisher(**knobs, rank=0, single_launch=True, timeout_ns=5) is not single
+    assert tail.compile_publisher(**{**knobs, "capacity": 5}) is not publisher
     a = tail.compile_reduce(tp=2, rank=0, capacity=4, enable_pdl=True, arch="sm_90a")
     assert tail.compile_reduce(tp=2, rank=0, capacity=4, enable_pdl=True, arch="sm_90a") is a
-    assert tail.compile_reduce(tp=2, rank=1, capacity=4, enable_pdl=True, arch="sm_90a") is not a
+    assert tail.compile_reduce(tp=2, capacity=4, enable_pdl=False, arch="sm_90a") is not a
+
+
+def test_the_rank_is_not_part_of_any_compile_key():
+    """One compilation serves every rank of a group: the rank is a runtime `Int32` argument."""
+    knobs = dict(tp=3, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+                 transport="unicast", enable_pdl=True, arch="sm_90a")
+    for single_launch in (False, True):
+        publisher = tail.compile_publisher(**knobs, single_launch=single_launch)
+        assert all(tail.compile_publisher(**knobs, rank=r, single_launch=single_launch) is publisher for r in range(3))
+    reduce = tail.compile_reduce(tp=3, capacity=4, enable_pdl=True, arch="sm_90a")
+    assert all(tail.compile_reduce(tp=3, rank=r, capacity=4, enable_pdl=True, arch="sm_90a") is reduce for r in range(3))

@@ -25,6 +25,8 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from musebench import numerics as nx  # noqa: E402
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
@@ -45,17 +47,17 @@ class VirtualGroup:
     """tp virtual ranks on the current GPU, armed and ready."""
 
     def __init__(self, tp: int, norm_weight: torch.Tensor, *, weight_dtype: str, before: bool,
-                 timeout_ns: int = tail.DEFAULT_TIMEOUT_NS, enable_pdl: bool = True, eps: float = 1e-8,
+                 timeout_ns: int = protocol.DEFAULT_TIMEOUT_NS, enable_pdl: bool = True, eps: float = 1e-8,
                  gain_center: float = 1.0, single_launch: bool = False):
         device = torch.device("cuda")
         self.tp = tp
         self.mailboxes = [
-            torch.full(tail.mailbox_shape(tp, CAPACITY, WIDTH), tail.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
+            torch.full(tail.mailbox_shape(tp, CAPACITY, WIDTH), protocol.SENTINEL_BF16_BITS, dtype=torch.int16, device=device)
             for _ in range(tp)
         ]
         self.peers = torch.tensor([box.data_ptr() for box in self.mailboxes], dtype=torch.int64, device=device)
-        self.stages = [torch.zeros(tail.STAGE_WORDS, dtype=torch.int32, device=device) for _ in range(tp)]
-        self.faults = [torch.full((tail.FAULT_WORDS,), tail.FAULT_CLEAR, dtype=torch.int32, device=device) for _ in range(tp)]
+        self.stages = [torch.zeros(protocol.STAGE_WORDS, dtype=torch.int32, device=device) for _ in range(tp)]
+        self.faults = [torch.full((protocol.FAULT_WORDS,), protocol.FAULT_CLEAR, dtype=torch.int32, device=device) for _ in range(tp)]
         self.norm_weight = norm_weight.to(device)
         self.tails = [
             tail.EpTail(
@@ -99,9 +101,9 @@ def _assert_clean(group: VirtualGroup, calls: int) -> None:
     """No fault, every mailbox fully re-armed, the stage words advanced `calls` times."""
     assert group.fault_records() == [None] * group.tp, group.fault_records()
     for rank, box in enumerate(group.mailboxes):
-        assert bool((box == tail.SENTINEL_BF16_BITS).all()), f"rank {rank}: mailbox not re-armed"
+        assert bool((box == protocol.SENTINEL_BF16_BITS).all()), f"rank {rank}: mailbox not re-armed"
     # both forms: NEXT_STAGE, and the arrival count back to 0
-    expected = [calls % tail.LAMPORT_GENERATIONS, 0]
+    expected = [calls % protocol.LAMPORT_GENERATIONS, 0]
     for rank, stage in enumerate(group.stages):
         assert stage.tolist() == expected, f"rank {rank}: stage words {stage.tolist()} after {calls} calls"
 

@@ -1,4 +1,4 @@
-"""The PTX wrappers' pure helpers, the protocol constants and the host-side helpers of the EP tail.
+"""The PTX wrappers' pure helpers and the host-side helpers of the EP tail.
 
 CPU only: the integer helpers of musebench.kernels.ptx are the same Python functions the kernels
 trace, so they are checked here exhaustively over one 16-bit half against torch's own BF16 bits.
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from musebench import numerics as nx  # noqa: E402
-from musebench.comm import lamport  # noqa: E402
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels import approx, ptx  # noqa: E402
 from musebench.kernels import ep_tail as tail  # noqa: E402
 
@@ -27,15 +27,6 @@ def _words(other: int) -> list[tuple[str, torch.Tensor]]:
 
 def _halves(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return words & 0xFFFF, words >> 16
-
-
-def test_protocol_constants_equal_the_lamport_module():
-    assert tail.LAMPORT_GENERATIONS == lamport.LAMPORT_GENERATIONS
-    assert tail.NEXT_STAGE == lamport.NEXT_STAGE
-    assert tail.SENTINEL_BF16_BITS == lamport.SENTINEL_BF16_BITS
-    half = lamport.SENTINEL_BF16_BITS & 0xFFFF
-    assert tail.SENTINEL_BF16X2 == ptx.SENTINEL_BF16X2 == (half << 16) | half
-    assert ptx.BF16_NEGATIVE_ZERO_BITS == nx.BF16_NEGATIVE_ZERO_BITS == half
 
 
 @pytest.mark.parametrize("other", PARTNERS, ids=hex)
@@ -75,9 +66,10 @@ def test_helpers_take_python_ints():
     assert ptx.bf16x2_low_bits(0xABCD3F80) == 0x3F800000 and ptx.bf16x2_high_bits(0x3F80ABCD) == 0x3F800000
 
 
-def test_mailbox_layout_matches_the_lamport_module():
+def test_mailbox_layout_is_the_protocols():
     tp, capacity, width = 3, 5, 4096
-    assert tail.mailbox_shape(tp, capacity, width) == lamport.mailbox_shape(tp, capacity, width)
+    assert tail.mailbox_shape(tp, capacity, width) == protocol.ep_mailbox_shape(tp, capacity, width)
+    assert tail.mailbox_shape(tp, capacity) == protocol.ep_mailbox_shape(tp, capacity, tail.DEFAULT_WIDTH)
     flat = torch.arange(torch.Size(tail.mailbox_shape(tp, capacity, width)).numel()).view(tail.mailbox_shape(tp, capacity, width))
     for stage, slot, token, column in [(0, 0, 0, 0), (2, 1, 4, 4095), (1, 2, 3, 8)]:
         element = tail.slot_element(stage, slot, token, column, tp=tp, capacity=capacity, width=width)
@@ -89,11 +81,11 @@ def test_peer_order_visits_every_rank_once_own_last(tp):
     for rank in range(tp):
         order = tail.peer_order(rank, tp)
         assert sorted(order) == list(range(tp)) and order[-1] == rank
-        assert order[0] == (rank + 1) % tp
+        assert order == tuple((rank + 1 + step) % tp for step in range(tp))
 
 
 def test_fault_record_decodes_and_clear_means_none():
-    assert tail.decode_fault([tail.FAULT_CLEAR] * tail.FAULT_WORDS, capacity=8) is None
+    assert tail.decode_fault([protocol.FAULT_CLEAR] * protocol.FAULT_WORDS, capacity=8) is None
     record = tail.decode_fault([2, 5, 5 * 8 + 3, 1], capacity=8)
     assert (record.rank, record.peer, record.slot, record.token, record.generation) == (2, 5, 5, 3, 1)
     assert "rank 2" in record.message() and "rank 5" in record.message() and "generation 1" in record.message()
@@ -106,7 +98,6 @@ def test_fault_record_decodes_and_clear_means_none():
     [
         dict(transport="broadcast"),
         dict(weight_dtype="fp16"),
-        dict(rank=8),
         dict(threads=96),
         dict(width=4000),
         dict(eps=0.0),
@@ -115,17 +106,35 @@ def test_fault_record_decodes_and_clear_means_none():
     ids=lambda knobs: next(iter(knobs)),
 )
 def test_publisher_knobs_are_validated(knobs):
-    base = dict(tp=8, rank=0, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+    base = dict(tp=8, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
                 transport="unicast", enable_pdl=True)
     with pytest.raises(ValueError):
         tail._EpPublisherKernel(**{**base, **knobs})
 
 
-@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0), dict(rank=-1),
+@pytest.mark.parametrize("knobs", [dict(timeout_ns=0), dict(timeout_ns=1.5), dict(capacity=0),
                                    dict(fragments=0), dict(fragments=3)], ids=str)
 def test_reduce_knobs_are_validated(knobs):
     with pytest.raises(ValueError):
-        tail._EpReduceKernel(**{**dict(tp=2, rank=0, capacity=4, enable_pdl=True), **knobs})
+        tail._EpReduceKernel(**{**dict(tp=2, capacity=4, enable_pdl=True), **knobs})
+
+
+@pytest.mark.parametrize("rank", [-1, 2])
+def test_a_rank_outside_the_group_is_refused_before_compiling(rank):
+    """The rank is a runtime argument (no kernel takes it at compile time); a rank given to
+    `compile_*` or `EpTail` is still checked."""
+    with pytest.raises(ValueError, match="rank"):
+        tail.compile_publisher(tp=2, rank=rank, capacity=4, weight_before_norm=True, weight_dtype="bf16", eps=1e-8,
+                               gain_center=1.0, transport="unicast", enable_pdl=True, arch="sm_90a")
+    with pytest.raises(ValueError, match="rank"):
+        tail.compile_reduce(tp=2, rank=rank, capacity=4, enable_pdl=True, arch="sm_90a")
+    with pytest.raises(ValueError, match="rank"):
+        tail.EpTail(
+            rank=rank, tp=2, capacity=4, mailbox=torch.zeros(tail.mailbox_shape(2, 4), dtype=torch.int16),
+            stage=torch.zeros(2, dtype=torch.int32), fault=torch.full((4,), -1, dtype=torch.int32),
+            norm_weight=torch.zeros(4096, dtype=torch.bfloat16), peer_mailboxes=torch.zeros(2, dtype=torch.int64),
+            weight_before_norm=True, weight_dtype="bf16", eps=1e-8, gain_center=1.0,
+        )
 
 
 def test_compiling_during_capture_is_refused(monkeypatch):

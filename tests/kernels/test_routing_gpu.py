@@ -25,8 +25,9 @@ pytest.importorskip("cutlass")
 
 from musebench import config  # noqa: E402
 from musebench import cute_ops  # noqa: E402
+from musebench import numerics as nx  # noqa: E402
+from musebench.kernels import compilation, routing  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
-from musebench.kernels import routing  # noqa: E402
 from musebench.routing_metadata import RoutingMetadata, metadata_size  # noqa: E402
 from musebench.stock.routing import pack_metadata, routing_metadata_reference  # noqa: E402
 from tests.stock.test_triton_routing import (  # noqa: E402
@@ -245,8 +246,7 @@ def test_graph_capture_and_replay_with_changing_logits(with_metadata):
 
 
 def test_uncompiled_variant_refuses_capture():
-    routing._COMPILED.pop((False, False, "", routing.DEFAULT_OPTIONS), None)
-    routing.compiled_routing.cache_clear()  # route compiles through it, once per process
+    compilation.clear(routing._RoutingKernel)
     logits = torch.zeros(1, E, device="cuda")
     ids = torch.empty(1, K, dtype=torch.int32, device="cuda")
     weights = torch.empty(1, K, device="cuda")

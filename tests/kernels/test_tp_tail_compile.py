@@ -39,7 +39,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from musebench.comm import lamport  # noqa: E402
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels import ptx as ptx_module  # noqa: E402
 from musebench.kernels import tp_tail  # noqa: E402
 from musebench.stock import tp as stock_tp  # noqa: E402
@@ -63,7 +63,7 @@ CAPACITY = 8
 NSM = 132  # H200
 H, K, VEC = tp_tail.H_DIM, tp_tail.TOP_K, tp_tail.VEC
 EPS_BITS, INV_WIDTH_BITS, ONE_BITS = 0x322BCC77, 0x39800000, 0x3F800000
-SENTINEL_I32 = tp_tail.SENTINEL_WORD  # how Origins reads the immediate back (32-bit)
+SENTINEL_I32 = protocol.SENTINEL_BF16X2  # how Origins reads the immediate back (32-bit)
 ROUTE_STRIDE = H * 2
 SOURCE_STRIDE = CAPACITY * K * H * 2
 
@@ -300,13 +300,6 @@ def test_ptxas_assembles_without_spills(tp, variant, tmp_path):
 # Host-side pieces (no compilation).
 
 
-def test_protocol_constants_equal_the_lamport_module():
-    assert tp_tail.LAMPORT_GENERATIONS == lamport.LAMPORT_GENERATIONS
-    assert tp_tail.SENTINEL_BF16_BITS == lamport.SENTINEL_BF16_BITS
-    assert tp_tail.SENTINEL_WORD - (1 << 32) == lamport.SENTINEL_WORD32_BITS
-    assert tp_tail.SENTINEL_WORD == ptx_module.SENTINEL_BF16X2
-
-
 def test_variant_from_every_stock_path():
     for tp in (2, 3, 4, 8, 16, 32):
         for m in range(1, 300):
@@ -337,9 +330,9 @@ def test_poll_batches_cover_every_route_and_source_in_sum_order():
 
 def test_fault_record_decodes():
     assert tp_tail.decode_fault([-1, -1, -1, -1]) is None
-    route = tp_tail.decode_fault([2, 1, 5 * tp_tail.FAULT_SLOTS + 3, 1])
+    route = tp_tail.decode_fault([2, 1, 5 * protocol.FAULT_SLOTS + 3, 1])
     assert (route.rank, route.peer, route.token, route.route, route.generation) == (2, 1, 5, 3, 1)
-    token = tp_tail.decode_fault([0, 3, 7 * tp_tail.FAULT_SLOTS + tp_tail.TOKEN_SLOT, 2])
+    token = tp_tail.decode_fault([0, 3, 7 * protocol.FAULT_SLOTS + protocol.TOKEN_SLOT, 2])
     assert token.route is None and token.token == 7
     assert "rank 0 timed out waiting for rank 3" in token.message()
 
@@ -355,7 +348,7 @@ def _words() -> torch.Tensor:
 
 def test_word_sentinel_helpers_are_exact():
     words = _words()
-    sentinel = words == tp_tail.SENTINEL_WORD
+    sentinel = words == protocol.SENTINEL_BF16X2
     assert bool(sentinel.any())
     assert torch.equal(ptx_module.is_sentinel_word_u32(words) != 0, sentinel)
     scrubbed = ptx_module.scrub_sentinel_word_u32(words)

@@ -25,6 +25,8 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from musebench import numerics as nx  # noqa: E402
+from musebench.comm import protocol  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import tp_tail  # noqa: E402
@@ -52,19 +54,19 @@ class VirtualGroup:
     """tp virtual ranks of the TP tail on the current GPU, armed and warmed up."""
 
     def __init__(self, tp: int, norm_weight: torch.Tensor, *, weight_dtype: str, before: bool,
-                 variants: dict[int, tp_tail.TpVariant], timeout_ns: int = tp_tail.DEFAULT_TIMEOUT_NS,
+                 variants: dict[int, tp_tail.TpVariant], timeout_ns: int = protocol.DEFAULT_TIMEOUT_NS,
                  enable_pdl: bool = True, eps: float = 1e-8, gain_center: float = 1.0):
         device = torch.device("cuda")
         self.tp = tp
-        sentinel = tp_tail.SENTINEL_BF16_BITS
+        sentinel = protocol.SENTINEL_BF16_BITS
         self.route_boxes = [torch.full(tp_tail.route_mailbox_shape(tp, CAPACITY), sentinel, dtype=torch.int16, device=device)
                             for _ in range(tp)]
         self.token_boxes = [torch.full(tp_tail.token_mailbox_shape(CAPACITY), sentinel, dtype=torch.int16, device=device)
                             for _ in range(tp)]
         self.route_peers = torch.tensor([b.data_ptr() for b in self.route_boxes], dtype=torch.int64, device=device)
         self.token_peers = torch.tensor([b.data_ptr() for b in self.token_boxes], dtype=torch.int64, device=device)
-        self.stages = [torch.zeros(tp_tail.STAGE_WORDS, dtype=torch.int32, device=device) for _ in range(tp)]
-        self.faults = [torch.full((tp_tail.FAULT_WORDS,), tp_tail.FAULT_CLEAR, dtype=torch.int32, device=device) for _ in range(tp)]
+        self.stages = [torch.zeros(protocol.STAGE_WORDS, dtype=torch.int32, device=device) for _ in range(tp)]
+        self.faults = [torch.full((protocol.FAULT_WORDS,), protocol.FAULT_CLEAR, dtype=torch.int32, device=device) for _ in range(tp)]
         self.norm_weight = norm_weight.to(device)
         self.tails = [
             tp_tail.TpTail(
@@ -116,9 +118,9 @@ def _assert_clean(group: VirtualGroup, calls: int) -> None:
     """No fault, every mailbox word re-armed, the generation advanced `calls` times."""
     assert group.fault_records() == [None] * group.tp, group.fault_records()
     for rank in range(group.tp):
-        assert bool((group.route_boxes[rank] == tp_tail.SENTINEL_BF16_BITS).all()), f"rank {rank}: route mailbox not re-armed"
-        assert bool((group.token_boxes[rank] == tp_tail.SENTINEL_BF16_BITS).all()), f"rank {rank}: token mailbox not re-armed"
-        want = [calls % tp_tail.LAMPORT_GENERATIONS, 0]
+        assert bool((group.route_boxes[rank] == protocol.SENTINEL_BF16_BITS).all()), f"rank {rank}: route mailbox not re-armed"
+        assert bool((group.token_boxes[rank] == protocol.SENTINEL_BF16_BITS).all()), f"rank {rank}: token mailbox not re-armed"
+        want = [calls % protocol.LAMPORT_GENERATIONS, 0]
         assert group.stages[rank].tolist() == want, f"rank {rank}: stage words {group.stages[rank].tolist()} after {calls} calls"
 
 
@@ -187,14 +189,14 @@ def test_negative_zero_rows_are_delivered_as_the_stock_delivers_them(tp, m):
     group.launch([_on_gpu(u) for u in per_rank], outs)
     torch.cuda.synchronize()
     want = expected(per_rank, gamma, eps=1e-8, gain_center=1.0, before=False)
-    assert bool((want[0][0].view(torch.int16) == tp_tail.SENTINEL_BF16_BITS).all()), "the construction must give -0.0 rows"
+    assert bool((want[0][0].view(torch.int16) == protocol.SENTINEL_BF16_BITS).all()), "the construction must give -0.0 rows"
     scrubbed = tp_stock_path(m, tp, NSM).scrubbed_copies
     for rank in range(tp):
         assert_same_bits(outs[rank], want[rank], f"tp {tp} m {m} rank {rank}")
         copied = [t for t in range(m) if t % tp != rank]
         if copied:
             bits = outs[rank][copied].view(torch.int16)
-            assert bool((bits == (0 if scrubbed else tp_tail.SENTINEL_BF16_BITS)).all())
+            assert bool((bits == (0 if scrubbed else protocol.SENTINEL_BF16_BITS)).all())
     _assert_clean(group, 1)
 
 
