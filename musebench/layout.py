@@ -15,6 +15,11 @@ route has a row on exactly one rank, -1 elsewhere. The tail sums each rank's rou
 TP layout: every rank holds every expert with its intermediate dimension sharded, so every rank
 has a row for every route, holding that rank's K-partial of GEMM2; the route's true row is the
 sum of the K-partials over ranks. The index map and the route weights are the same on all ranks.
+
+Two stand-ins for the vLLM modules the seeds' API reads (`musebench.kernels.tail`,
+`musebench.cute_ops`), holding exactly the attributes read there, so a case can build them
+without vLLM: `PostExpertNorm` (a layer's post-expert RMSNorm, `MuseSpark1xRMSNorm`) and
+`MuseRouter` (a layer's router, `MuseSpark1xRouter`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,19 @@ from dataclasses import dataclass
 
 import torch
 
+from musebench import config
+
 
 @dataclass(frozen=True)
 class UnfinalizedMoEOutput:
     gemm2_permuted: torch.Tensor
     route_weights: torch.Tensor
     expanded_idx_to_permuted_idx: torch.Tensor
+
+    @property
+    def expert_weights(self) -> torch.Tensor:
+        """`route_weights` under the name the seeds' API reads (vLLM's field name)."""
+        return self.route_weights
 
     @property
     def tokens(self) -> int:
@@ -62,3 +74,44 @@ class UnfinalizedMoEOutput:
         return UnfinalizedMoEOutput(
             self.gemm2_permuted.to(device), self.route_weights.to(device), self.expanded_idx_to_permuted_idx.to(device)
         )
+
+
+@dataclass(frozen=True, eq=False)
+class PostExpertNorm:
+    """A MoE layer's post-expert RMSNorm as `kernels.tail.tail_constants` / `tail_weight` read it.
+
+    hidden_size: the columns it spans (the tails take the pooled width); variance_size_override:
+    None, or the leading columns the variance is taken over (the tails refuse anything but
+    None); variance_epsilon: eps; fused_gain_center: added to the weight in FP32 (1.0 for Muse
+    Spark's zero-centred gamma); applies_weight_before_norm: x * (gamma + center) is normalized
+    (Muse Spark) rather than normalized then scaled; has_weight / weight: the gamma, BF16 or any
+    float dtype [hidden_size] (ones where has_weight is False). eq=False: tensors compare by
+    identity here.
+    """
+
+    hidden_size: int
+    variance_epsilon: float
+    fused_gain_center: float
+    applies_weight_before_norm: bool
+    weight: torch.Tensor | None = None
+    has_weight: bool = True
+    variance_size_override: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class MuseRouter:
+    """A MoE layer's router as `cute_ops.unsupported_router` / `MuseRouting` read it.
+
+    expert_bias: the correction bias added for selection only (float32 [experts], contiguous,
+    16-byte aligned for the kernel); route_scale: the weights' scale; the rest describe the
+    scoring the kernel must reproduce (defaults: Muse Spark's, `musebench.config`). eq=False:
+    tensors compare by identity here.
+    """
+
+    expert_bias: torch.Tensor
+    route_scale: float = config.ROUTE_SCALE_DEFAULT
+    top_k: int = config.TOP_K
+    global_num_experts: int = config.NUM_EXPERTS
+    router_score_normalization: str = config.ROUTER_SCORE_NORMALIZATION
+    router_score_division_eps: float = config.ROUTER_SCORE_DIVISION_EPS
+    router_output_multiplier: float | None = None

@@ -3,12 +3,13 @@
 Every rank routes the same FP32 logits [b, 256] for its own contiguous expert range (the EP
 sharding of the tail cases, `harness.cases.expert_owner`). A call writes, through the seeds'
 `routing.route`, the ids (int32 [b, 8]) and weights (FP32 [b, 8]) and the rank's TRT-LLM-gen
-metadata for GEMM tile `tile_n` into a buffer one word longer than `metadata_size(tile_n)`.
+metadata for GEMM tile `tile_n` into a buffer of the seeds' `metadata_size(tile_n)` words: the
+layout (`routing_metadata.metadata_size`) and the guard element after it.
 
 Checks, raw bits: ids and weights equal to the project's Triton stock (`stock.triton_routing`)
 and to the reference with the hardware's approximate instructions, identical on every rank; the
 metadata's live words equal to `pack_metadata(routing_metadata_reference(...))`, every other
-word and the guard word past `metadata_size` still the poison. No mailboxes: ranks never wait on
+word and the guard element still the poison. No mailboxes: ranks never wait on
 each other, so a rank that never finishes is caught by the driver's bounded wait on its stream.
 Faults: `flip` (one bit of the host copy), `silent` (never launched: its outputs keep the
 poison), `hang` (its stream held busy past `--timeout`).
@@ -132,7 +133,7 @@ def bind(case: RoutingCase, impl: Any, rank: int, boxes: dict[str, Any], inputs:
     outputs = {
         IDS: torch.empty(case.tokens, config.TOP_K, dtype=torch.int32, device=device),
         WEIGHTS: torch.empty(case.tokens, config.TOP_K, dtype=torch.float32, device=device),
-        METADATA: torch.empty(routing.metadata_size(case.tile_n) + 1, dtype=torch.int32, device=device),
+        METADATA: torch.empty(routing.metadata_size(case.tile_n), dtype=torch.int32, device=device),  # with its guard
     }
     return RoutingRunner(routing.route, inputs.logits.to(device), inputs.bias.to(device), case, offset, count,
                          outputs)

@@ -796,6 +796,8 @@ def decode_fault(words: list[int], capacity: int) -> EpFault | None:
 class EpTail:
     """One rank's EP tail bound to its mailbox group: `run` launches publisher then reduction.
 
+    Internal: the runner behind `musebench.kernels.tail.MoETail` / `BoundTail`, the public API.
+
     The host owns the memory, allocated collectively before construction:
 
     - `mailbox`: this rank's int16 [3, tp, capacity, width] on CUDA, armed with -32768 (0x8000);

@@ -1,6 +1,16 @@
 """Muse Spark router in CuTe DSL: top-8 of 256 sigmoid experts, and optionally the TRT-LLM-gen
 routing metadata of one rank, in one launch.
 
+Public API (the seeds' routing module, `../shared/seeds/routing.txt`): `route`, `prepare`,
+`compile_routing`, `compiled_routing`, `metadata_size` and the `META_*` offsets. The router-bound
+entry point (`MuseRouting`, `RoutingMetadata`) and the deployment check (`unsupported_router`)
+live in `musebench.cute_ops`. Where musebench differs from the seed: the metadata layout is
+`musebench.routing_metadata`'s (the seed's fields at musebench's offsets, plus two header words:
+the batch and the tile it was written for); `compile_routing` keeps its compile-time knobs (PDL,
+target, PTX folder) in an internal keyword, `build`; the compiled object takes CuTe views and
+the batch size (`route` is how to call it); `route` also refuses non-contiguous logits and
+metadata knobs given without a buffer.
+
 What it computes (bit for bit, docs/contract-routing.md; torch reference
 `musebench.stock.routing.routing_reference` with the hardware's ex2 / div.full): for each of the
 b <= 8 tokens, the ids of its 8 experts in selection order and their route weights; with a
@@ -75,7 +85,6 @@ compile-tested only.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,15 +111,17 @@ from musebench.routing_metadata import (
 )
 
 __all__ = [
-    "MuseRouting",
-    "RoutingMetadata",
-    "RoutingOptions",
+    "META_CTA_BATCH",
+    "META_CTA_LIMIT",
+    "META_EXPANDED_TO_PERMUTED",
+    "META_NUM_CTAS",
+    "META_PADDED_TOKENS",
+    "META_PERMUTED_TO_TOKEN",
     "compile_routing",
+    "compiled_routing",
     "metadata_size",
-    "ordered_key_u32",
     "prepare",
     "route",
-    "unsupported_router",
 ]
 
 NUM_EXPERTS = config.NUM_EXPERTS  # 256
@@ -155,6 +166,20 @@ if HEADER_WORDS != VECTOR_WORDS or (HEADER_PADDED_ROW_COUNT, HEADER_CTA_COUNT, H
 if PERMUTED_TO_TOKEN_OFFSET % VECTOR_WORDS:
     raise ImportError("permuted_to_token must start on a 16-byte boundary (vector fill)")
 
+# The seeds' names for the metadata fields (int32 word offsets into the buffer; the routed MoE
+# op's names in `musebench.cute_ops.RoutingMetadata.fields`).
+META_PADDED_TOKENS = HEADER_PADDED_ROW_COUNT  # total_num_padded_tokens
+META_NUM_CTAS = HEADER_CTA_COUNT  # num_non_exiting_ctas
+META_EXPANDED_TO_PERMUTED = EXPANDED_OFFSET  # expanded_idx_to_permuted_idx
+META_CTA_BATCH = CTA_TO_EXPERT_OFFSET  # cta_idx_xy_to_batch_idx: the local expert of a CTA
+META_CTA_LIMIT = CTA_ROW_LIMIT_OFFSET  # cta_idx_xy_to_mn_limit
+META_PERMUTED_TO_TOKEN = PERMUTED_TO_TOKEN_OFFSET  # permuted_idx_to_token_idx
+MAX_TILE = TILE_N_MAX
+MAX_CTAS = ROUTES_MAX  # one CTA per route at most: 8 tokens x top-8 <= 256 experts
+GUARD_WORDS = 1  # metadata_size's element past the layout: a GEMM may read it, nothing writes it
+if any(layout.size != META_PERMUTED_TO_TOKEN + MAX_CTAS * tile for tile, layout in _LAYOUTS.items()):
+    raise ImportError("the metadata layout ends with MAX_CTAS tiles of permuted rows; metadata_size assumes it")
+
 
 def _like(word, value: int):
     return type(word)(value) if isinstance(word, cutlass.Numeric) else value
@@ -176,10 +201,6 @@ def ordered_key_u32(bits):
 
 
 ORDERED_NEG_INF = ordered_key_u32(F32_NEG_INF_BITS)
-
-
-def _f32_bits(value: float) -> int:
-    return struct.unpack("<I", struct.pack("<f", value))[0]
 
 
 def _select(condition, if_true, if_false):
@@ -454,20 +475,41 @@ class RoutingOptions:
 
 DEFAULT_OPTIONS = RoutingOptions()
 
-def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions = DEFAULT_OPTIONS) -> Any:
-    """The compiled router for (metadata, renormalize, options): cached per process, exact key.
+def _option_string(build: RoutingOptions, options: str) -> str:
+    """`options` after the target and PTX folder of `build`, in the DSL's string form. A string
+    replaces the DSL's option objects, so this compile keeps no cubin (routing needs no
+    occupancy query)."""
+    words = []
+    if build.arch is not None:
+        words.append(f"--gpu-arch {build.arch}")
+    if build.ptx_dir is not None:
+        words.append(f"--keep-ptx --dump-dir {build.ptx_dir}")
+    return " ".join([*words, options])
 
-    Compiles from fake tensors (no GPU needed with an explicit `options.arch`); RuntimeError
-    during CUDA-graph capture (call `prepare` first); ValueError on non-bool knobs.
+
+def compile_routing(metadata: bool, renormalize: bool, options: str = "", *,
+                    build: RoutingOptions = DEFAULT_OPTIONS) -> Any:
+    """Compile the routing kernel for one (metadata, renormalize) variant; cached per process
+    (`compilation.compiled`, keyed by every compile-time value).
+
+    `options`: extra CuTe DSL compile options in the DSL's string form (e.g. `--opt-level 2`),
+    part of the cache key. `build` (musebench's, internal): PDL on or off, the target (default:
+    CUTE_DSL_ARCH or the current GPU) and a folder for the PTX, also part of the key. Compiles
+    from fake tensors, so no GPU is needed for an explicit target. The result launches on the
+    stream it is given; `route` is how to call it. RuntimeError during CUDA-graph capture (call
+    `prepare` first); ValueError on knobs of the wrong type.
     """
     _require(isinstance(metadata, bool), f"metadata must be a bool, got {metadata!r}")
     _require(isinstance(renormalize, bool), f"renormalize must be a bool, got {renormalize!r}")
-    _require(isinstance(options, RoutingOptions), f"options must be RoutingOptions, got {options!r}")
-    config = dict(metadata=metadata, renormalize=renormalize, enable_pdl=options.enable_pdl)
+    _require(isinstance(options, str), f"options must be a string of compile options, got {options!r}")
+    _require(isinstance(build, RoutingOptions), f"build must be RoutingOptions, got {build!r}")
+    extra = options.strip()
+    knobs = dict(metadata=metadata, renormalize=renormalize, enable_pdl=build.enable_pdl)
 
-    def build() -> Any:
-        return compiler(options.arch, options.ptx_dir)(
-            _RoutingKernel(**config),
+    def compile_variant() -> Any:
+        string = {"options": _option_string(build, extra)} if extra else {}
+        return compiler(build.arch, build.ptx_dir)(
+            _RoutingKernel(**knobs),
             fake_flat(Float32, NUM_EXPERTS, ALIGN_BYTES),
             make_fake_compact_tensor(Float32, (NUM_EXPERTS,), assumed_align=ALIGN_BYTES),
             fake_flat(Int32, TOP_K, ALIGN_BYTES),
@@ -479,17 +521,38 @@ def compile_routing(metadata: bool, renormalize: bool, options: RoutingOptions =
             Int32(1),
             Float32(1.0),
             cuda.CUstream(0),
+            **string,
         )
 
-    key = compilation.kernel_key(_RoutingKernel, arch=options.arch, ptx_dir=options.ptx_dir, **config)
-    return compilation.compiled(key, build, what="the routing kernels (musebench.kernels.routing.prepare)")
+    key = compilation.kernel_key(_RoutingKernel, arch=build.arch, ptx_dir=build.ptx_dir, options=extra, **knobs)
+    return compilation.compiled(key, compile_variant, what="the routing kernels (musebench.kernels.routing.prepare)")
 
 
-def prepare(options: RoutingOptions = DEFAULT_OPTIONS) -> None:
-    """Compile every variant (metadata on / off x renormalize on / off); call before capture."""
+def compiled_routing(metadata: bool, renormalize: bool) -> Any:
+    """`compile_routing(metadata, renormalize)` with the default options, compiled once per process
+    (the one compile cache holds it; compile it before CUDA-graph capture: `prepare`)."""
+    return compile_routing(metadata, renormalize)
+
+
+def metadata_size(tile_n: int) -> int:
+    """int32 elements a metadata buffer for GEMM tile `tile_n` needs: the layout
+    (`musebench.routing_metadata.RoutingMetadata(tile_n).size`, room for MAX_CTAS tiles of
+    permuted rows) and one guard element after it, which a GEMM may read and nothing writes.
+    ValueError unless 1 <= tile_n <= MAX_TILE."""
+    return _layout(tile_n).size + GUARD_WORDS
+
+
+def _layout(tile_n: int) -> RoutingMetadata:
+    if isinstance(tile_n, bool) or not isinstance(tile_n, int) or tile_n not in _LAYOUTS:
+        raise ValueError(f"tile_n must be an int in [1, {TILE_N_MAX}], got {tile_n!r}")
+    return _LAYOUTS[tile_n]
+
+
+def prepare(renormalize: bool = True) -> None:
+    """Compile the two variants `route` takes for `renormalize` (with and without metadata), before
+    CUDA-graph capture."""
     for metadata in (False, True):
-        for renormalize in (True, False):
-            compile_routing(metadata, renormalize, options)
+        compiled_routing(metadata, bool(renormalize))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,6 +573,13 @@ def _check_tensor(name: str, tensor: object, dtype: torch.dtype, shape: tuple[in
         raise ValueError(f"{name} must be contiguous")
     if tensor.data_ptr() % ALIGN_BYTES:
         raise ValueError(f"{name} must be {ALIGN_BYTES}-byte aligned")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte (by address; no device access)."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    a_end, b_end = a_start + a.numel() * a.element_size(), b_start + b.numel() * b.element_size()
+    return a_start < b_end and b_start < a_end and a.numel() > 0 and b.numel() > 0
 
 
 def _check_device(name: str, tensor: torch.Tensor, device: torch.device) -> None:
@@ -557,14 +627,16 @@ def route(
     - bias is read before the PDL wait: the kernel launched just before must not write it;
     - scale: the route scale, finite (used as binary32); renormalize: weights divided by the sum of
       the 8 scores + f32(1e-15) (the stock), or False: weight = score * f32(scale);
-    - metadata: None, or a 1-D int32 CUDA buffer of at least `metadata_size(tile_n)` words, with
-      1 <= tile_n <= 256, 1 <= num_local_experts and 0 <= local_expert_offset with
-      offset + num_local_experts <= 256; only the live words of `RoutingMetadata(tile_n)` are
-      written. Without metadata, offset, count and tile_n must stay 0.
+    - metadata: None, or a 1-D int32 CUDA buffer of at least `metadata_size(tile_n)` words (the
+      layout and its guard element), not aliasing ids or weights, with 1 <= tile_n <= 256,
+      1 <= num_local_experts and 0 <= local_expert_offset with offset + num_local_experts <=
+      256; only the live words of `musebench.routing_metadata.RoutingMetadata(tile_n)` are
+      written (the seeds' fields: `musebench.cute_ops.RoutingMetadata.fields`). Without metadata,
+      offset, count and tile_n must stay 0.
     Bitwise equal to `routing_reference(..., approximations=hardware_approximations())` (ids,
     weights) and to `pack_metadata(routing_metadata_reference(ids, ...))` on the live words.
     ValueError on any violation, before launching. Allocates nothing; graph-capturable once the
-    variant is compiled (`prepare`); the first call of a variant compiles it.
+    variant is compiled (`prepare`); the first call of a variant compiles it (`compiled_routing`).
     """
     _check_tensor("logits", logits, torch.float32, None)
     if logits.dim() != 2 or logits.shape[1] != NUM_EXPERTS:
@@ -590,15 +662,18 @@ def route(
                 f"local experts [{local_expert_offset}, {local_expert_offset + num_local_experts}) exceed {NUM_EXPERTS} experts"
             )
         _check_tensor("metadata", metadata, torch.int32, None)
-        size = _LAYOUTS[tile_n].size
+        size = metadata_size(tile_n)
         if metadata.dim() != 1 or metadata.numel() < size:
             raise ValueError(f"metadata must be a 1-D buffer of at least metadata_size({tile_n}) = {size} words, got {tuple(metadata.shape)}")
+        for name, output in (("ids", ids), ("weights", weights)):
+            if _overlap(metadata, output):
+                raise ValueError(f"metadata must not alias {name}")
     device = logits.device
     for name, tensor in (("logits", logits), ("bias", bias), ("ids", ids), ("weights", weights), ("metadata", metadata)):
         if tensor is not None:
             _check_device(name, tensor, device)
 
-    compiled = compile_routing(metadata is not None, renormalize)
+    compiled = compiled_routing(metadata is not None, renormalize)
     stream = cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
     compiled(
         cute_flat(logits, ALIGN_BYTES, NUM_EXPERTS),
@@ -613,93 +688,3 @@ def route(
         Float32(scale),
         stream,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Bound to a vLLM-style router.
-
-
-def _router_attr(router: object, *names: str, default: object = None) -> object:
-    for name in names:
-        if hasattr(router, name):
-            return getattr(router, name)
-    return default
-
-
-def unsupported_router(router: object) -> str | None:
-    """Why `MuseRouting` cannot reproduce this router bit for bit, or None if it can.
-
-    Reads vLLM `MuseSpark1xRouter`'s attributes: top_k, global_num_experts (or num_experts),
-    expert_bias (or e_score_correction_bias), route_scale, router_output_multiplier,
-    router_score_normalization, router_score_division_eps (missing optional attributes take the
-    router's defaults: no multiplier, sigmoid, no eps). Supported: sigmoid scores, top-8 of 256,
-    the multiplier folded (None, or exactly 1.0, which changes no bit), eps equal to 1e-15 in
-    binary32, a finite route scale, and a contiguous float32 [256] bias, 16-byte aligned.
-    """
-    normalization = _router_attr(router, "router_score_normalization", default="sigmoid")
-    if normalization != "sigmoid":
-        return f"router scores {normalization!r}: only sigmoid is reproduced"
-    top_k = _router_attr(router, "top_k")
-    if isinstance(top_k, bool) or top_k != TOP_K:
-        return f"top_k {top_k!r}: only top-{TOP_K} is reproduced"
-    num_experts = _router_attr(router, "global_num_experts", "num_experts")
-    if isinstance(num_experts, bool) or num_experts != NUM_EXPERTS:
-        return f"{num_experts!r} experts: only {NUM_EXPERTS} are reproduced"
-    multiplier = _router_attr(router, "router_output_multiplier")
-    if multiplier is not None and not (not isinstance(multiplier, bool) and isinstance(multiplier, (int, float)) and float(multiplier) == 1.0):
-        return f"router_output_multiplier {multiplier!r} is not folded into the router weight (fold_router_output_multiplier)"
-    eps = _router_attr(router, "router_score_division_eps")
-    if eps is None or isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)):
-        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} is reproduced"
-    if _f32_bits(float(eps)) != _f32_bits(DIVISION_EPS):
-        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} (binary32) is reproduced"
-    route_scale = _router_attr(router, "route_scale")
-    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not math.isfinite(float(route_scale)):
-        return f"route_scale {route_scale!r} is not a finite number"
-    bias = _router_attr(router, "expert_bias", "e_score_correction_bias")
-    if not isinstance(bias, torch.Tensor):
-        return "the router has no expert bias tensor (expert_bias / e_score_correction_bias)"
-    if bias.dtype != torch.float32:
-        return f"expert bias is {bias.dtype}: only float32 is reproduced (a conversion would allocate per call)"
-    if tuple(bias.shape) != (NUM_EXPERTS,):
-        return f"expert bias has shape {tuple(bias.shape)}, not ({NUM_EXPERTS},)"
-    if not bias.is_contiguous():
-        return "expert bias is not contiguous"
-    if bias.data_ptr() % ALIGN_BYTES:
-        return f"expert bias is not {ALIGN_BYTES}-byte aligned"
-    return None
-
-
-class MuseRouting:
-    """Muse Spark's router, bound to a vLLM-style router's expert bias and route scale.
-
-    Construction refuses (ValueError, the reason from `unsupported_router`) what the kernel cannot
-    reproduce. The bias tensor is held by reference: in-place weight updates are seen. `run` is
-    `route` with the bound bias and scale: same contract, graph-capturable after `prepare`.
-    """
-
-    def __init__(self, router: object) -> None:
-        reason = unsupported_router(router)
-        if reason is not None:
-            raise ValueError(f"MuseRouting cannot reproduce this router: {reason}")
-        self.bias: torch.Tensor = _router_attr(router, "expert_bias", "e_score_correction_bias")  # type: ignore[assignment]
-        self.route_scale = float(_router_attr(router, "route_scale"))  # type: ignore[arg-type]
-        self.top_k = TOP_K
-        self.num_experts = NUM_EXPERTS
-
-    def run(
-        self,
-        logits: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        *,
-        renormalize: bool = True,
-        metadata: torch.Tensor | None = None,
-        local_expert_offset: int = 0,
-        num_local_experts: int = 0,
-        tile_n: int = 0,
-    ) -> None:
-        """`route(logits, bias, ids, weights, route_scale, ...)` with the bound bias and scale."""
-        route(logits, self.bias, ids, weights, self.route_scale, renormalize, metadata, local_expert_offset, num_local_experts, tile_n)
-
-    __call__ = run

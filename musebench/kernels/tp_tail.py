@@ -813,6 +813,8 @@ def decode_fault(words: list[int]) -> TpFault | None:
 class TpTail:
     """One rank's TP tail bound to its mailbox group: `run` is one launch of `_TpTailKernel`.
 
+    Internal: the runner behind `musebench.kernels.tail.TpTail` / `BoundTail`, the public API.
+
     The host owns the memory, allocated collectively before construction (`DeviceMailbox`
     allocations fit: int16 words armed with -32768, int32 [2] stage words zeroed, int32 [4]
     fault record at -1):

@@ -30,7 +30,6 @@ import re
 import struct
 import tempfile
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def routing_ptx(arch: str, metadata: bool, renormalize: bool, pdl: bool) -> str:
     # One dump folder per variant: the dump's file name does not carry every knob.
     options = routing.RoutingOptions(enable_pdl=pdl, arch=arch, ptx_dir=tempfile.mkdtemp(prefix="musebench-routing-ptx-"))
     started = time.perf_counter()
-    compiled = routing.compile_routing(metadata, renormalize, options)
+    compiled = routing.compile_routing(metadata, renormalize, build=options)
     COMPILE_SECONDS[(arch, metadata, renormalize, pdl)] = time.perf_counter() - started
     return _ptx_text(compiled)
 
@@ -231,16 +230,17 @@ def test_compile_times_are_small():
 
 def test_compile_cache_is_keyed_by_every_knob():
     options = routing.RoutingOptions(arch="sm_90a")
-    a = routing.compile_routing(False, True, options)
-    assert routing.compile_routing(False, True, routing.RoutingOptions(arch="sm_90a")) is a
-    assert routing.compile_routing(False, False, options) is not a
-    assert routing.compile_routing(False, True, routing.RoutingOptions(arch="sm_90a", enable_pdl=False)) is not a
+    a = routing.compile_routing(False, True, build=options)
+    assert routing.compile_routing(False, True, build=routing.RoutingOptions(arch="sm_90a")) is a
+    assert routing.compile_routing(False, False, build=options) is not a
+    assert routing.compile_routing(False, True, build=routing.RoutingOptions(arch="sm_90a", enable_pdl=False)) is not a
 
 
-@pytest.mark.parametrize("args", [(1, True), (False, "yes"), (False, True, "sm_90a")])
-def test_compile_routing_refuses_bad_knobs(args):
+@pytest.mark.parametrize("args, kwargs", [((1, True), {}), ((False, "yes"), {}), ((False, True, 3), {}),
+                                          ((False, True), {"build": "sm_90a"})])
+def test_compile_routing_refuses_bad_knobs(args, kwargs):
     with pytest.raises(ValueError):
-        routing.compile_routing(*args)
+        routing.compile_routing(*args, **kwargs)
 
 
 def test_options_validate():
@@ -256,8 +256,11 @@ def test_baked_metadata_offsets_are_the_layout():
         assert (routing.EXPANDED_OFFSET, routing.CTA_TO_EXPERT_OFFSET, routing.CTA_ROW_LIMIT_OFFSET, routing.PERMUTED_TO_TOKEN_OFFSET) == (
             off["expanded_to_permuted"], off["cta_to_expert"], off["cta_row_limit"], off["permuted_to_token"]
         )
-        assert routing.metadata_size(tile) == metadata_size(tile) == layout.size
-    assert routing.RoutingMetadata is RoutingMetadata
+        # the seeds' size: the layout and one guard element after it
+        assert routing.metadata_size(tile) == metadata_size(tile) + 1 == layout.size + 1
+        assert (routing.META_EXPANDED_TO_PERMUTED, routing.META_CTA_BATCH, routing.META_CTA_LIMIT,
+                routing.META_PERMUTED_TO_TOKEN) == (off["expanded_to_permuted"], off["cta_to_expert"],
+                                                    off["cta_row_limit"], off["permuted_to_token"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +459,7 @@ def _args(b: int = 2, **overrides):
 
 
 def _meta_args(tile: int = 8, **overrides):
-    base = {"metadata": torch.zeros(metadata_size(tile), dtype=torch.int32), "local_expert_offset": 0, "num_local_experts": E, "tile_n": tile}
+    base = {"metadata": torch.zeros(routing.metadata_size(tile), dtype=torch.int32), "local_expert_offset": 0, "num_local_experts": E, "tile_n": tile}
     base.update(overrides)
     return _args(**base)
 
@@ -509,12 +512,13 @@ BAD_ROUTE_ARGS = [
     ("num_local_experts", _meta_args(num_local_experts=257), r"num_local_experts must be in \[1, 256\]"),
     ("local_expert_offset", _meta_args(local_expert_offset=-1), r"local_expert_offset must be in \[0, 255\]"),
     ("local_expert_offset", _meta_args(local_expert_offset=200, num_local_experts=57), r"local experts \[200, 257\) exceed 256"),
-    ("metadata", _meta_args(metadata=torch.zeros(metadata_size(8), dtype=torch.int64)), "metadata must be torch.int32"),
-    ("metadata", _meta_args(metadata=torch.zeros(metadata_size(8) - 1, dtype=torch.int32)), r"at least metadata_size\(8\) = 708 words"),
-    ("metadata", _meta_args(16, metadata=torch.zeros(metadata_size(8), dtype=torch.int32)), r"at least metadata_size\(16\)"),
-    ("metadata", _meta_args(metadata=torch.zeros(2, metadata_size(8), dtype=torch.int32)), "1-D buffer"),
-    ("metadata", _meta_args(metadata=_misaligned((metadata_size(8),), torch.int32)), "metadata must be 16-byte aligned"),
-    ("metadata", _meta_args(metadata=torch.zeros(2 * metadata_size(8), dtype=torch.int32)[::2]), "metadata must be contiguous"),
+    ("metadata", _meta_args(metadata=torch.zeros(routing.metadata_size(8), dtype=torch.int64)), "metadata must be torch.int32"),
+    # the layout without its guard element is one short
+    ("metadata", _meta_args(metadata=torch.zeros(metadata_size(8), dtype=torch.int32)), r"at least metadata_size\(8\) = 709 words"),
+    ("metadata", _meta_args(16, metadata=torch.zeros(routing.metadata_size(8), dtype=torch.int32)), r"at least metadata_size\(16\)"),
+    ("metadata", _meta_args(metadata=torch.zeros(2, routing.metadata_size(8), dtype=torch.int32)), "1-D buffer"),
+    ("metadata", _meta_args(metadata=_misaligned((routing.metadata_size(8),), torch.int32)), "metadata must be 16-byte aligned"),
+    ("metadata", _meta_args(metadata=torch.zeros(2 * routing.metadata_size(8), dtype=torch.int32)[::2]), "metadata must be contiguous"),
     # everything valid, but on the CPU
     ("device", _args(), "logits must be on a CUDA device"),
     ("device", _meta_args(), "logits must be on a CUDA device"),
@@ -533,76 +537,3 @@ def test_route_checks_layouts_before_devices():
     # On a CPU-only host every tensor is on the wrong device; the layout checks still come first.
     with pytest.raises(ValueError, match="bias must have shape"):
         routing.route(**_args(bias=torch.zeros(3)))
-
-
-# ---------------------------------------------------------------------------------------------
-# MuseRouting: a vLLM-style router, or a refusal naming what cannot be reproduced.
-
-
-def fake_router(**overrides) -> SimpleNamespace:
-    attributes = {
-        "top_k": K,
-        "global_num_experts": E,
-        "expert_bias": torch.zeros(E),
-        "route_scale": 2.5,
-        "router_output_multiplier": None,
-        "router_score_normalization": "sigmoid",
-        "router_score_division_eps": 1e-15,
-    }
-    attributes.update(overrides)
-    return SimpleNamespace(**{k: v for k, v in attributes.items() if v is not _MISSING})
-
-
-_MISSING = object()
-
-
-def test_muse_routing_binds_bias_and_scale():
-    router = fake_router()
-    bound = routing.MuseRouting(router)
-    assert bound.bias is router.expert_bias and bound.route_scale == 2.5
-    assert routing.unsupported_router(router) is None
-    # vLLM's other spellings, and the multiplier folded to exactly 1.0.
-    other = fake_router(expert_bias=_MISSING, e_score_correction_bias=torch.ones(E), global_num_experts=_MISSING,
-                        num_experts=E, router_output_multiplier=1.0, route_scale=1)
-    assert routing.MuseRouting(other).bias is other.e_score_correction_bias
-    # eps given as a value that rounds to the same binary32.
-    assert routing.unsupported_router(fake_router(router_score_division_eps=math.nextafter(1e-15, 1.0))) is None
-
-
-REFUSED = [
-    ({"router_score_normalization": "softmax"}, "only sigmoid"),
-    ({"top_k": 4}, "only top-8"),
-    ({"top_k": True}, "only top-8"),
-    ({"global_num_experts": 128}, "only 256"),
-    ({"global_num_experts": _MISSING}, "only 256"),
-    ({"router_output_multiplier": 0.5}, "not folded"),
-    ({"router_output_multiplier": 2}, "not folded"),
-    ({"router_score_division_eps": None}, "router_score_division_eps None"),
-    ({"router_score_division_eps": _MISSING}, "router_score_division_eps None"),
-    ({"router_score_division_eps": 1e-6}, "router_score_division_eps 1e-06"),
-    ({"router_score_division_eps": 0.0}, "router_score_division_eps 0.0"),
-    ({"route_scale": float("nan")}, "route_scale nan"),
-    ({"route_scale": None}, "route_scale None"),
-    ({"expert_bias": _MISSING}, "no expert bias tensor"),
-    ({"expert_bias": [0.0] * E}, "no expert bias tensor"),
-    ({"expert_bias": torch.zeros(E, dtype=torch.bfloat16)}, "only float32"),
-    ({"expert_bias": torch.zeros(E + 1)}, r"shape \(257,\)"),
-    ({"expert_bias": torch.zeros(2 * E)[::2]}, "not contiguous"),
-    ({"expert_bias": _misaligned((E,), torch.float32)}, "not 16-byte aligned"),
-]
-
-
-@pytest.mark.parametrize("overrides, reason", REFUSED, ids=[f"{i}" for i in range(len(REFUSED))])
-def test_muse_routing_refuses_what_it_cannot_reproduce(overrides, reason):
-    router = fake_router(**overrides)
-    assert re.search(reason, routing.unsupported_router(router) or ""), routing.unsupported_router(router)
-    with pytest.raises(ValueError, match=reason):
-        routing.MuseRouting(router)
-
-
-def test_muse_routing_run_validates_like_route():
-    bound = routing.MuseRouting(fake_router())
-    with pytest.raises(ValueError, match="batch must be 1..8"):
-        bound.run(torch.zeros(9, E), torch.zeros(9, K, dtype=torch.int32), torch.zeros(9, K))
-    with pytest.raises(ValueError, match="CUDA device"):
-        bound(torch.zeros(1, E), torch.zeros(1, K, dtype=torch.int32), torch.zeros(1, K))

@@ -3,9 +3,10 @@
 Expected values: `musebench.stock.routing.routing_reference` with the GPU's own ex2.approx /
 div.full bits (`hardware_approximations()`), and musebench's Triton stock router where Triton is
 installed; metadata against `pack_metadata(routing_metadata_reference(...))` on the live words of
-a poisoned buffer one word longer than `metadata_size(tile_n)`: the guard word and every word
+a poisoned buffer of `routing.metadata_size(tile_n)` words (the layout, `routing_metadata.metadata_size`,
+and the guard word after it): the guard word and every word
 outside the live fields must keep the poison. Then CUDA-graph capture and replay with changing
-logits, and MuseRouting bound to a vLLM-style router.
+logits, and `cute_ops.MuseRouting` bound to a vLLM-style router.
 
 Inputs: `tests.stock.test_triton_routing.routing_inputs` (random rows of four spreads; adversarial
 rows: ties, signed zeros, +-inf logits, huge and subnormal logits, the top-8 in one lane, near
@@ -23,6 +24,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from musebench import config  # noqa: E402
+from musebench import cute_ops  # noqa: E402
 from musebench import numerics as nx  # noqa: E402
 from musebench.kernels import compilation, routing  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
@@ -262,10 +264,11 @@ def test_muse_routing_bound_to_a_vllm_style_router():
     router = SimpleNamespace(top_k=K, global_num_experts=E, expert_bias=bias.cuda(), route_scale=2.5,
                              router_output_multiplier=None, router_score_normalization="sigmoid",
                              router_score_division_eps=1e-15)
-    bound = routing.MuseRouting(router)
+    bound = cute_ops.MuseRouting(router)
     ids = torch.empty(6, K, dtype=torch.int32, device="cuda")
     weights = torch.empty(6, K, device="cuda")
-    bound.run(logits.cuda(), ids, weights)
+    returned = bound(logits.cuda(), ids, weights)
+    assert returned[0] is ids and returned[1] is weights
     assert_routes_equal((ids, weights), hardware_reference(logits, bias, scale=2.5, renormalize=True), "MuseRouting")
     router.expert_bias.mul_(-1.0)  # bound by reference: an in-place update is seen
     torch.cuda.synchronize()  # the bias is read before the PDL wait: not written by the kernel just before
@@ -280,5 +283,5 @@ def test_mixed_devices_are_refused():
     with pytest.raises(ValueError, match="bias must be on a CUDA device"):
         routing.route(logits, torch.zeros(E), ids, weights, 1.0)
     with pytest.raises(ValueError, match="metadata must be on a CUDA device"):
-        routing.route(logits, torch.zeros(E, device="cuda"), ids, weights, 1.0, True, torch.zeros(metadata_size(8), dtype=torch.int32),
+        routing.route(logits, torch.zeros(E, device="cuda"), ids, weights, 1.0, True, torch.zeros(routing.metadata_size(8), dtype=torch.int32),
                       0, E, 8)

@@ -1,0 +1,245 @@
+"""The seeds' runtime entry points and deployment checks (`../shared/seeds/cute_ops.txt`).
+
+What a model executor calls besides the MoE tail (`musebench.kernels.tail`):
+
+- `MuseRouting(router)`: one MoE layer's routing for 1 to 8 tokens, bound to its router's
+  correction bias and route scale; a call writes the ids and weights (and, given a
+  `RoutingMetadata`, the routed MoE GEMMs' metadata of this rank's experts) with one launch of
+  `musebench.kernels.routing.route`. `unsupported_router(router)` says why a router cannot be
+  reproduced, before anything is built.
+- `sm100_family()` / `unavailable(kernel)`: whether this GPU is of the SM100 family the seeds'
+  kernels target, and the refusal line for a deployment whose GPUs are not. musebench's own
+  kernels also run on SM90 (H200); these answer the seeds' question, not musebench's.
+- `split_qkv(qkv, num_kv_heads)`: the q and gate views of the attention front's output rows.
+
+Not yet here: the attention entry points (attn2_*, supports_call, unsupported_attn2,
+unsupported_projection) come with the attention kernels.
+
+Importing this module needs torch only; CuTe DSL is imported when a `MuseRouting` is built.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import NamedTuple
+
+import torch
+
+from musebench import config, routing_metadata
+
+__all__ = [
+    "MuseRouting",
+    "RoutingMetadata",
+    "sm100_family",
+    "split_qkv",
+    "unavailable",
+    "unsupported_router",
+]
+
+TOP_K = config.TOP_K
+NUM_EXPERTS = config.NUM_EXPERTS
+DIVISION_EPS = config.ROUTER_SCORE_DIVISION_EPS
+ROUTING_MAX_TOKENS = config.MAX_DECODE_TOKENS
+HEAD_DIM = config.HEAD_DIM
+HEADS_PER_KV_HEAD = config.NUM_QUERY_HEADS // config.NUM_KV_HEADS  # 8
+SM100_MAJOR = 10  # compute capability 10.x: sm_100, sm_103
+BIAS_ALIGN_BYTES = 16  # the routing kernel reads the bias in 16-byte vectors
+
+# Word offsets of the metadata fields; the layout module is their one source (the kernel checks
+# at import that it bakes the same).
+_OFFSETS = routing_metadata.RoutingMetadata(1).offsets
+_PADDED_TOKENS = routing_metadata.HEADER_PADDED_ROW_COUNT
+_NUM_CTAS = routing_metadata.HEADER_CTA_COUNT
+
+
+# ---------------------------------------------------------------------------------------------
+# Deployment checks.
+
+
+def sm100_family() -> bool:
+    """Whether the current CUDA device is of the SM100 family (compute capability 10.x), which
+    the seeds' kernels require; False without a CUDA device."""
+    if not torch.cuda.is_available():
+        return False
+    major, _ = torch.cuda.get_device_capability()
+    return major == SM100_MAJOR
+
+
+def unavailable(kernel: str) -> str:
+    """The line that refuses a deployment whose GPUs cannot run `kernel` (they are not SM100)."""
+    return f"{kernel} needs SM100-family GPUs (compute capability 10.x); these are not"
+
+
+def _f32_bits(value: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", value))[0]
+
+
+def _router_attr(router: object, *names: str, default: object = None) -> object:
+    for name in names:
+        if hasattr(router, name):
+            return getattr(router, name)
+    return default
+
+
+def unsupported_router(router: object) -> str | None:
+    """Why `MuseRouting` cannot reproduce this router bit for bit, or None if it can.
+
+    Reads vLLM `MuseSpark1xRouter`'s attributes (`musebench.layout.MuseRouter` holds the same):
+    top_k, global_num_experts (or num_experts), expert_bias (or e_score_correction_bias),
+    route_scale, router_output_multiplier, router_score_normalization,
+    router_score_division_eps (missing optional attributes take the router's defaults: no
+    multiplier, sigmoid, no eps). Supported: sigmoid scores, top-8 of 256, the multiplier folded
+    into the router weight (None, or exactly 1.0, which changes no bit), eps equal to 1e-15 in
+    binary32, a finite route scale, and a contiguous float32 [256] bias, 16-byte aligned. Reads
+    no device memory.
+    """
+    normalization = _router_attr(router, "router_score_normalization", default="sigmoid")
+    if normalization != "sigmoid":
+        return f"router scores {normalization!r}: only sigmoid is reproduced"
+    top_k = _router_attr(router, "top_k")
+    if isinstance(top_k, bool) or top_k != TOP_K:
+        return f"top_k {top_k!r}: only top-{TOP_K} is reproduced"
+    num_experts = _router_attr(router, "global_num_experts", "num_experts")
+    if isinstance(num_experts, bool) or num_experts != NUM_EXPERTS:
+        return f"{num_experts!r} experts: only {NUM_EXPERTS} are reproduced"
+    multiplier = _router_attr(router, "router_output_multiplier")
+    if multiplier is not None and not (not isinstance(multiplier, bool) and isinstance(multiplier, (int, float)) and float(multiplier) == 1.0):
+        return f"router_output_multiplier {multiplier!r} is not folded into the router weight (fold_router_output_multiplier)"
+    eps = _router_attr(router, "router_score_division_eps")
+    if eps is None or isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(float(eps)):
+        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} is reproduced"
+    if _f32_bits(float(eps)) != _f32_bits(DIVISION_EPS):
+        return f"router_score_division_eps {eps!r}: only {DIVISION_EPS} (binary32) is reproduced"
+    route_scale = _router_attr(router, "route_scale")
+    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not math.isfinite(float(route_scale)):
+        return f"route_scale {route_scale!r} is not a finite number"
+    bias = _router_attr(router, "expert_bias", "e_score_correction_bias")
+    if not isinstance(bias, torch.Tensor):
+        return "the router has no expert bias tensor (expert_bias / e_score_correction_bias)"
+    if bias.dtype != torch.float32:
+        return f"expert bias is {bias.dtype}: only float32 is reproduced (a conversion would allocate per call)"
+    if tuple(bias.shape) != (NUM_EXPERTS,):
+        return f"expert bias has shape {tuple(bias.shape)}, not ({NUM_EXPERTS},)"
+    if not bias.is_contiguous():
+        return "expert bias is not contiguous"
+    if bias.data_ptr() % BIAS_ALIGN_BYTES:
+        return f"expert bias is not {BIAS_ALIGN_BYTES}-byte aligned"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing.
+
+
+class RoutingMetadata(NamedTuple):
+    """Where one routing call writes the metadata of the local experts
+    [local_expert_offset, local_expert_offset + num_local_experts) for GEMM tile `tile_n`:
+    `buffer`, a contiguous 16-byte aligned int32 vector of at least
+    `musebench.kernels.routing.metadata_size(tile_n)` elements that aliases neither the ids nor
+    the weights (musebench's layout: `musebench.routing_metadata`)."""
+
+    buffer: torch.Tensor
+    local_expert_offset: int
+    num_local_experts: int
+    tile_n: int
+
+    def fields(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        """1-D int32 views of `buffer` for a batch of `num_tokens` (1 to 8), under the routed MoE
+        op's names and at the extents it allocates (R = 8 num_tokens routes, at most one CTA per
+        route): total_num_padded_tokens and num_non_exiting_ctas [1];
+        expanded_idx_to_permuted_idx [R] (-1 where the expert is another rank's);
+        cta_idx_xy_to_batch_idx (the CTA's local expert) and cta_idx_xy_to_mn_limit [R];
+        permuted_idx_to_token_idx [R tile_n + 1] (-1 on padding rows; its last element is never
+        written, a guard a GEMM may read). Only the words the call used are written (the header
+        says how many CTAs and rows). ValueError for a batch outside 1..8 or a buffer too short
+        for tile_n."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= ROUTING_MAX_TOKENS:
+            raise ValueError(f"num_tokens must be an int from 1 to {ROUTING_MAX_TOKENS}, got {num_tokens!r}")
+        tile = self.tile_n
+        if isinstance(tile, bool) or not isinstance(tile, int) or not 1 <= tile <= routing_metadata.TILE_N_MAX:
+            raise ValueError(f"tile_n must be an int from 1 to {routing_metadata.TILE_N_MAX}, got {tile!r}")
+        buffer = self.buffer
+        needed = routing_metadata.RoutingMetadata(tile).size + 1  # metadata_size: the layout and its guard
+        if not isinstance(buffer, torch.Tensor) or buffer.dtype != torch.int32 or buffer.dim() != 1 or buffer.numel() < needed:
+            raise ValueError(f"buffer must be a 1-D int32 tensor of at least {needed} elements for tile_n {tile}")
+        routes = num_tokens * TOP_K
+
+        def at(offset: int, length: int) -> torch.Tensor:
+            return buffer[offset : offset + length]
+
+        return {
+            "total_num_padded_tokens": at(_PADDED_TOKENS, 1),
+            "num_non_exiting_ctas": at(_NUM_CTAS, 1),
+            "expanded_idx_to_permuted_idx": at(_OFFSETS["expanded_to_permuted"], routes),
+            "cta_idx_xy_to_batch_idx": at(_OFFSETS["cta_to_expert"], routes),
+            "cta_idx_xy_to_mn_limit": at(_OFFSETS["cta_row_limit"], routes),
+            "permuted_idx_to_token_idx": at(_OFFSETS["permuted_to_token"], routes * tile + 1),
+        }
+
+
+class MuseRouting:
+    """One MoE layer's routing for 1 to 8 tokens, bound to its router's correction bias and route
+    scale when built (which also compiles the kernel's variants: build before CUDA-graph capture).
+
+    Construction refuses (ValueError with `unsupported_router`'s reason) a router the kernel
+    cannot reproduce. The bias tensor is held by reference, so in-place weight updates are seen
+    (the kernel reads it before its PDL wait: the launch just before must not write it). A call
+    is `musebench.kernels.routing.route` with the bound bias and scale and renormalization on:
+    graph-capturable, allocates nothing.
+    """
+
+    def __init__(self, router: object) -> None:
+        reason = unsupported_router(router)
+        if reason is not None:
+            raise ValueError(f"MuseRouting cannot reproduce this router: {reason}")
+        from musebench.kernels import routing  # CuTe DSL: imported when a layer is built
+
+        self.bias: torch.Tensor = _router_attr(router, "expert_bias", "e_score_correction_bias")  # type: ignore[assignment]
+        self.route_scale = float(_router_attr(router, "route_scale"))  # type: ignore[arg-type]
+        self.top_k = TOP_K
+        self.num_experts = NUM_EXPERTS
+        self._route = routing.route
+        routing.prepare()
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        metadata: RoutingMetadata | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route float32 logits [b, 256] (1 <= b <= 8, contiguous, 16-byte aligned) into `ids`
+        (int32 [b, 8], global expert ids in selection order) and `weights` (float32 [b, 8]),
+        and with `metadata` the routing metadata of its local experts; returns (ids, weights).
+        ValueError, before anything launches, on arguments outside `route`'s contract."""
+        if metadata is None:
+            self._route(logits, self.bias, ids, weights, self.route_scale)
+        else:
+            self._route(
+                logits, self.bias, ids, weights, self.route_scale,
+                metadata=metadata.buffer,
+                local_expert_offset=metadata.local_expert_offset,
+                num_local_experts=metadata.num_local_experts,
+                tile_n=metadata.tile_n,
+            )
+        return ids, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention front.
+
+
+def split_qkv(qkv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of the q and gate columns of the attention front's output rows, laid out
+    [q | k | v | gate] with 8 heads of 64 per KV head in q and gate and one head of 64 per KV
+    head in k and v. ValueError unless `qkv` is 2-D with exactly that many columns."""
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    q_columns = HEADS_PER_KV_HEAD * num_kv_heads * HEAD_DIM
+    kv_columns = num_kv_heads * HEAD_DIM
+    width = 2 * (q_columns + kv_columns)
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"qkv must be [tokens, {width}] for {num_kv_heads} KV heads, got {tuple(qkv.shape)}")
+    gate_start = q_columns + 2 * kv_columns
+    return qkv[:, :q_columns], qkv[:, gate_start:]
