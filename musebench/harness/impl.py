@@ -90,7 +90,7 @@ class Impl:
             raise ImplError(f"--impl {self.path} has no single-launch EP tail")
         capacity = box.capacity if box is not None else max(case.tokens, 1)
         moe = tail.MoETail(_group(box), tp=case.tp, rank=rank, device=device, capacity=capacity, **extras)
-        return _Bound(moe, moe.bind(post_expert_norm(case, inputs, device)))
+        return _Bound(moe, _bind(moe, case, inputs, device), _weight_dtype(case))
 
     def tp_tail(self, case: Any, rank: int, routes: Any, tokens: Any, inputs: Any, options: Any) -> Any:
         """This rank's TP tail bound to the case's norm, compiled for the case's token count."""
@@ -104,17 +104,42 @@ class Impl:
         batches = (max(1, min(case.tokens, capacity)),)
         moe = tail.TpTail(_group(routes), tp=case.tp, rank=rank, device=device, capacity=capacity, batches=batches,
                           **extras)
-        return _Bound(moe, moe.bind(post_expert_norm(case, inputs, device)))
+        return _Bound(moe, _bind(moe, case, inputs, device), _weight_dtype(case))
+
+
+def _weight_dtype(case: Any) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[case.weight_dtype]
+
+
+def _bind(tail: Any, case: Any, inputs: Any, device: Any) -> Any:
+    """`tail.bind(norm)`, compiling only the case's route-weight dtype where the module can
+    (musebench's `weight_dtypes=`; the seeds' bind compiles both)."""
+    norm = post_expert_norm(case, inputs, device)
+    if "weight_dtypes" in inspect.signature(tail.bind).parameters:
+        return tail.bind(norm, weight_dtypes=(_weight_dtype(case),))
+    return tail.bind(norm)
 
 
 class _Bound:
     """A bound tail with musebench's extras looked up on the bound tail, then on its owner."""
 
-    def __init__(self, owner: Any, bound: Any) -> None:
-        self.owner, self.bound = owner, bound
+    def __init__(self, owner: Any, bound: Any, weight_dtype: Any) -> None:
+        self.owner, self.bound, self.weight_dtype = owner, bound, weight_dtype
 
     def run(self, unfinalized: Any, out: Any) -> None:
         self.bound.run(unfinalized, out)
+
+    def launch_demands(self, m: int) -> list:
+        """The case's launches (its own route-weight dtype's publisher) for the co-residency check."""
+        demands = getattr(self.bound, "launch_demands", None)
+        if demands is None:
+            return []
+        try:
+            return demands(m, weight_dtype=self.weight_dtype)
+        except TypeError:  # a module whose launch_demands takes m alone
+            return demands(m)
 
     def __getattr__(self, name: str) -> Any:  # check_fault, launch_demands, run_publisher where present
         for holder in (self.bound, self.owner):
