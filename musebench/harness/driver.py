@@ -23,6 +23,7 @@ progress ends the run (it still holds its mailboxes), named in the row.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -234,8 +235,9 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
         for call in range(calls):
             if progress is not None:
                 progress(call, calls)
-            for tensor in runner.outputs.values():
-                checks.poison(tensor)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for tensor in runner.outputs.values():  # on the rank's stream: before its call, in order
+                    checks.poison(tensor)
             if faults.raise_rank == rank:
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
             # a GPU rank hangs after its warm-up call (kernels loaded); a host stops at once
@@ -257,7 +259,8 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
             else:
                 runner.call()
             runner.check_fault()
-            host = {name: tensor.detach().cpu().clone() for name, tensor in runner.outputs.items()}
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                host = {name: tensor.detach().cpu().clone() for name, tensor in runner.outputs.items()}
             if faults.flip_rank == rank:
                 first = next(iter(host.values()))
                 if first.numel():
@@ -394,6 +397,7 @@ def _eager_check(call: Callable[[], None], main: Any, runners: list, row: CaseRe
     for runner in runners:
         for tensor in runner.outputs.values():
             checks.poison(tensor)
+    main.wait_stream(torch.cuda.current_stream())  # the poison lands before the call
     with torch.cuda.stream(main):
         call()
     torch.cuda.synchronize()
@@ -440,8 +444,8 @@ def _virtual_bench(case: Any, family: Any, runners: list, boxes: list, inputs: A
             torch.cuda.synchronize()
             for rank_boxes in boxes:  # a part leaves slots published: every mailbox re-armed after
                 mailbox_sets.reset(rank_boxes)
-        for runner in runners:
-            for tensor in runner.outputs.values():
+        for rank in timed_ranks:  # the others keep their eager-checked outputs
+            for tensor in runners[rank].outputs.values():
                 checks.poison(tensor)
         row.tail_us = graph_median_us(call_of(runners), main, bench)
         _checked(runners, row, case.tp, expected)
@@ -472,8 +476,8 @@ def _virtual_variant(case: Any, family: Any, name: str, variant: RunOptions, box
     _eager_check(lambda: _group_call(streams, main, lambda rank: others[rank].call(), range(case.tp)), main, others,
                  checked, case.tp, expected)
     if checked.passed:
-        for runner in others:
-            for tensor in runner.outputs.values():
+        for rank in timed_ranks:
+            for tensor in others[rank].outputs.values():
                 checks.poison(tensor)
         row.kernels_us[name] = graph_median_us(call, main, bench)
         _checked(others, checked, case.tp, expected)

@@ -158,6 +158,7 @@ def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options
     `options.replays` times after warm replays. With `barrier` (processes: a host barrier) every
     replay waits for every rank first; with `sync` (a collective path) a one-call graph of it runs
     before the timed graph, so a rank's time starts when every peer has reached the same call."""
+    stream.wait_stream(torch.cuda.current_stream())  # what the caller queued (inputs, poison) lands first
     with torch.cuda.stream(stream):
         call()  # eager warm-up: compiles, initialises communicators, outside capture
     stream.synchronize()
