@@ -84,14 +84,15 @@ def add_rank_counts(result: CaseResult, row: RankResult) -> None:
         result.first_mismatch = row.first_mismatch
 
 
-def identical_where_stock_is(ranks: Sequence[RankResult], expected: Expected) -> bool:
-    """Ranks the stock gives the same bits agree with each other (ranks that errored aside)."""
-    groups: dict[str, set[str]] = {}
-    for row in ranks:
-        if row.error is None:
-            want = expected.per_rank[row.rank]
-            key = "|".join(checks.digest(v[0] if isinstance(v, tuple) else v) for _, v in sorted(want.items()))
-            groups.setdefault(key, set()).add(row.digest)
+def identical_where_stock_is(got: dict[int, dict[str, torch.Tensor]], expected: Expected) -> bool:
+    """Output by output, ranks the stock gives the same bits agree with each other (`got`: the
+    outputs of the ranks that did not error). Per output, not per rank: routing's ids must agree
+    on every rank though each rank's metadata is its own."""
+    groups: dict[tuple[str, str], set[str]] = {}
+    for rank, outputs in got.items():
+        for name, want in expected.per_rank[rank].items():
+            key = (name, checks.digest(want[0] if isinstance(want, tuple) else want))
+            groups.setdefault(key, set()).add(checks.digest(outputs[name]))
     return all(len(digests) == 1 for digests in groups.values())
 
 
@@ -108,6 +109,7 @@ def evaluate(row: CaseResult, tp: int, outcomes: Sequence[RankOutcome], expected
     row.stock_path = row.stock_path or expected.stock_path
     by_rank = {o.rank: o for o in outcomes}
     errors = []
+    checked: dict[int, dict[str, torch.Tensor]] = {}
     for rank in range(tp):
         outcome = by_rank.get(rank)
         result = RankResult(rank=rank)
@@ -121,11 +123,12 @@ def evaluate(row: CaseResult, tp: int, outcomes: Sequence[RankOutcome], expected
         if result.error is None:
             check_rank(result, outcome.outputs, expected.per_rank[rank])
             add_rank_counts(row, result)
+            checked[rank] = outcome.outputs
             if len(set(outcome.digests)) > 1:
                 row.deterministic = False
         if result.error is not None:
             errors.append(result.error)
-    row.rank_identical = identical_where_stock_is(row.ranks, expected) and not errors
+    row.rank_identical = identical_where_stock_is(checked, expected) and not errors
     if errors:
         row.error = summarize_errors(errors)
     return row
