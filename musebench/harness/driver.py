@@ -377,7 +377,12 @@ def _virtual_check(case: Any, index: int, runners: list, options: RunOptions) ->
 
 
 def _group_call(streams: list, main: Any, launch: Callable[[int], None], ranks: Sequence[int]) -> None:
-    """One call of every rank in `ranks`: the main stream forks to one stream per rank and joins."""
+    """One call of every rank in `ranks`: the main stream forks to one stream per rank and joins;
+    one rank alone (ranks that never wait on each other) launches on the main stream itself, so
+    its time holds no fork and join."""
+    if len(ranks) == 1:
+        launch(ranks[0])
+        return
     fork = torch.cuda.Event()
     fork.record(main)
     for rank in ranks:
