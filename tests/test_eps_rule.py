@@ -45,7 +45,7 @@ def _ep_kernel(eps):
     pytest.importorskip("cutlass")
     from musebench.kernels import ep_tail
 
-    ep_tail._EpPublisherKernel(tp=2, rank=0, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=eps,
+    ep_tail._EpPublisherKernel(tp=2, capacity=8, weight_before_norm=True, weight_dtype="bf16", eps=eps,
                                gain_center=1.0, transport="unicast", enable_pdl=True)
 
 
