@@ -179,7 +179,7 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
          timeout, nsm, transport, ep_launch, json_path, junit_path, inject, impl) -> None:
     """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
     from musebench.harness.case import Faults
-    from musebench.harness.cases import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
+    from musebench.cases.tail_inputs import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import make_tail_job
 
     token_list = _parse_ints(tokens, "--tokens")
@@ -269,7 +269,7 @@ def bench() -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, timeout, nsm, json_path) -> None:
     """The cute tails, CUDA-graph timed against the stock finalize (and, per process, NCCL paths)."""
-    from musebench.harness.cases import NORM_ORDERS, WEIGHT_DTYPES
+    from musebench.cases.tail_inputs import NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.scenario import validate_tokens, validate_tp
 
@@ -341,7 +341,7 @@ def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | 
 def routing(tp, tokens, tiles, renormalize, inputs, seed, seeds, timeout, json_path, junit_path, inject, impl) -> None:
     """GPU: the routing kernel on every rank vs the Triton stock, the reference and the metadata reference."""
     from musebench.harness.case import Faults
-    from musebench.harness.cases import ROUTING_INPUT_FAMILIES
+    from musebench.cases.tail_inputs import ROUTING_INPUT_FAMILIES
     from musebench.harness.jobs import make_routing_job
 
     token_list, tile_list = _parse_ints(tokens, "--tokens"), _parse_ints(tiles, "--tile")

@@ -23,7 +23,7 @@ import torch
 from musebench.cases import ep_tail
 from musebench.comm import mailboxes
 from musebench.harness.case import RunOptions
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import load_impl
 
 LAUNCHES = 3  # per path and m, after one warm-up launch

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from musebench import numerics as nx
-from musebench.harness.cases import TailCase, make_tail_inputs
+from musebench.cases.tail_inputs import TailCase, make_tail_inputs
 
 FP32_MAX = 3.4028234663852886e38
 REFUSED = [0.0, -1e-8, 2.0**-127, math.nextafter(2.0**-126, 0.0), 2.0**-149, float("nan"), float("inf"),

@@ -36,7 +36,7 @@ ABOVE_CASES = ("musebench.harness.driver", "musebench.harness.launch", "musebenc
                "musebench.harness.jobs", "musebench.cli")
 # The harness's lower modules (what the families import) never reach back up to the families.
 HARNESS_BELOW_CASES = ("musebench.harness.case", "musebench.harness.measure", "musebench.harness.checks",
-                       "musebench.harness.cases", "musebench.harness.results")
+                       "musebench.harness.results")
 
 
 def _module_name(path: Path) -> str:

@@ -1,6 +1,6 @@
 """The EP tail family (`ep_tail`): publisher + reduction over one Lamport mailbox per rank.
 
-Every rank holds the rows of its own experts' routes (`harness.cases`, EP layout); a call sums
+Every rank holds the rows of its own experts' routes (`cases.tail_inputs`, EP layout); a call sums
 each rank's routes into a partial and all-reduces the partials: `out` is bitwise the stock MNNVL
 finalize's (`stock.ep.ep_tail_reference`), identical on every rank. With `--ep-launch single`
 the cute tail runs as one kernel, bitwise the same (its rows are named `ep_tail_single`).
@@ -18,7 +18,7 @@ from typing import Any
 
 from musebench.cases import tail as shared
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
-from musebench.harness.cases import TailCase, TailInputs
+from musebench.cases.tail_inputs import TailCase, TailInputs
 
 name = "ep_tail"
 Case = TailCase

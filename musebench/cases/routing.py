@@ -1,7 +1,7 @@
 """The routing family (`routing`): the short tail's top-8 and, fused, this rank's GEMM metadata.
 
 Every rank routes the same FP32 logits [b, 256] for its own contiguous expert range (the EP
-sharding of the tail cases, `harness.cases.expert_owner`). A call writes, through the seeds'
+sharding of the tail cases, `cases.tail_inputs.expert_owner`). A call writes, through the seeds'
 `routing.route`, the ids (int32 [b, 8]) and weights (FP32 [b, 8]) and the rank's TRT-LLM-gen
 metadata for GEMM tile `tile_n` into a buffer of the seeds' `metadata_size(tile_n)` words: the
 layout (`routing_metadata.metadata_size`) and the guard element after it.
@@ -26,7 +26,7 @@ import torch
 from musebench import config
 from musebench.harness import checks
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
-from musebench.harness.cases import ROUTING_INPUT_FAMILIES, expert_owner
+from musebench.cases.tail_inputs import ROUTING_INPUT_FAMILIES, expert_owner
 
 name = "routing"
 faults = ("flip", "silent", "hang")

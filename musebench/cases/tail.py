@@ -1,6 +1,6 @@
 """What the EP and TP tail families share: the runner over a bound tail, and the stock check.
 
-A tail case (`harness.cases.TailCase`, mode "ep" or "tp") binds one rank's tail through the
+A tail case (`cases.tail_inputs.TailCase`, mode "ep" or "tp") binds one rank's tail through the
 backend: `cute` builds the CuTe DSL tail over the rank's device mailboxes, `cpu` the CPU model of
 the protocol over host mailboxes (the same bitwise reference checks both; on the CPU the
 arithmetic checked is the reference's own, the protocol and layout handling are the model's).
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from musebench.harness.case import Expected, RunOptions
-from musebench.harness.cases import TailCase, TailInputs, make_tail_inputs
+from musebench.cases.tail_inputs import TailCase, TailInputs, make_tail_inputs
 
 OUT = "out"
 

@@ -1,6 +1,6 @@
 """The TP tail family (`tp_tail`): expert TP, one launch over a route and a token mailbox.
 
-Every rank holds a K-partial of every route's row (`harness.cases`, TP layout); a call sums the
+Every rank holds a K-partial of every route's row (`cases.tail_inputs`, TP layout); a call sums the
 partials across ranks in rank order, RMS-normalizes and weights each route and sums a token's
 routes: `out` is bitwise the stock TP finalize's (`stock.tp.tp_tail_reference`) on the path its
 host dispatch takes for (m, tp, nsm) (`musebench.tp_dispatch`), every path; a token's owner keeps
@@ -18,7 +18,7 @@ from typing import Any
 
 from musebench.cases import tail as shared
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
-from musebench.harness.cases import TailCase, TailInputs
+from musebench.cases.tail_inputs import TailCase, TailInputs
 
 name = "tp_tail"
 Case = TailCase

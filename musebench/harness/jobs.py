@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from musebench.comm.transport import REQUESTS, decide, layout_here
 from musebench.harness.case import DEFAULT_NSM, MEASUREMENTS, Faults, RunOptions
-from musebench.harness.cases import EP_LAUNCHES, tail_cases
+from musebench.cases.tail_inputs import EP_LAUNCHES, tail_cases
 from musebench.harness.measure import BenchOptions
 from musebench.harness.results import CaseResult, RunReport, SkippedRun
 from musebench.harness.scenario import (
@@ -270,7 +270,7 @@ def make_routing_job(
     (the kernel compiles at bind).
     """
     from musebench.cases.routing import RoutingCase, faults as routing_faults
-    from musebench.harness.cases import ROUTING_INPUT_FAMILIES
+    from musebench.cases.tail_inputs import ROUTING_INPUT_FAMILIES
 
     validate_tp(tp)
     validate_routing_tokens(tuple(tokens))

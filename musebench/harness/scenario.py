@@ -49,7 +49,7 @@ from typing import Any
 
 from musebench import config
 from musebench.comm.transport import REQUESTS
-from musebench.harness.cases import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, ROUTING_INPUT_FAMILIES, WEIGHT_DTYPES
+from musebench.cases.tail_inputs import EP_LAUNCHES, INPUT_FAMILIES, MODES, NORM_ORDERS, ROUTING_INPUT_FAMILIES, WEIGHT_DTYPES
 from musebench.routing_metadata import TILE_N_MAX
 
 MIN_TP, MAX_TP = 2, 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import RunOptions, run_virtual
 
 
@@ -32,7 +32,7 @@ def test_tp_owner_keeps_negative_zero_copies_are_scrubbed_per_word(monkeypatch):
     import torch
 
     from musebench.cases import tp_tail
-    from musebench.harness.cases import TailInputs
+    from musebench.cases.tail_inputs import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
     case = TailCase(mode="tp", tp=3, tokens=2, weight_dtype="fp32", norm="before")
@@ -56,7 +56,7 @@ def test_tp_expert_owner_path_delivers_the_owners_bits_everywhere(monkeypatch):
     import torch
 
     from musebench.cases import tp_tail
-    from musebench.harness.cases import TailInputs
+    from musebench.cases.tail_inputs import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
     case = TailCase(mode="tp", tp=4, tokens=5, weight_dtype="fp32", norm="before")
@@ -90,7 +90,7 @@ def test_nan_outputs_are_the_canonical_nan_on_every_rank(monkeypatch, mode, tp):
     rank's output, including the copies the TP owners hand over."""
     import torch
 
-    from musebench.harness.cases import TailInputs
+    from musebench.cases.tail_inputs import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
     case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="fp32", norm="before")
@@ -123,7 +123,7 @@ def test_missing_routes_and_wide_rows_match_the_reference(monkeypatch, mode, tp,
     read to 4096, at a row stride of their width."""
     import torch
 
-    from musebench.harness.cases import TailInputs
+    from musebench.cases.tail_inputs import TailInputs
     from musebench.layout import UnfinalizedMoEOutput
 
     case = TailCase(mode=mode, tp=tp, tokens=2, weight_dtype="bf16", norm="after")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from musebench.harness import launch
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import RunOptions, run_virtual
 from musebench.harness.measure import BenchOptions
 

@@ -10,7 +10,7 @@ import torch
 from musebench.cases import ep_tail
 from musebench.harness import launch
 from musebench.harness.case import Expected, RunOptions
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import bench_row, new_row
 from musebench.harness.measure import BenchOptions, RankOutcome, evaluate
 from musebench.harness.results import CaseResult

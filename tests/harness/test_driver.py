@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions, run_virtual
 
 FAST = dict(iters=1, warmup=0, timeout_s=0.5)

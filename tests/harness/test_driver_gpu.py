@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions, run_virtual
 
 pytestmark = pytest.mark.gpu

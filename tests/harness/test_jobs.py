@@ -148,7 +148,7 @@ def test_the_single_launch_ep_tail_needs_the_cute_backend(no_gpu):
 
 def test_single_launch_rows_are_told_apart():
     from musebench.harness import launch
-    from musebench.harness.cases import TailCase
+    from musebench.cases.tail_inputs import TailCase
     from musebench.harness.driver import RunOptions, new_row
 
     cases = [TailCase(mode="ep", tp=2, tokens=1), TailCase(mode="tp", tp=2, tokens=1)]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from musebench.harness import launch
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions
 
 pytestmark = pytest.mark.slow
@@ -121,7 +121,7 @@ def test_a_terminated_launcher_kills_its_ranks(job_id, signal_name):
     from tests._processes import job_processes
 
     launcher = subprocess.Popen([sys.executable, "-c", (
-        "from musebench.harness import launch; from musebench.harness.cases import TailCase; "
+        "from musebench.harness import launch; from musebench.cases.tail_inputs import TailCase; "
         "from musebench.harness.driver import Faults, RunOptions; "
         "launch.run_torchrun([TailCase(mode='ep', tp=2, tokens=1)], RunOptions(launcher='torchrun', iters=1, "
         "warmup=0, timeout_s=60.0, faults=Faults(hang_rank=1)))")], stderr=subprocess.PIPE, text=True)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from musebench.harness import launch
-from musebench.harness.cases import TailCase
+from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]

@@ -26,7 +26,7 @@ pytest.importorskip("cutlass")
 
 from musebench import config, tp_dispatch  # noqa: E402
 from musebench.comm.device import FAULT_CLEAR, local_device_group  # noqa: E402
-from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
+from musebench.cases.tail_inputs import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import ep_tail, tail, tp_tail  # noqa: E402
 from musebench.layout import PostExpertNorm, UnfinalizedMoEOutput  # noqa: E402
 from tests._seeds import EMPTY, KW, POS, assert_seed_signature  # noqa: E402

@@ -28,7 +28,7 @@ pytest.importorskip("cutlass")
 from musebench import numerics as nx  # noqa: E402
 from musebench.comm import protocol  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
-from musebench.harness.cases import TailCase, make_tail_inputs  # noqa: E402
+from musebench.cases.tail_inputs import TailCase, make_tail_inputs  # noqa: E402
 from musebench.kernels import tp_tail  # noqa: E402
 from musebench.layout import UnfinalizedMoEOutput  # noqa: E402
 from musebench.stock.tp import tp_rank_output, tp_stock_path, tp_tail_reference  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from musebench.harness.cases import TailCase, make_tail_inputs
+from musebench.cases.tail_inputs import TailCase, make_tail_inputs
 from musebench.layout import UnfinalizedMoEOutput
 from musebench.stock import ep
 from tests import _scalar as sc

@@ -453,7 +453,7 @@ def test_triton_stock_refuses_to_compile_under_capture(triton_finalize, monkeypa
 @pytest.mark.gpu
 def test_vllm_stock_matches_the_project_triton_stock(triton_finalize):
     pytest.importorskip("vllm.models.muse_spark.common.ops.fused_finalize")
-    from musebench.harness.cases import TailCase, make_tail_inputs
+    from musebench.cases.tail_inputs import TailCase, make_tail_inputs
 
     def check(u: UnfinalizedMoEOutput, gamma: torch.Tensor, before: bool, what: str) -> None:
         want = _run(triton_finalize, u, gamma, before)

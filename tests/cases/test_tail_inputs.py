@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from musebench.harness.cases import TailCase, expert_owner, make_tail_inputs, tail_cases
+from musebench.cases.tail_inputs import TailCase, expert_owner, make_tail_inputs, tail_cases
 
 
 def _bits(inputs):
@@ -119,7 +119,7 @@ def _nan_words(t: torch.Tensor) -> set[int]:
 
 @pytest.mark.parametrize("weights", ["bf16", "fp32"])
 def test_tp_edge_inputs(weights):
-    from musebench.harness import cases
+    from musebench.cases import tail_inputs as cases
 
     case = TailCase(mode="tp", tp=4, tokens=8, weight_dtype=weights, norm="after", inputs="edge")
     inputs = make_tail_inputs(case)
@@ -151,7 +151,7 @@ def test_tp_edge_inputs(weights):
 
 
 def test_ep_edge_inputs():
-    from musebench.harness import cases
+    from musebench.cases import tail_inputs as cases
 
     case = TailCase(mode="ep", tp=4, tokens=8, weight_dtype="fp32", norm="after", inputs="edge")
     inputs = make_tail_inputs(case)
