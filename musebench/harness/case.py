@@ -9,7 +9,7 @@ bench):
 
 1. `family.make_inputs(case)`: every rank's inputs, deterministic in the case (seed included),
    so any rank in any process draws its own or a peer's without communication;
-2. `family.mailboxes(cases, options)`: the Lamport mailboxes the cases need, by name
+2. `family.mailboxes(case, capacity)`: the Lamport mailboxes a case needs, by name
    (`MailboxSpec`), allocated collectively by the driver for the transport `comm` decided; none
    for a family without communication (routing);
 3. `family.bind(case, impl, rank, boxes, inputs, options)`: this rank's `Runner`, built through
@@ -17,8 +17,9 @@ bench):
    driver binds every rank before any rank runs and never inside CUDA-graph capture;
 4. the driver poisons `runner.outputs`, calls `runner.call()` (one collective call on the
    current stream), and reads the outputs back;
-5. `family.expected(case, inputs, options)`: the stock reference's bits, per rank and output,
-   which outputs must agree across ranks, and the stock path taken;
+5. `family.expected(case, inputs, options, approximations)`: the stock reference's bits, per rank
+   and output (ranks the stock gives equal bits of an output must agree on it), and the stock
+   path taken; `approximations` are the GPU's own instructions on the cute backend;
 6. benches also time `runner.parts()` (kernels of a call timed apart) and
    `family.baselines(...)` (what a user would run instead), in the same process and run.
 
@@ -130,8 +131,12 @@ class Family(Protocol):
     """What a kernel family's case module provides (see the module docstring for the order)."""
 
     name: str  # the family's registry key, e.g. "ep_tail"
+    Case: type  # its case dataclass (a process launch rebuilds cases from their fields)
     faults: tuple[str, ...]  # fault kinds it can inject
     backends: tuple[str, ...]  # backends with a runner: "cpu" (a CPU model), "cute"
+    PARTS: tuple[str, ...]  # kernels of a call a bench times apart (names of `Runner.parts`)
+    VIRTUAL_STOCK: str  # the baseline that is a row's stock on virtual ranks
+    PROCESS_STOCK: str  # ... and with a process per GPU
 
     def make_inputs(self, case: Any) -> Any: ...
 
@@ -146,4 +151,9 @@ class Family(Protocol):
 
     def row_fields(self, case: Any, options: RunOptions) -> dict[str, Any]: ...
 
-    def baselines(self, case: Any, inputs: Any, rank: int, device: Any, comms: Any) -> dict[str, Callable[[], None]]: ...
+    def variants(self, case: Any, options: RunOptions) -> dict[str, RunOptions]:
+        """Other forms of the kernel a bench times and checks like the call (name -> options)."""
+
+    def baselines(self, case: Any, inputs: Any, rank: int, runner: Runner, comms: Any) -> dict[str, Any]:
+        """name -> `cases.tail.Baseline` (a call, collective or not): what a bench times beside
+        the case on the same inputs; `comms` (an NCCL group with SymmetricMemory) or None."""

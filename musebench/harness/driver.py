@@ -36,30 +36,27 @@ import torch
 from musebench.comm import mailboxes as mailbox_sets
 from musebench.comm.transport import TransportRefused, decide, layout_here
 from musebench.harness import checks
-from musebench.harness.case import DEFAULT_NSM, FAULT_KINDS, Faults, MailboxSpec, RunOptions  # noqa: F401
+from musebench.harness.case import Faults, MailboxSpec, RunOptions  # noqa: F401  (Faults: callers' import)
 from musebench.harness.measure import (
     PUBLISHER,
     REDUCE_EXPOSED,
-    SINGLE_LAUNCH,
     BenchOptions,
+    PeerNotReady,
     RankOutcome,
+    RankStalled,  # noqa: F401  (the stall a bounded wait raises; tests and callers catch it here)
     evaluate,
     graph_median_us,
     outputs_digest,
+    wait_for_device,
 )
 from musebench.harness.progress import CALL_GRACE_S, ProgressFile, RankProgress, Watch
 from musebench.harness.results import CaseResult
 
-MEASUREMENTS = ("check", "bench")
 _SLEEP_CYCLES_PER_NS = 2  # torch.cuda._sleep spins clock cycles: two per ns hold >= `ns` at <= 2 GHz
 
 
 class InjectedFault(RuntimeError):
     pass
-
-
-class RankStalled(RuntimeError):
-    """A rank's call did not finish within the bound: the rank stopped making progress."""
 
 
 def family_of(case: Any) -> Any:
@@ -79,15 +76,6 @@ def hold_current_stream(ns: int) -> None:
     hold that lets ranks forked from the stream start together), then free it."""
     if ns > 0:
         torch.cuda._sleep(ns * _SLEEP_CYCLES_PER_NS)
-
-
-def wait_for_device(event: Any, timeout_s: float, what: str, poll_s: float = 1e-4) -> None:
-    """Wait for a recorded CUDA event at most `timeout_s`; RankStalled naming `what` after that."""
-    deadline = time.monotonic() + timeout_s
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise RankStalled(f"{what} did not finish within {timeout_s:g} s: the rank stopped making progress")
-        time.sleep(poll_s)
 
 
 STARTUP_S = 120.0  # interpreter + torch import + rendezvous for up to 32 ranks on 2 cores
@@ -204,7 +192,7 @@ def co_residency_refusal(runner: Any, case: Any) -> str | None:
             f"({needed}; load {load:.2f}): use --launcher torchrun")
 
 
-def _hang_here(options: RunOptions) -> None:
+def _hang_here() -> None:
     """This rank's host stops making progress (a stuck host thread or process)."""
     threading.Event().wait(10 * 365 * 86400.0)
 
@@ -245,7 +233,7 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
             if faults.exit_rank == rank and call == options.warmup:
                 os._exit(17)
             if hang and not (device and options.launcher == "virtual"):
-                _hang_here(options)
+                _hang_here()
             if faults.silent_rank == rank:
                 pass  # never launched: the check must find the poison, the peers' waits must report it
             elif device:
@@ -298,8 +286,8 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
         family = family_of(case)
         iters = options.iters if measurement == "check" else bench.calls * bench.replays
         row = new_row(case, options, transport, iters, measurement)
-        inputs = family.make_inputs(case)
-        try:  # compile every rank's variant here, before any rank spins on a peer
+        try:  # draw, then compile every rank's runner here (its variants bind later), before any rank spins
+            inputs = family.make_inputs(case)
             runners = [family.bind(case, impl, rank, boxes[rank], inputs, options) for rank in range(tp)]
             if options.backend == "cute":
                 refusal = co_residency_refusal(runners[0], case)
@@ -322,8 +310,15 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
         results.append(row)
         if on_case is not None:
             on_case(row)
-        if hung:
-            break  # a hung rank still holds its mailboxes: later cases cannot run on this group
+        if hung:  # a hung rank still holds its mailboxes: later cases cannot run on this group
+            for later in cases[index + 1:]:
+                skipped = new_row(later, options, transport, 0, measurement)
+                skipped.error = f"not run: {row.error}"
+                skipped.rank_identical = False
+                results.append(skipped)
+                if on_case is not None:
+                    on_case(skipped)
+            break
         if not row.passed:
             if options.backend == "cute":
                 torch.cuda.synchronize()  # nothing still in flight before the words are re-armed
@@ -395,6 +390,17 @@ def _group_call(streams: list, main: Any, launch: Callable[[int], None], ranks: 
         main.wait_event(join)
 
 
+def _poisoner(runners: list, ranks: Sequence[int]) -> Callable[[], None]:
+    """Poisons the outputs of `ranks` (the timed ones; the others keep their eager-checked
+    outputs): run between a bench's warm-up and its replays, so the replays must write them."""
+    def poison() -> None:
+        for rank in ranks:
+            for tensor in runners[rank].outputs.values():
+                checks.poison(tensor)
+
+    return poison
+
+
 def _eager_check(call: Callable[[], None], main: Any, runners: list, row: CaseResult, tp: int,
                  expected: Any) -> None:
     """One eager call into poisoned outputs (compiling and loading what it needs before capture),
@@ -449,10 +455,8 @@ def _virtual_bench(case: Any, family: Any, runners: list, boxes: list, inputs: A
             torch.cuda.synchronize()
             for rank_boxes in boxes:  # a part leaves slots published: every mailbox re-armed after
                 mailbox_sets.reset(rank_boxes)
-        for rank in timed_ranks:  # the others keep their eager-checked outputs
-            for tensor in runners[rank].outputs.values():
-                checks.poison(tensor)
-        row.tail_us = graph_median_us(call_of(runners), main, bench)
+        row.tail_us = graph_median_us(call_of(runners), main, bench,
+                                      before_replays=_poisoner(runners, timed_ranks))
         _checked(runners, row, case.tp, expected)
         if PUBLISHER in row.kernels_us:
             row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
@@ -481,10 +485,7 @@ def _virtual_variant(case: Any, family: Any, name: str, variant: RunOptions, box
     _eager_check(lambda: _group_call(streams, main, lambda rank: others[rank].call(), range(case.tp)), main, others,
                  checked, case.tp, expected)
     if checked.passed:
-        for rank in timed_ranks:
-            for tensor in others[rank].outputs.values():
-                checks.poison(tensor)
-        row.kernels_us[name] = graph_median_us(call, main, bench)
+        row.kernels_us[name] = graph_median_us(call, main, bench, before_replays=_poisoner(others, timed_ranks))
         _checked(others, checked, case.tp, expected)
     for rank_boxes in boxes:
         mailbox_sets.reset(rank_boxes)
@@ -568,7 +569,6 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     rows: list[CaseResult] = []
     try:
         impl = load_impl(options)
-        timing_note = shared_gpu_timing_note(local_world) if options.backend == "cute" else None
         collectives, unavailable = None, None
         if measurement == "bench" and local_world <= torch.cuda.device_count():
             try:  # collective: every rank takes the same branch (same host, same GPU count)
@@ -579,17 +579,17 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
         for index, case in enumerate(cases):
             record.update(phase="bind", case=index, call=-1, calls=0, bound_s=BIND_S + compile_bound_s(options))
             family = family_of(case)
-            inputs = family.make_inputs(case)
-            runner, bind_error = None, None
-            try:  # compile before the barrier: no rank may spin on a peer that is still compiling
+            inputs, runner, bind_error = None, None, None
+            try:  # compile before the agreement: no rank may spin on a peer that is still compiling
+                inputs = family.make_inputs(case)
                 runner = family.bind(case, impl, rank, boxes, inputs, options)
             except Exception as error:
                 bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
             record.update(phase="barrier", bound_s=None)
-            dist.barrier()
+            failed_binds = [failure for failure in _gathered(bind_error) if failure is not None]  # also the barrier
             say(f"rank {rank} started case {index}")
-            if bind_error is not None:
-                outcome = RankOutcome(rank=rank, error=bind_error)
+            if failed_binds:  # every rank skips the case alike: none waits on a rank that cannot run it
+                outcome = RankOutcome(rank=rank, error=bind_error or f"rank {rank}: not run: {failed_binds[0]}")
             elif measurement == "check":
                 outcome = check_calls(case, rank, runner, options, progress=lambda call, calls: record.update(
                     phase="call", call=call, calls=calls, bound_s=call_s))
@@ -610,14 +610,15 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                 except Exception as error:
                     row.error = f"stock: {type(error).__name__}: {error}"
                     return row
-                evaluate(row, case.tp, [o for o in gathered if o is not None], expected)
-                if measurement == "bench":
-                    bench_row(row, family_of(case), gathered, expected)
-                elif timing_note is not None:
-                    row.notes.append(timing_note)
+                try:  # rank 0 must reach the broadcast after it, whatever happens here
+                    evaluate(row, case.tp, [o for o in gathered if o is not None], expected)
+                    if measurement == "bench":
+                        bench_row(row, family_of(case), gathered, expected)
+                except Exception as error:
+                    row.error, row.rank_identical = f"evaluate: {type(error).__name__}: {error}", False
                 return row
 
-            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, json, record)
+            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, record, options)
             if row is not None:
                 rows.append(row)
         record.update(phase="finished", bound_s=TEARDOWN_S)
@@ -627,9 +628,18 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     return rows
 
 
+def _gathered(value: Any) -> list:
+    """Every rank's `value`, in rank order (collective: a barrier too)."""
+    import torch.distributed as dist
+
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseResult], boxes: dict,
-                 results_path: Any, on_case: Callable[[CaseResult], None] | None, json: Any,
-                 record: ProgressFile) -> CaseResult | None:
+                 results_path: Any, on_case: Callable[[CaseResult], None] | None, record: ProgressFile,
+                 options: RunOptions) -> CaseResult | None:
     """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
     the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
     get None); if the row failed every rank re-arms its mailboxes between two barriers. Rank 0's
@@ -641,8 +651,10 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
     dist.gather_object(outcome, gathered, dst=0)
     row, failed = None, [False]
     if rank == 0:
+        import json
+
         record.update(phase="evaluate", bound_s=EVALUATE_S)
-        row = evaluate_gathered(gathered)
+        row = evaluate_gathered(gathered)  # never raises: its errors are the row's
         failed = [not row.passed]
         if results_path is not None:
             with open(results_path, "a") as out:
@@ -653,6 +665,8 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
     dist.broadcast_object_list(failed, src=0)
     if failed[0]:
         record.update(phase="reset", bound_s=None)
+        if options.backend == "cute":
+            torch.cuda.synchronize()  # this rank's calls (a stalled one included, bounded) are over
         dist.barrier()  # nobody is still reading before the words are re-armed
         mailbox_sets.reset(boxes)
         dist.barrier()
@@ -661,45 +675,54 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
 
 def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, inputs: Any, options: RunOptions,
                    bench: BenchOptions, collectives: Any, impl: Any) -> RankOutcome:
-    """This rank's medians of the case's call, parts, variants and baselines (collective: every
-    rank times the same paths in the same order); its outputs after the call's replays."""
+    """This rank's medians of the case's call, parts, variants and baselines, and its outputs
+    after the call's replays. Collective: every rank times the same paths in the same order, and
+    every path begins with an agreement (`graph_median_us`'s `agree`), so a rank that cannot time
+    a path makes every rank skip it instead of leaving its peers in a barrier it never reaches."""
     import torch.distributed as dist
 
     outcome = RankOutcome(rank=rank)
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(device)
 
-    def time_path(call: Callable[[], None], collective: bool) -> float:
-        return graph_median_us(call, stream, bench, barrier=dist.barrier, sync=call if collective else None)
+    def agree(ready: bool) -> bool:
+        return all(_gathered(ready))
 
-    def poisoned(r: Any) -> Any:
-        for tensor in r.outputs.values():
-            checks.poison(tensor)
-        return r
+    def time_path(call: Callable[[], None], collective: bool, outputs: dict | None = None) -> float:
+        poison = (lambda: [checks.poison(t) for t in outputs.values()]) if outputs else None
+        return graph_median_us(call, stream, bench, barrier=dist.barrier, sync=call if collective else None,
+                               agree=agree, before_replays=poison)
 
-    try:
-        outcome.times_us[family.name] = time_path(poisoned(runner).call, collective=True)
-        runner.check_fault()
-        outcome.outputs = {name: t.detach().cpu() for name, t in runner.outputs.items()}
-    except Exception as error:
-        outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
-        return outcome
-    for name, part in runner.parts().items():
-        try:  # a part alone may leave slots published: every rank re-arms after
-            outcome.times_us[name] = time_path(part, collective=False)
-        except Exception as error:
-            outcome.notes.append(f"{name} not timed: {type(error).__name__}: {error}")
+    def rearm() -> None:  # a part or a form leaves slots published: every rank re-arms after it
+        torch.cuda.synchronize()
         dist.barrier()
         mailbox_sets.reset(boxes)
         dist.barrier()
+
+    try:
+        outcome.times_us[family.name] = time_path(runner.call, collective=True, outputs=runner.outputs)
+        runner.check_fault()
+        outcome.outputs = {name: t.detach().cpu() for name, t in runner.outputs.items()}
+    except Exception as error:  # every rank raised here alike (the agreement): the case ends on all
+        outcome.error = f"rank {rank}: {type(error).__name__}: {error}"
+        return outcome
+    for name, part in runner.parts().items():
+        try:
+            outcome.times_us[name] = time_path(part, collective=False)
+        except Exception as error:
+            outcome.notes.append(f"{name} not timed: {type(error).__name__}: {error}")
+        rearm()
     for name, variant in family.variants(case, options).items():
-        # a difference is this rank's error, but the collective paths below still run on every rank
-        _process_variant(case, family, name, variant, rank, boxes, inputs, bench, time_path, outcome, impl)
+        _process_variant(case, family, name, variant, rank, boxes, inputs, time_path, outcome, impl, agree, rearm)
     try:
         paths = family.baselines(case, inputs, rank, runner, collectives)
     except Exception as error:
+        paths = {}
         outcome.notes.append(f"baselines not timed: {type(error).__name__}: {error}")
-        return outcome
+    if not agree(bool(paths)):  # every rank times the same baselines or none
+        if paths:
+            outcome.notes.append("baselines not timed: a peer could not prepare them")
+        paths = {}
     for name, baseline in paths.items():
         try:
             outcome.times_us[name] = time_path(baseline.call, collective=baseline.collective)
@@ -715,27 +738,28 @@ def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, 
 
 
 def _process_variant(case: Any, family: Any, name: str, variant: RunOptions, rank: int, boxes: dict, inputs: Any,
-                     bench: BenchOptions, time_path: Callable, outcome: RankOutcome, impl: Any) -> None:
-    """Collective: another form of the kernel over this rank's re-armed mailboxes, timed like the
-    call and checked against the same bits (on rank 0, from the gathered outcome's
-    `variant_outputs`); every rank re-arms again after it."""
-    import torch.distributed as dist
-
+                     time_path: Callable, outcome: RankOutcome, impl: Any, agree: Callable[[bool], bool],
+                     rearm: Callable[[], None]) -> None:
+    """Collective: another form of the kernel over this rank's mailboxes, re-armed before and
+    after it, timed like the call and checked against the same bits (on rank 0, from the gathered
+    outcome's `variant_outputs`). A rank whose form fails to bind or run makes it this rank's
+    error; every rank still takes the same collectives."""
+    rearm()
+    other, error = None, None
     try:
         other = family.bind(case, impl, rank, boxes, inputs, variant)
-        dist.barrier()  # every rank compiled and warmed up before any spins on a peer
-        for tensor in other.outputs.values():
-            checks.poison(tensor)
-        outcome.times_us[name] = time_path(other.call, collective=True)
+    except Exception as failure:
+        error = failure
+    try:
+        if not agree(error is None):  # every rank compiled and warmed up before any spins on a peer
+            raise error if error is not None else PeerNotReady(f"a peer could not bind the {name} form")
+        outcome.times_us[name] = time_path(other.call, collective=True, outputs=other.outputs)
         other.check_fault()
-        outputs = {name_: t.detach().cpu() for name_, t in other.outputs.items()}
-        outcome.variant_outputs[name] = outputs
-    except Exception as error:
-        outcome.error = outcome.error or f"rank {rank}: {name}: {type(error).__name__}: {error}"
+        outcome.variant_outputs[name] = {key: t.detach().cpu() for key, t in other.outputs.items()}
+    except Exception as failure:
+        outcome.error = outcome.error or f"rank {rank}: {name}: {type(failure).__name__}: {failure}"
         outcome.times_us.pop(name, None)
-    dist.barrier()
-    mailbox_sets.reset(boxes)
-    dist.barrier()
+    rearm()
 
 
 def bench_row(row: CaseResult, family: Any, gathered: list, expected: Any) -> None:
@@ -767,4 +791,5 @@ def bench_row(row: CaseResult, family: Any, gathered: list, expected: Any) -> No
         row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
     row.baselines_us = worst
     row.stock_us = worst.get(family.PROCESS_STOCK)  # None where it was not timed: no ratio, never another one's
-    row.stock_path = f"{row.stock_path}; timed vs {family.PROCESS_STOCK}"
+    if row.stock_us is not None:
+        row.stock_path = f"{row.stock_path}; timed vs {family.PROCESS_STOCK}"

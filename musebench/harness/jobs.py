@@ -266,8 +266,8 @@ def make_routing_job(
     """Validate everything and build the job; ValueError names the first bad value.
 
     Cases in `musebench routing`'s order within each renormalize flag. `check_machine=False` (dry
-    runs) leaves the backend as requested and skips nothing. Each rank makes one call per case
-    (the kernel compiles at bind).
+    runs) leaves the backend as requested and skips nothing. Each rank makes two calls per case
+    (the kernel compiles at bind), so a result that changes between calls fails `deterministic`.
     """
     from musebench.cases.routing import RoutingCase, faults as routing_faults
     from musebench.cases.tail_inputs import ROUTING_INPUT_FAMILIES
@@ -300,8 +300,8 @@ def make_routing_job(
         check_impl(impl, resolved, launcher)
     cases = tuple(RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renorm, inputs=family, seed=seed)
                   for renorm in renormalize for family in inputs for tile in tiles for m in tokens for seed in seeds)
-    options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher=launcher, iters=1,
-                         warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
+    options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher=launcher, iters=2,
+                         warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)  # two calls: repeatability is checked
     return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,
                resolved=check_machine, kernel="routing", measurement=measurement, bench=bench)
 

@@ -19,6 +19,7 @@ a one-call sync graph (so launch skew is not timed) and reports the max over ran
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,18 +156,64 @@ def capture_graph(stream: torch.cuda.Stream, calls: int, call: Callable[[], None
     return graph
 
 
+class RankStalled(RuntimeError):
+    """A rank's work on its device did not finish within its bound: it stopped making progress."""
+
+
+class PeerNotReady(RuntimeError):
+    """A collective path was not timed: some rank could not prepare it (its own error says why)."""
+
+
+def wait_for_device(event: Any, timeout_s: float, what: str, poll_s: float = 1e-4) -> None:
+    """Wait for a recorded CUDA event at most `timeout_s`; RankStalled naming `what` after that."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise RankStalled(f"{what} did not finish within {timeout_s:g} s: the rank stopped making progress")
+        time.sleep(poll_s)
+
+
+def replay_bound_s(options: BenchOptions) -> float:
+    """How long one replay of `options.calls` calls may take: each call's waits are bounded by
+    the bench's poll timeout (two in sequence at most)."""
+    return options.calls * 2.0 * options.timeout_s + 5.0
+
+
 def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions,
-                    barrier: Callable[[], None] | None = None, sync: Callable[[], None] | None = None) -> float:
+                    barrier: Callable[[], None] | None = None, sync: Callable[[], None] | None = None,
+                    agree: Callable[[bool], bool] | None = None,
+                    before_replays: Callable[[], None] | None = None) -> float:
     """Median µs per call of `call` captured `options.calls` times in one graph and replayed
-    `options.replays` times after warm replays. With `barrier` (processes: a host barrier) every
-    replay waits for every rank first; with `sync` (a collective path) a one-call graph of it runs
-    before the timed graph, so a rank's time starts when every peer has reached the same call."""
-    stream.wait_stream(torch.cuda.current_stream())  # what the caller queued (inputs, poison) lands first
-    with torch.cuda.stream(stream):
-        call()  # eager warm-up: compiles, initialises communicators, outside capture
-    stream.synchronize()
-    sync_graph = capture_graph(stream, 1, sync) if sync is not None else None
-    timed = capture_graph(stream, options.calls, call)
+    `options.replays` times after warm replays, every replay waited for at most `replay_bound_s`.
+
+    With `barrier` (processes: a host barrier) every replay waits for every rank first; with
+    `sync` (a collective path) a one-call graph of it runs before the timed graph, so a rank's time
+    starts when every peer has reached the same call. `agree(ready)` (processes: collective) tells
+    every rank whether every rank warmed up and captured the path: if one could not, none replays
+    (PeerNotReady, or the rank's own error), so the ranks' barriers stay in step.
+    `before_replays` runs on `stream` after the warm-up and capture, before the first replay (the
+    caller's poison: the replays, not the warm-up, must write what the check then reads).
+    """
+    error: Exception | None = None
+    sync_graph = timed = None
+    try:
+        stream.wait_stream(torch.cuda.current_stream())  # what the caller queued (inputs, poison) lands first
+        with torch.cuda.stream(stream):
+            call()  # eager warm-up: compiles, initialises communicators, outside capture
+        warmed = torch.cuda.Event()
+        warmed.record(stream)
+        wait_for_device(warmed, replay_bound_s(options), "the warm-up call")
+        sync_graph = capture_graph(stream, 1, sync) if sync is not None else None
+        timed = capture_graph(stream, options.calls, call)
+    except Exception as failure:  # reported after every rank knows
+        error = failure
+    if agree is not None and not agree(error is None):
+        raise error if error is not None else PeerNotReady("a peer could not prepare this path")
+    if error is not None:
+        raise error
+    if before_replays is not None:
+        with torch.cuda.stream(stream):
+            before_replays()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     with torch.cuda.stream(stream):
@@ -178,7 +225,7 @@ def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options
             start.record(stream)
             timed.replay()
             end.record(stream)
-            end.synchronize()
+            wait_for_device(end, replay_bound_s(options), "a timed replay")
             if replay >= WARM_REPLAYS:
                 times.append(start.elapsed_time(end) * 1e3 / options.calls)
     return statistics.median(times)
