@@ -100,7 +100,7 @@ def test_inside_an_existing_torchrun_job_rank_zero_reports(job_id):
 @pytest.mark.parametrize("backend, gpus, transport", [("cpu", 0, "shm"), ("cute", 1, "ipc"), ("cute", 2, "ipc"),
                                                       ("cute", 4, "unicast")])
 def test_error_rows_name_the_transport_the_ranks_would_have_used(monkeypatch, backend, gpus, transport):
-    """A launch error row (tp 4 processes) carries the transport device_mailboxes picks for the layout."""
+    """A launch error row (tp 4 processes) carries the transport comm.transport.decide picks for the layout."""
     from musebench.comm import transport as transport_module
 
     monkeypatch.delenv("MUSEBENCH_PEER_MAPPING", raising=False)
