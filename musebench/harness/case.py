@@ -72,8 +72,9 @@ class Faults:
 @dataclass(frozen=True)
 class RunOptions:
     """How a job runs, for every family: the backend and launcher, the calls a check makes, the
-    bound on every wait, the stock's SM count, the transport request, faults, the EP tail's form
-    and the implementation under test (`impl`: a module path providing the seeds' API)."""
+    bound on every wait, the stock's SM count, the transport request, faults, the EP tail's form,
+    the implementation under test (`impl`: a module path providing the seeds' API) and the
+    mailboxes' capacity in tokens."""
 
     backend: str = "cpu"
     launcher: str = "virtual"
@@ -86,6 +87,7 @@ class RunOptions:
     faults: Faults = field(default_factory=Faults)
     ep_launch: str = "two"  # the cute EP tail: "two" kernels (publisher, reduction) or a "single" one
     impl: str = "musebench"
+    capacity: int = 0  # tokens the mailboxes hold (--capacity); 0: the largest token count of the run
 
 
 @dataclass(frozen=True)

@@ -126,9 +126,10 @@ def shared_gpu_timing_note(local_world: int) -> str | None:
 # What every launcher shares
 
 
-def mailbox_specs(cases: Sequence[Any]) -> dict[str, MailboxSpec]:
-    """The union of the cases' mailboxes, sized for the largest token count."""
-    capacity = max(max(case.tokens for case in cases), 1)
+def mailbox_specs(cases: Sequence[Any], capacity: int = 0) -> dict[str, MailboxSpec]:
+    """The union of the cases' mailboxes, sized for `capacity` tokens (0: the largest token count;
+    never fewer than that)."""
+    capacity = max(capacity, max(case.tokens for case in cases), 1)
     specs: dict[str, MailboxSpec] = {}
     for case in cases:
         for name, spec in family_of(case).mailboxes(case, capacity).items():
@@ -280,7 +281,7 @@ def run_virtual(cases: Sequence[Any], options: RunOptions, on_case: Callable[[Ca
     bench = bench or BenchOptions()
     transport = decide(layout_here(options.backend, "virtual", tp), options.transport).name  # refused: nothing made
     impl = load_impl(options)
-    boxes = mailbox_sets.allocate_virtual(mailbox_specs(cases), tp, transport)
+    boxes = mailbox_sets.allocate_virtual(mailbox_specs(cases, options.capacity), tp, transport)
     results = []
     for index, case in enumerate(cases):
         family = family_of(case)
@@ -563,7 +564,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     if options.backend == "cute":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    specs = mailbox_specs(cases) if cases else {}
+    specs = mailbox_specs(cases, options.capacity) if cases else {}
     boxes = mailbox_sets.allocate_process(specs, rank, tp, transport, job) if specs else {}
     transport = transport.name
     rows: list[CaseResult] = []

@@ -222,7 +222,8 @@ def make_tail_job(
     if nsm is None:  # the stock dispatches on the group's SM count: this GPU's on a GPU run
         nsm = gpu_sm_count() if resolved == "cute" else DEFAULT_NSM
     options = RunOptions(backend=resolved, launcher=launcher, iters=iters, warmup=warmup, timeout_s=timeout_s,
-                         nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl)
+                         nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl,
+                         capacity=capacity)
     return Job(name=name, cases=tuple(cases), options=options, backend_note=note, measurement=measurement,
                bench=bench, resolved=check_machine)
 

@@ -111,3 +111,22 @@ def test_timings_of_processes_sharing_gpus_carry_a_note(monkeypatch):
     assert shared_gpu_timing_note(2) is None and shared_gpu_timing_note(1) is None  # a GPU per process
     note = shared_gpu_timing_note(4)  # two processes per GPU: time slices, measured at 2.2 ms a call
     assert "time slices" in note and "one process per GPU" in note
+
+
+def test_the_mailboxes_hold_the_capacity_asked_for():
+    """--capacity sizes the run's mailboxes (production's 8 at m = 1); never below the largest m."""
+    from musebench.harness.driver import mailbox_specs
+
+    cases = _cases(mode="tp", tp=2, tokens=(1, 3))
+    assert mailbox_specs(cases)["tp_token"].rows == 3
+    assert mailbox_specs(cases, 8)["tp_token"].rows == 8 and mailbox_specs(cases, 8)["tp_route"].rows == 64
+    assert mailbox_specs(cases, 2)["tp_token"].rows == 3
+
+
+def test_the_tail_job_carries_its_capacity():
+    from musebench.harness.jobs import make_tail_job
+
+    job = make_tail_job(name="t", tp=2, modes=("ep",), tokens=(1,), capacity=8, weights=("bf16",), norms=("before",),
+                        inputs=("random",), seeds=(0,), launcher="virtual", backend="cpu", iters=1, warmup=0,
+                        timeout_s=1.0)
+    assert job.options.capacity == 8
