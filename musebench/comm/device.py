@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from musebench.comm.protocol import FAULT_CLEAR, FAULT_WORDS, SENTINEL_BF16_BITS, STAGE_WORDS, mailbox_shape
-from musebench.comm.transport import IPC_OPEN_MODES
+from musebench.comm.transport import IPC_OPEN_MODES, keep_multicast_off
 
 
 @dataclass
@@ -207,7 +207,7 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
 
     import torch.distributed as dist
 
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    keep_multicast_off()  # every switch, not only SymmetricMemory's
     symmetric_memory = enable_symmetric_memory(group)
     shape = mailbox_shape(slots, capacity, width)
     words = symmetric_memory.empty(*shape, dtype=torch.int16, device=device)

@@ -1,8 +1,9 @@
 """Named mailbox sets: every mailbox a rank's cases need, allocated for the run's transport.
 
 A case family names its mailboxes (`harness.case.MailboxSpec`: source slots, rows, width); the
-driver asks for the union over a run's cases, sized for the largest token count, once per run,
-and hands each rank a dict name -> mailbox. The transport picks the allocation:
+driver asks for the union over a run's cases, sized for the run's capacity (`--capacity`, never
+below its largest token count), once per run, and hands each rank a dict name -> mailbox. The
+transport picks the allocation:
 
 - `cpu-local`: host tensors shared by virtual ranks (`lamport.local_group`);
 - `shm`: POSIX shared-memory files, one per rank and name, for processes of one host (collective:

@@ -81,6 +81,18 @@ MULTICAST_SWITCHES: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("NVSHMEM_DISABLE_NVLS", lambda value: value.strip().lower() not in _FALSE_WORDS | {""}),
 )
 
+MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def keep_multicast_off(environ: dict | None = None) -> None:
+    """Set every multicast switch to its forbidding value where the environment leaves it unset
+    (a path that never asked for multicast must not create a multicast object as a side effect)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    for name, value in MULTICAST_OFF.items():
+        environ.setdefault(name, value)
+
 
 class TransportRefused(ValueError):
     """A transport request this layout or machine cannot honour; `reason` says what is missing."""

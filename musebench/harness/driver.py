@@ -513,7 +513,11 @@ class _Collectives:
         import torch.distributed as dist
 
         from musebench.comm.device import enable_symmetric_memory
+        from musebench.comm.transport import keep_multicast_off
 
+        # the baselines never ask for NVLink multicast: where the environment does not say
+        # otherwise, neither NCCL nor SymmetricMemory may create a multicast object for them
+        keep_multicast_off()
         self.group = dist.new_group(backend="nccl")
         self.symmetric_memory = enable_symmetric_memory(self.group)
 
@@ -596,7 +600,8 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                     phase="call", call=call, calls=calls, bound_s=call_s))
             else:
                 # one opaque phase: the case's paths are graph replays the bench bounds itself
-                record.update(phase="bench", bound_s=case_bound_s(options, bench))
+                # the forms it binds (the single launch) and the baselines' warm-ups compile inside it
+                record.update(phase="bench", bound_s=case_bound_s(options, bench) + compile_bound_s(options))
                 outcome = _process_bench(case, family, rank, runner, boxes, inputs, options, bench, collectives, impl)
                 if unavailable is not None:
                     outcome.notes.append(unavailable)

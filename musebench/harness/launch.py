@@ -164,7 +164,7 @@ def run_torchrun(
             else:
                 reason = _failure_summary(log_path.read_text(errors="replace"), tp)
             for case in cases[len(rows):]:
-                row = _error_row(case, options, reason)
+                row = _error_row(case, options, reason, measurement)
                 rows.append(row)
                 if on_case is not None:
                     on_case(row)
@@ -254,7 +254,7 @@ def _cleanup_shm(job: str) -> None:
             pass
 
 
-def _error_row(case: Any, options: RunOptions, reason: str) -> CaseResult:
+def _error_row(case: Any, options: RunOptions, reason: str, measurement: str = "check") -> CaseResult:
     """The row of a case the job never reported (its ranks died or were killed)."""
     from musebench.comm.transport import TransportRefused
     from musebench.harness.driver import new_row, process_transport
@@ -263,7 +263,7 @@ def _error_row(case: Any, options: RunOptions, reason: str) -> CaseResult:
         transport = process_transport(options, case.tp).name
     except TransportRefused:  # the ranks' own errors say why; the row names what was asked
         transport = options.transport
-    row = new_row(case, options, transport, 0)
+    row = new_row(case, options, transport, 0, measurement)
     row.error, row.rank_identical = reason, False
     return row
 

@@ -55,7 +55,7 @@ RECORD_LIMIT_BYTES = 100_000  # one file in records/
 RECORDS_LIMIT_BYTES = 1_000_000  # all of records/ together
 
 KEY_FIELDS = ("kernel", "mode", "tp", "tokens", "weight_dtype", "norm", "inputs", "seed", "backend", "launcher",
-              "transport", "stock", "stock_path")
+              "transport", "stock", "stock_path", "measurement")
 VERDICT_FIELDS = ("passed", "mismatches", "max_ulp", "rank_identical", "deterministic", "first_mismatch", "error",
                   "rank_errors")
 TIMING_FIELDS = ("tail_us", "stock_us", "baselines_us", "kernels_us", "iters", "bytes_moved", "notes")
@@ -99,7 +99,10 @@ def _mismatch_line(mismatch: Mismatch | None) -> str | None:
 
 
 def _case_fields(case: CaseResult) -> dict[str, Any]:
+    """One case's summary fields. A check row keeps no timings: what older files hold there is a
+    host clock around a Python call, not a kernel time (results.infer_measurement tells them)."""
     rank_errors = [one_line(rank.error) for rank in case.ranks if rank.error] if not case.passed else []
+    timed = case.measurement == "bench"
     return {
         **{name: getattr(case, name) for name in KEY_FIELDS},
         "passed": case.passed,
@@ -110,10 +113,10 @@ def _case_fields(case: CaseResult) -> dict[str, Any]:
         "first_mismatch": _mismatch_line(case.first_mismatch),
         "error": one_line(case.error),
         "rank_errors": rank_errors[:MAX_LISTED] or None,
-        "tail_us": round_us(case.tail_us),
-        "stock_us": round_us(case.stock_us),
-        "baselines_us": {name: round_us(us) for name, us in case.baselines_us.items()} or None,
-        "kernels_us": {name: round_us(us) for name, us in case.kernels_us.items()} or None,
+        "tail_us": round_us(case.tail_us) if timed else None,
+        "stock_us": round_us(case.stock_us) if timed else None,
+        "baselines_us": ({name: round_us(us) for name, us in case.baselines_us.items()} or None) if timed else None,
+        "kernels_us": ({name: round_us(us) for name, us in case.kernels_us.items()} or None) if timed else None,
         "iters": case.iters,
         "bytes_moved": case.bytes_moved,
         "notes": one_line("; ".join(case.notes)) if case.notes else None,

@@ -13,7 +13,8 @@
   there (the compile tests read it). The DSL keeps an artifact by writing it to a file and
   reading it back into `compiled.artifacts`; those files go to `ptx_dir` when given, else to
   `dump_dir()`, never to the current directory (the DSL's default).
-- `dump_dir()`: `$MUSEBENCH_CACHE_DIR/cute`, else `~/.cache/musebench/cute`; created on use.
+- `dump_dir()`: `$MUSEBENCH_CACHE_DIR/cute/pid<N>`, else `~/.cache/musebench/cute/pid<N>`: one
+  folder per process, created on use and removed at exit.
 - `fake_flat(dtype, divisibility, align)`: a 1-D fake tensor with a symbolic extent, so one
   compiled variant serves every size that is a multiple of `divisibility`.
 - `cute_view` / `cute_flat`: torch tensors as CuTe tensors at call time; `from_dlpack` exports

@@ -288,6 +288,9 @@ def compile_tp_tail(
     (scrubbed paths only). ValueError for another weight dtype, a split the variant contradicts,
     or knobs the kernel refuses; RuntimeError during capture."""
     name = _check_weight_dtype(weight_dtype)
+    if not 2 <= tp <= 32 or len(route_peers) != tp:
+        raise ValueError(f"the TP tail needs 2 to 32 ranks and one route peer each, got tp={tp} and "
+                         f"{len(route_peers)} peers")
     if not 0 <= rank < tp:
         raise ValueError(f"rank {rank} outside 0..{tp - 1}")
     if variant is None:
@@ -464,8 +467,8 @@ class _Tail:
     def launch(self, kernel: Any, weight_view: _BoundWeight, unfinalized: UnfinalizedMoEOutput,
                out: torch.Tensor) -> None:
         """Launch `kernel` (what `select` returned for this call) for the layer of `weight_view`
-        (musebench's: the layer's runners, `BoundTail._weight_view`) on the current stream. No
-        checks: `BoundTail.run` made them."""
+        (musebench's: the layer's runners, `BoundTail._weight_view`) on the current stream.
+        `BoundTail.run` checked the arguments; the runner checks its own again before launching."""
         weight_view.runner(kernel, unfinalized.expert_weights.dtype, out.shape[0]).run(unfinalized, out)
 
     def launch_demands(self, m: int, weight_dtype: torch.dtype | None = None) -> list[LaunchDemand]:

@@ -21,6 +21,7 @@ def _case(**overrides) -> CaseResult:
     fields = dict(kernel="ep_tail", mode="ep", tp=2, tokens=1, weight_dtype="bf16", norm="before", inputs="random",
                   seed=0, backend="cute", launcher="virtual", transport="local", stock="reference",
                   stock_path="ep-ll one-shot", tail_us=4.92240004, stock_us=12.6968, iters=600, bytes_moved=16384,
+                  measurement="bench",
                   ranks=[RankResult(rank=0, digest="ab" * 32, tail_us=4.8), RankResult(rank=1, digest="cd" * 32)])
     return CaseResult(**{**fields, **overrides})
 
@@ -179,3 +180,14 @@ def test_the_script_refuses_large_json_it_cannot_summarize(tmp_path):
     big.write_text(json.dumps({"x": "y" * 2000}))
     result = subprocess.run([sys.executable, str(SCRIPT), "--limit", "1000", str(big)], capture_output=True, text=True)
     assert result.returncode == 1 and "no run report" in result.stderr and big.exists()
+
+
+def test_a_check_row_keeps_no_timings():
+    """Files before schema 1.3 hold a host clock around a Python call in check rows: a summary of
+    them keeps no µs, however the row reads (`results.infer_measurement` tells check from bench)."""
+    check = _case(measurement="check", baselines_us={"finalize": 3.0}, kernels_us={"publisher": 2.0})
+    report = RunReport(command="musebench tail --tp 2", backend_note="", created="", machine={}, versions={},
+                       git_commit="", cases=[check])
+    row = summary.case_rows(summary.summarize(report.to_dict()))[0]
+    assert row["measurement"] == "check"
+    assert (row["tail_us"], row["stock_us"], row["baselines_us"], row["kernels_us"]) == (None, None, None, None)
