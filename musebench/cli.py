@@ -228,6 +228,12 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
                 for job in jobs_from_scenario(load_scenario(path), overrides=overrides, check_machine=not dry_run)]
     except ValueError as error:
         _usage_error(str(error))
+    asked = {name: value for name, value in (("--launcher", launcher), ("--transport", transport))
+             if value not in (None, "auto")}
+    if asked and all(job.kernel == "routing" for job in jobs):  # the options would do nothing
+        verb = "apply" if len(asked) > 1 else "applies"
+        _usage_error(f"{' and '.join(asked)} {verb} to tail runs (routing runs on virtual ranks, without "
+                     "mailboxes), and these scenarios have none")
     # Routing last: inside a torchrun job only the reporting rank routes (virtual ranks on its own
     # GPU), so no rank may be left waiting at a tail barrier for a peer that is still routing.
     jobs.sort(key=lambda job: job.kernel == "routing")  # stable: file order within each kind

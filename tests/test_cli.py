@@ -451,3 +451,14 @@ def test_an_implementation_on_the_cpu_model_is_refused_before_anything_runs(monk
     result = _run("tail", "--tp", "2", "--tokens", "1", "--backend", "cpu", "--impl", "tests.impls.reexport")
     assert result.exit_code == 2
     assert "--impl tests.impls.reexport: the cpu backend runs the CPU model" in result.output
+
+
+def test_launch_options_on_a_routing_only_scenario_are_refused(tmp_path, monkeypatch):
+    """Routing runs have no mailboxes and run on virtual ranks: --transport / --launcher would do
+    nothing there, so a scenario of routing runs alone refuses them before anything runs."""
+    from musebench.harness import driver
+
+    monkeypatch.setattr(driver, "run_virtual", lambda *a, **k: pytest.fail("a refused run launched"))
+    for option, value in (("--transport", "multicast"), ("--launcher", "torchrun")):
+        result = _run("parity", _scenario(tmp_path, ROUTING_RUN), option, value)
+        assert result.exit_code == 2 and f"{option} applies to tail runs" in result.output, result.output
