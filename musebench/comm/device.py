@@ -203,7 +203,6 @@ def symmetric_device_group(rank: int, tp: int, slots: int, capacity: int, width:
     TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set (if unset) before the rendezvous, so no multicast
     object is created.
     """
-    import os
 
     import torch.distributed as dist
 

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -543,7 +542,6 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     returns the checked rows, the others []. Every row is also appended as a JSON line to
     `results_path` by rank 0 (the launcher reads them as they come)."""
     import datetime
-    import json
 
     import torch.distributed as dist
 

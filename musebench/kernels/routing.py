@@ -107,7 +107,6 @@ from musebench.routing_metadata import (
     HEADER_WORDS,
     TILE_N_MAX,
     RoutingMetadata,
-    metadata_size,
 )
 
 __all__ = [

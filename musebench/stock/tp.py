@@ -106,7 +106,6 @@ described under Delivery (`tp_rank_output`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 

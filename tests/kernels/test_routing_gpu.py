@@ -25,7 +25,6 @@ pytest.importorskip("cutlass")
 
 from musebench import config  # noqa: E402
 from musebench import cute_ops  # noqa: E402
-from musebench import numerics as nx  # noqa: E402
 from musebench.kernels import compilation, routing  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.routing_metadata import RoutingMetadata, metadata_size  # noqa: E402

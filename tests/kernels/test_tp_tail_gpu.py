@@ -25,7 +25,6 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from musebench import numerics as nx  # noqa: E402
 from musebench.comm import protocol  # noqa: E402
 from musebench.kernels.approx import hardware_approximations  # noqa: E402
 from musebench.cases.tail_inputs import TailCase, make_tail_inputs  # noqa: E402
