@@ -18,13 +18,13 @@ from typing import Any
 
 from musebench.cases import tail as shared
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
+from musebench.harness.measure import PUBLISHER, SINGLE_LAUNCH
 from musebench.cases.tail_inputs import TailCase, TailInputs
 
 name = "ep_tail"
 Case = TailCase
 faults = ("flip", "silent", "raise", "hang", "exit")
-backends = ("cpu", "cute")
-PARTS = ("publisher",)  # kernels of a call a bench times apart
+PARTS = (PUBLISHER,)  # kernels of a call a bench times apart
 VIRTUAL_STOCK = "finalize"  # the row's stock_us on virtual ranks: one rank's finalize, no communication
 PROCESS_STOCK = "finalize+nccl"  # with a process per GPU: what a user runs without musebench
 SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the cute EP tail run as one kernel (--ep-launch single)
@@ -73,7 +73,7 @@ def variants(case: TailCase, options: RunOptions) -> dict[str, RunOptions]:
     """Other forms of the kernel a bench times and checks beside the call: the two-launch cute
     tail's single launch."""
     if options.backend == "cute" and options.ep_launch == "two":
-        return {"single launch": replace(options, ep_launch="single")}
+        return {SINGLE_LAUNCH: replace(options, ep_launch="single")}
     return {}
 
 

@@ -30,7 +30,6 @@ from musebench.cases.tail_inputs import ROUTING_INPUT_FAMILIES, expert_owner
 
 name = "routing"
 faults = ("flip", "silent", "hang")
-backends = ("cute",)
 PARTS = ("without metadata",)
 VIRTUAL_STOCK = PROCESS_STOCK = "triton stock+metadata"  # the path without musebench's fused metadata
 ROUTE_SCALE = 2.5

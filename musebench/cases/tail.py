@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from musebench.harness.case import Expected, RunOptions
+from musebench.harness.measure import PUBLISHER
 from musebench.cases.tail_inputs import TailCase, TailInputs, make_tail_inputs
 
 OUT = "out"
@@ -43,7 +44,7 @@ class TailRunner:
     def parts(self) -> dict[str, Callable[[], None]]:
         if not self.split_parts:
             return {}
-        return {"publisher": lambda: self.tail.run_publisher(self.unfinalized, self.outputs[OUT])}
+        return {PUBLISHER: lambda: self.tail.run_publisher(self.unfinalized, self.outputs[OUT])}
 
     def launch_demands(self) -> list:
         demands = getattr(self.tail, "launch_demands", None)

@@ -82,10 +82,6 @@ class TailCase:
             raise ValueError(f"tokens must be >= 0, got {self.tokens}")
 
     @property
-    def kernel(self) -> str:
-        return f"{self.mode}_tail"
-
-    @property
     def family(self) -> str:
         """The case family (`musebench.cases.FAMILIES`) that runs it."""
         return f"{self.mode}_tail"
@@ -95,7 +91,7 @@ class TailCase:
         return self.norm == "before"
 
     def label(self) -> str:
-        return f"{self.kernel} tp={self.tp} m={self.tokens} w={self.weight_dtype} norm={self.norm} {self.inputs} seed={self.seed}"
+        return f"{self.family} tp={self.tp} m={self.tokens} w={self.weight_dtype} norm={self.norm} {self.inputs} seed={self.seed}"
 
     def with_seed(self, seed: int) -> TailCase:
         return replace(self, seed=seed)

@@ -23,7 +23,6 @@ from musebench.cases.tail_inputs import TailCase, TailInputs
 name = "tp_tail"
 Case = TailCase
 faults = ("flip", "silent", "raise", "hang", "exit")
-backends = ("cpu", "cute")
 PARTS = ()  # kernels of a call a bench times apart
 VIRTUAL_STOCK = "finalize"  # the row's stock_us on virtual ranks: one rank's finalize, no communication
 PROCESS_STOCK = "nccl+finalize"  # with a process per GPU: what a user runs without musebench

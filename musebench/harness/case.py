@@ -81,7 +81,6 @@ class RunOptions:
     iters: int = 3
     warmup: int = 1
     timeout_s: float = 10.0
-    stock: str = "reference"
     nsm: int = DEFAULT_NSM
     transport: str = "auto"  # requested: auto | local | ipc | unicast | multicast
     faults: Faults = field(default_factory=Faults)
@@ -135,7 +134,6 @@ class Family(Protocol):
     name: str  # the family's registry key, e.g. "ep_tail"
     Case: type  # its case dataclass (a process launch rebuilds cases from their fields)
     faults: tuple[str, ...]  # fault kinds it can inject
-    backends: tuple[str, ...]  # backends with a runner: "cpu" (a CPU model), "cute"
     PARTS: tuple[str, ...]  # kernels of a call a bench times apart (names of `Runner.parts`)
     VIRTUAL_STOCK: str  # the baseline that is a row's stock on virtual ranks
     PROCESS_STOCK: str  # ... and with a process per GPU

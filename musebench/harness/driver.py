@@ -164,7 +164,7 @@ def expected_for(case: Any, inputs: Any, options: RunOptions) -> Any:
 def new_row(case: Any, options: RunOptions, transport: str, iters: int, measurement: str = "check") -> CaseResult:
     """A row with the case's key fields, its run's settings and no result yet."""
     family = family_of(case)
-    fields = dict(backend=options.backend, launcher=options.launcher, transport=transport, stock=options.stock,
+    fields = dict(backend=options.backend, launcher=options.launcher, transport=transport, stock="reference",
                   iters=iters, bytes_moved=family.bytes_moved(case), measurement=measurement)
     return CaseResult(**{**fields, **family.row_fields(case, options)})
 
