@@ -19,8 +19,9 @@
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
-#   ab          AB_TREE=DIR (AB_TP, AB_COMMIT): bench tail with an older musebench tree and with the
-#               checkout, alternating twice, then `musebench report --compare` of the last pair
+#   ab          AB_TREE=DIR (AB_TP, AB_COMMIT, AB_ROUNDS): bench tail with an older musebench tree and
+#               with the checkout, alternating AB_ROUNDS times (default 2), then `musebench report
+#               --compare` of the last pair
 #   multi-gpu-shared  two processes per GPU (their GPU tests, tail and bench tail at tp = 2 x GPUs)
 #               and the fault runs at tp = GPUs (a killed and a silent rank)
 # Every command runs under `timeout` so the call always returns; a failure is logged, the part
@@ -166,14 +167,15 @@ case $part in
     args=(bench tail --tp "$tp" --tokens 1,2,4,8 --weights bf16)
     [ "$gpus" -ge "$tp" ] && args+=(--launcher torchrun)
     run ab-tree 30 env -C "$tree" python3 -c "import musebench; print('base tree:', musebench.__file__)"
-    for round in 1 2; do  # alternating, so a drift of the machine shows as a difference between rounds
+    rounds=${AB_ROUNDS:-2}
+    for round in $(seq 1 "$rounds"); do  # alternating, so a drift of the machine shows as a difference between rounds
       # run from inside the tree: python -m puts the working directory first on sys.path (torchrun's
       # workers inherit it), ahead of the checkout that env.sh put on PYTHONPATH
       run "ab-base-$round" 200 env -C "$tree" MUSEBENCH_GIT_COMMIT="${AB_COMMIT:-base}" \
         musebench "${args[@]}" --json "$out/ab-base-$round.json"
       run "ab-head-$round" 200 musebench "${args[@]}" --json "$out/ab-head-$round.json"
     done
-    run ab-report 60 musebench report "$out/ab-head-2.json" --compare "$out/ab-base-2.json" --side-by-side  # fails where the checkout is > 5 % slower
+    run ab-report 60 musebench report "$out/ab-head-$rounds.json" --compare "$out/ab-base-$rounds.json" --side-by-side  # fails where the checkout is > 5 % slower
     ;;
   *) echo "unknown part $part"; exit 2 ;;
 esac
