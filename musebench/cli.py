@@ -263,6 +263,9 @@ def bench() -> None:
 @click.option("--tp", "tp_list", default="2,4,8", show_default=True, help="TP sizes, e.g. 2,4,8.")
 @click.option("--mode", type=click.Choice(["ep", "tp", "both"]), default="both", show_default=True)
 @click.option("--tokens", default="1-8", show_default=True)
+@click.option("--capacity", type=int, default=8, show_default=True,
+              help="Mailbox capacity in tokens (what a deployment sizes for its largest batch): every case "
+                   "runs over mailboxes of this many tokens; at least the largest --tokens.")
 @click.option("--weights", default="bf16", show_default=True)
 @click.option("--norm", default="before", show_default=True)
 @click.option("--launcher", type=click.Choice(["virtual", "torchrun"]), default="virtual", show_default=True,
@@ -273,7 +276,8 @@ def bench() -> None:
 @click.option("--timeout", type=float, default=2.0, show_default=True, help="Seconds any device wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default: this GPU's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
-def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, timeout, nsm, json_path) -> None:
+def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, replays, timeout, nsm,
+               json_path) -> None:
     """The cute tails, CUDA-graph timed against the stock finalize (and, per process, NCCL paths)."""
     from musebench.cases.tail_inputs import NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import resolve_backend
@@ -286,7 +290,7 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
     try:
         for tp in tps:
             validate_tp(tp)
-        validate_tokens(token_list, 8)
+        validate_tokens(token_list, capacity)
         if calls < 1 or replays < 1:
             raise ValueError("--calls and --replays must be >= 1")
         if timeout <= 0:
@@ -299,7 +303,7 @@ def bench_tail(tp_list, mode, tokens, weights, norm, launcher, calls, replays, t
 
     options = BenchOptions(calls=calls, replays=replays, timeout_s=timeout)
     try:
-        jobs = [make_tail_job(name=f"bench tail tp={tp}", tp=tp, modes=modes, tokens=token_list, capacity=8,
+        jobs = [make_tail_job(name=f"bench tail tp={tp}", tp=tp, modes=modes, tokens=token_list, capacity=capacity,
                               weights=weight_list, norms=norms, inputs=("random",), seeds=(0,), launcher=launcher,
                               backend="cute", iters=1, warmup=0, timeout_s=timeout,
                               nsm=nsm if nsm is not None else gpu_sm_count(), measurement="bench", bench=options)

@@ -35,6 +35,8 @@ def test_help_imports_neither_torch_nor_cutlass():
         (["tail", "--tp", "4", "--weights", "fp16"], "choose from bf16, fp32"),
         (["tail", "--tp", "4", "--inject", "flip:9"], "fault rank 9 does not exist"),
         (["routing", "--inputs", "edge"], "choose from random, adversarial"),  # a tail-only family
+        # before the GPU is looked for: a capacity below the run's largest token count
+        (["bench", "tail", "--tokens", "1,4", "--capacity", "2"], "tokens must be in 1..2"),
     ],
 )
 def test_bad_input_exits_2_with_one_clear_line(args, message):
