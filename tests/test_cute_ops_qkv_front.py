@@ -30,6 +30,11 @@ def test_seed_signatures(name):
     assert_seed_signature(getattr(cute_ops, name), SEED_SIGNATURES[name])
 
 
+def test_qkv_front_names_are_exported():
+    assert {"supports_call", "unsupported_projection", "launch_qkv_front", "supports_shape",
+            "hidden_rows_ok"} <= set(cute_ops.__all__)
+
+
 def test_launch_signature_is_supports_calls_with_out_and_the_tap():
     from tests._seeds import parameters
 
