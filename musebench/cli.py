@@ -418,3 +418,71 @@ def report_command(run_json: str, old_json: str | None, threshold: float, side_b
             sys.exit(EXIT_FAILED)
     elif not new.passed:
         sys.exit(EXIT_FAILED)
+
+
+# ---------------------------------------------------------------------------------------------
+# qkv_front: `musebench front` and `musebench bench front`.
+
+FRONT_TPS = (4, 8, 16)  # N = 4608, 2304, 1152 per rank
+
+
+@main.command("front")
+@click.option("--tp", type=int, default=8, show_default=True, help="Ranks: 4, 8 or 16 (N = 4608, 2304, 1152).")
+@click.option("--tokens", default="1,2,3,4,5,8,16", show_default=True, help="Token counts, 1..16.")
+@click.option("--rope", "rope", default="rope,nope", show_default=True, help="rope, nope or both.")
+@click.option("--inputs", default="random,adversarial", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seeds", type=int, default=1, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
+@click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent).")
+@click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
+              help="The implementation under test: a module providing cute_ops.launch_qkv_front.")
+def front(tp, tokens, rope, inputs, seed, seeds, json_path, junit_path, inject, impl) -> None:
+    """GPU: the QKV front on every rank: its epilogue and cache insert bitwise vs the stock's arithmetic
+    on its own projection, the projection repeatable and at least as accurate as cuBLAS's."""
+    from musebench.harness.case import Faults
+    from musebench.harness.jobs import make_front_job
+
+    if tp not in FRONT_TPS:
+        _usage_error(f"--tp {tp}: the QKV front runs at tp 4, 8 or 16 (N = 4608, 2304, 1152; "
+                     "Muse Spark's 16 KV heads give 4, 2 or 1 per rank)")
+    flags = _parse_choices(rope, ("rope", "nope"), "--rope")
+    try:
+        if seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+        job = make_front_job(name=f"front tp={tp}", tp=tp, tokens=_parse_ints(tokens, "--tokens"),
+                             rope=tuple(flag == "rope" for flag in flags),
+                             inputs=_parse_choices(inputs, ("random", "adversarial"), "--inputs"),
+                             seeds=tuple(range(seed, seed + seeds)), faults=Faults.parse(inject), impl=impl)
+    except ValueError as error:
+        _usage_error(str(error))
+    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench front --tp {tp}")
+
+
+@bench.command("front")
+@click.option("--tp", "tp_list", default="16,8,4", show_default=True, help="tps 4, 8, 16 (N = 4608, 2304, 1152).")
+@click.option("--tokens", default="1,2,4,8,16", show_default=True)
+@click.option("--calls", type=int, default=20, show_default=True)
+@click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
+    """GPU: the QKV front (with and without the tap) vs torch.matmul (cuBLAS) on rank 0's weight,
+    CUDA-graph medians; the roofline is the row's bytes (N x 8192 x 2) / 4.2 TB/s."""
+    from musebench.harness.jobs import make_front_job
+    from musebench.harness.measure import BenchOptions
+
+    tps = _parse_ints(tp_list, "--tp")
+    bad = [tp for tp in tps if tp not in FRONT_TPS]
+    if bad:
+        _usage_error(f"--tp {bad[0]}: the QKV front runs at tp 4, 8 or 16")
+    options = BenchOptions(calls=calls, replays=replays)
+    try:
+        if calls < 1 or replays < 1:
+            raise ValueError("--calls and --replays must be >= 1")
+        jobs = [make_front_job(name=f"bench front tp={tp}", tp=tp, tokens=_parse_ints(tokens, "--tokens"), rope=(True,),
+                               inputs=("random",), seeds=(0,), measurement="bench", bench=options) for tp in tps]
+    except ValueError as error:
+        _usage_error(str(error))
+    note = f"{jobs[0].backend_note}; roofline = N x 8192 x 2 B / 4.2 TB/s (N 1152: 4.5 µs, 2304: 9.0 µs, 4608: 18.0 µs)"
+    _bench_and_report(jobs, options, note, title="musebench bench front", json_path=json_path)

@@ -12,8 +12,14 @@ What a model executor calls besides the MoE tail (`musebench.kernels.tail`):
   kernels also run on SM90 (H200); these answer the seeds' question, not musebench's.
 - `split_qkv(qkv, num_kv_heads)`: the q and gate views of the attention front's output rows.
 
-Not yet here: the attention entry points (attn2_*, supports_call, unsupported_attn2,
-unsupported_projection) come with the attention kernels.
+- qkv_front (`supports_call`, `unsupported_projection`, `launch_qkv_front`, with `supports_shape`
+  and `hidden_rows_ok`): the QKV + o-gate projection of 1 to 16 tokens fused with the qk-norm,
+  RoPE and the KV-cache insert (`musebench.kernels.qkv_front`), checked once per call eagerly.
+  The seeds fix supports_call's and unsupported_projection's signatures; launch_qkv_front's
+  call site is not in the vLLM 0.33.0 wheel (no specialized_decode there), so its signature is
+  supports_call's with `out` required.
+
+Not yet here: the attn2 entry points (attn2_*, unsupported_attn2) come with that kernel.
 
 Importing this module needs torch only; CuTe DSL is imported when a `MuseRouting` is built.
 """
@@ -36,6 +42,7 @@ __all__ = [
     "unavailable",
     "unsupported_router",
 ]
+__all__ += ["hidden_rows_ok", "launch_qkv_front", "supports_call", "supports_shape", "unsupported_projection"]
 
 TOP_K = config.TOP_K
 NUM_EXPERTS = config.NUM_EXPERTS
@@ -243,3 +250,215 @@ def split_qkv(qkv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch
         raise ValueError(f"qkv must be [tokens, {width}] for {num_kv_heads} KV heads, got {tuple(qkv.shape)}")
     gate_start = q_columns + 2 * kv_columns
     return qkv[:, :q_columns], qkv[:, gate_start:]
+
+
+# ---------------------------------------------------------------------------------------------
+# qkv_front: the QKV + o-gate projection fused with qk-norm, RoPE and the KV-cache insert.
+# (musebench.kernels.qkv_front; the stock's arithmetic: musebench.stock.qkv_front.)
+
+QKV_FRONT_HIDDEN = config.HIDDEN_SIZE  # K of the projection: x [tokens, 8192], weight [N, 8192]
+QKV_FRONT_MAX_TOKENS = 16  # the kernel pads the tokens to one MMA tile of M = 16
+QKV_FRONT_KV_HEADS = (1, 2, 4)  # tp 16, 8, 4: N = 1152, 2304, 4608
+QKV_FRONT_COLUMNS_PER_KV_HEAD = 2 * (HEADS_PER_KV_HEAD + 1) * HEAD_DIM  # q, k, v and gate: 1152
+QKV_FRONT_CACHE_BLOCK = 16  # tokens per cache page
+QKV_FRONT_CACHE_WIDTH = 2 * HEAD_DIM  # a cache slot's K | V of one KV head
+QKV_FRONT_EPS = config.RMS_NORM_EPS  # the qk-norm's eps (MuseSpark1xAttention.qk_norm: rms_norm_eps)
+QKV_FRONT_ALIGN = 16  # every tensor the kernel reads or writes in 16-byte vectors
+_QKV_FRONT_UNQUANTIZED = "UnquantizedLinearMethod"
+
+
+def qkv_front_columns(num_kv_heads: int) -> int:
+    """N, the projection's output columns for `num_kv_heads` KV heads: [q | k | v | gate]."""
+    return QKV_FRONT_COLUMNS_PER_KV_HEAD * num_kv_heads
+
+
+def supports_shape(n: int, num_kv_heads: int) -> bool:
+    """Whether the QKV front is built for N = `n` output columns with `num_kv_heads` KV heads:
+    N must be 2 (8 + 1) 64 num_kv_heads and num_kv_heads one of 1, 2, 4 (Muse Spark at tp 16, 8
+    and 4). Pure host arithmetic."""
+    if isinstance(n, bool) or isinstance(num_kv_heads, bool):
+        return False
+    if not isinstance(n, int) or not isinstance(num_kv_heads, int):
+        return False
+    return num_kv_heads in QKV_FRONT_KV_HEADS and n == qkv_front_columns(num_kv_heads)
+
+
+def hidden_rows_ok(weight: object) -> bool:
+    """Whether `weight` is a projection the kernel streams: a 2-D bf16 tensor [N, 8192] with
+    contiguous rows (strides (8192, 1)), 16-byte aligned. Reads no device memory."""
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] == QKV_FRONT_HIDDEN
+        and weight.stride() == (QKV_FRONT_HIDDEN, 1)
+        and weight.data_ptr() % QKV_FRONT_ALIGN == 0
+    )
+
+
+def _contiguous_aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % QKV_FRONT_ALIGN == 0
+
+
+def qkv_front_unsupported(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> str | None:
+    """Why the QKV front cannot take this call, or None (the seeds' `_front.unsupported`).
+
+    The contract: x bf16 [T, 8192] (1 <= T <= 16), weight bf16 [N, 8192] (`hidden_rows_ok`),
+    positions int64 [T], cos_sin_cache None (a NoPE layer) or fp32 [max_pos, 64] (cos in
+    columns 0..31, sin in 32..63), slot_mapping int64 [T] (negative: not inserted), kv_cache bf16
+    [pages, kv_heads, 16, 128] with N = 1152 kv_heads (`supports_shape`), out None or bf16
+    [T, N]; every tensor contiguous, 16-byte aligned, on one CUDA device. Positions must be below
+    max_pos and slots below pages * 16: neither is checked (that would read device memory).
+    Reads no device memory; CPU tensors are refused (the kernel needs a GPU)."""
+    tensors = {"x": x, "weight": weight, "positions": positions, "slot_mapping": slot_mapping, "kv_cache": kv_cache}
+    if cos_sin_cache is not None:
+        tensors["cos_sin_cache"] = cos_sin_cache
+    if out is not None:
+        tensors["out"] = out
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is not a tensor"
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != QKV_FRONT_HIDDEN:
+        return f"x must be bf16 [tokens, {QKV_FRONT_HIDDEN}], got {x.dtype} {tuple(x.shape)}"
+    tokens = x.shape[0]
+    if not 1 <= tokens <= QKV_FRONT_MAX_TOKENS:
+        return f"{tokens} tokens: the QKV front takes 1 to {QKV_FRONT_MAX_TOKENS}"
+    if not hidden_rows_ok(weight):
+        return f"a QKV projection other than an unquantized bf16 [N, {QKV_FRONT_HIDDEN}] with contiguous rows"
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 4 or tuple(kv_cache.shape[2:]) != (
+            QKV_FRONT_CACHE_BLOCK, QKV_FRONT_CACHE_WIDTH):
+        return (f"kv_cache must be bf16 [pages, kv_heads, {QKV_FRONT_CACHE_BLOCK}, {QKV_FRONT_CACHE_WIDTH}], "
+                f"got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    n = weight.shape[0]
+    if not supports_shape(n, kv_cache.shape[1]):
+        return (f"N = {n} for {kv_cache.shape[1]} KV heads: the QKV front is built for N = 1152 kv_heads with "
+                f"kv_heads in {QKV_FRONT_KV_HEADS}")
+    if positions.dtype != torch.int64 or tuple(positions.shape) != (tokens,):
+        return f"positions must be int64 [{tokens}], got {positions.dtype} {tuple(positions.shape)}"
+    if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (tokens,):
+        return f"slot_mapping must be int64 [{tokens}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+    if cos_sin_cache is not None and (
+            cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != HEAD_DIM
+            or cos_sin_cache.shape[0] < 1):
+        return f"a rotary table other than an interleaved fp32 [max_pos, {HEAD_DIM}] one"
+    if out is not None and (out.dtype != torch.bfloat16 or tuple(out.shape) != (tokens, n)):
+        return f"out must be bf16 [{tokens}, {n}], got {out.dtype} {tuple(out.shape)}"
+    for name, t in tensors.items():
+        if not _contiguous_aligned(t):
+            return f"{name} is not contiguous and {QKV_FRONT_ALIGN}-byte aligned"
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        return f"tensors on {sorted(str(d) for d in devices)}: the QKV front needs them on one CUDA device"
+    return None
+
+
+def supports_call(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_kv_heads: int,
+    out: torch.Tensor | None = None,
+) -> bool:
+    """Whether the QKV front takes this call of a layer with `num_kv_heads` (with `out`, the full
+    check before `launch_qkv_front`); otherwise the caller keeps the unfused path.
+    `qkv_front_unsupported` says why not. Called eagerly: reads no device memory."""
+    return (
+        qkv_front_unsupported(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out) is None
+        and kv_cache.shape[1] == num_kv_heads
+    )
+
+
+def unsupported_projection(attn: object) -> str | None:
+    """Why the QKV front cannot read this Muse Spark attention layer's loaded QKV projection and
+    rotary table, or None.
+
+    Reads vLLM `MuseSpark1xAttention`'s attributes: qkv_proj (quant_method, bias, gather_output,
+    tp_size, weight), num_heads, num_kv_heads, head_dim, use_rope and rotary_emb (rotary_dim,
+    is_neox_style, cos_sin_cache). Supported: an unquantized projection
+    (`UnquantizedLinearMethod`, matched by class name) without bias and without a gathered
+    output across ranks, N = 2 (heads + kv_heads) head_dim that `supports_shape` takes, a bf16
+    weight [N, 8192] `hidden_rows_ok` takes; with RoPE an interleaved (not neox) rotary table
+    over the whole head (rotary_dim = head_dim), fp32 [max_pos, head_dim] contiguous; a NoPE layer
+    has no rotary table. Reads no device memory.
+    """
+    proj = attn.qkv_proj
+    weight = getattr(proj, "weight", None)
+    n = 2 * (attn.num_heads + attn.num_kv_heads) * attn.head_dim
+    if not (
+        type(getattr(proj, "quant_method", None)).__name__ == _QKV_FRONT_UNQUANTIZED
+        and getattr(proj, "bias", None) is None
+        and not (getattr(proj, "gather_output", False) and getattr(proj, "tp_size", 1) > 1)
+        and attn.head_dim == HEAD_DIM
+        and attn.num_heads == HEADS_PER_KV_HEAD * attn.num_kv_heads
+        and supports_shape(n, attn.num_kv_heads)
+        and weight is not None
+        and hidden_rows_ok(weight)
+        and weight.shape[0] == n
+    ):
+        return f"a QKV projection other than an unquantized bf16 [N, {QKV_FRONT_HIDDEN}]"
+    emb = getattr(attn, "rotary_emb", None)
+    if not attn.use_rope:
+        return None if emb is None else "a rotary table on a layer without RoPE"
+    cos_sin = getattr(emb, "cos_sin_cache", None)
+    if not (
+        emb is not None
+        and emb.rotary_dim == attn.head_dim
+        and not emb.is_neox_style
+        and isinstance(cos_sin, torch.Tensor)
+        and cos_sin.dtype == torch.float32
+        and cos_sin.dim() == 2
+        and cos_sin.shape[1] == attn.head_dim
+        and cos_sin.is_contiguous()
+    ):
+        return "a rotary table other than an interleaved fp32 one"
+    return None
+
+
+def launch_qkv_front(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_kv_heads: int,
+    out: torch.Tensor,
+    *,
+    tap: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One launch of the QKV front: out = x W^T with the stock's qk-norm and RoPE on the q and k
+    heads, k and v inserted into `kv_cache` at `slot_mapping`; returns `out`.
+
+    Arguments as `supports_call` checks them (with `out` bf16 [T, N]); ValueError with
+    `qkv_front_unsupported`'s reason, before anything launches, on a call it refuses. Writes
+    `out` (q and k heads normed and rotated, v and gate as projected, each one BF16 rounding of the
+    FP32 product) and the K | V halves of the slots of tokens with slot >= 0; nothing else.
+    musebench's extension: `tap` (bf16 [T, N], keyword-only) also receives the kernel's own BF16
+    projection before the epilogue (a compile-time variant: the tests' view of the projection).
+    The first call of a variant compiles it (never during CUDA-graph capture); later calls are
+    graph-capturable and allocate nothing. eps is Muse Spark's rms_norm_eps (1e-5), baked in.
+    """
+    reason = qkv_front_unsupported(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out)
+    if reason is None and kv_cache.shape[1] != num_kv_heads:
+        reason = f"kv_cache holds {kv_cache.shape[1]} KV heads, the layer {num_kv_heads}"
+    if reason is None and tap is not None and (
+            tap.dtype != torch.bfloat16 or tap.shape != out.shape or not _contiguous_aligned(tap)
+            or tap.device != out.device):
+        reason = f"tap must be bf16 {tuple(out.shape)}, contiguous, aligned, on {out.device}"
+    if reason is not None:
+        raise ValueError(f"the QKV front cannot take this call: {reason}")
+    from musebench.kernels import qkv_front  # CuTe DSL: imported at the first launch
+
+    qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS)
+    return out

@@ -49,8 +49,8 @@ def test_seed_signatures(name):
 def test_routing_metadata_is_the_seeds_named_tuple():
     assert issubclass(cute_ops.RoutingMetadata, tuple)
     assert cute_ops.RoutingMetadata._fields == ("buffer", "local_expert_offset", "num_local_experts", "tile_n")
-    assert set(cute_ops.__all__) == {"MuseRouting", "RoutingMetadata", "sm100_family", "split_qkv", "unavailable",
-                                     "unsupported_router"}
+    assert set(cute_ops.__all__) >= {"MuseRouting", "RoutingMetadata", "sm100_family", "split_qkv", "unavailable",
+                                     "unsupported_router"}  # and each kernel family's own names
 
 
 def test_importing_cute_ops_needs_no_cutlass():

@@ -5,5 +5,7 @@ and the CLI command that names it."""
 from __future__ import annotations
 
 from musebench.cases import ep_tail, routing, tp_tail
+from musebench.cases import qkv_front
 
 FAMILIES = {ep_tail.name: ep_tail, tp_tail.name: tp_tail, routing.name: routing}
+FAMILIES[qkv_front.name] = qkv_front  # the QKV front (`musebench front`)

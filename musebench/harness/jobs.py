@@ -358,3 +358,60 @@ def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str,
         command=command, backend_note=backend_note, created=report.now_utc(), machine=report.machine_info(),
         versions=report.version_info(), git_commit=report.git_commit(), cases=list(rows), skipped=list(skipped),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# qkv_front (`musebench front`, `musebench bench front`).
+
+
+def make_front_job(
+    *,
+    name: str,
+    tp: int,
+    tokens: Sequence[int],
+    rope: Sequence[bool],
+    inputs: Sequence[str],
+    seeds: Sequence[int],
+    backend: str = "cute",
+    check_machine: bool = True,
+    timeout_s: float = 10.0,
+    faults: Faults = Faults(),
+    impl: str = "musebench",
+    measurement: str = "check",
+    bench: BenchOptions | None = None,
+) -> Job:
+    """Validate everything and build a QKV front job (virtual ranks of one GPU); ValueError names
+    the first bad value: tp outside 4, 8, 16 (N = 4608, 2304, 1152), tokens outside 1..16, an
+    unknown input family, a fault the family cannot inject. Two calls per rank: repeatability."""
+    from musebench.cases.qkv_front import INPUT_FAMILIES, MAX_TOKENS, FrontCase, faults as front_faults, kv_heads_for
+
+    kv_heads_for(tp)
+    bad_tokens = [m for m in tokens if not 1 <= m <= MAX_TOKENS]
+    if bad_tokens or not tokens:
+        raise ValueError(f"qkv_front takes 1 to {MAX_TOKENS} tokens, got {list(tokens)}")
+    bad = [family for family in inputs if family not in INPUT_FAMILIES]
+    if bad or not inputs:
+        raise ValueError(f"inputs must be among {', '.join(INPUT_FAMILIES)}, got {list(inputs)}")
+    if not seeds or not rope:
+        raise ValueError("no seeds or no rope flags given")
+    if timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    unsupported = [kind for kind in faults.kinds() if kind not in front_faults]
+    if unsupported:
+        raise ValueError(f"qkv_front injects only {', '.join(front_faults)} faults, not {', '.join(unsupported)}")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
+    if check_machine:
+        try:
+            resolved, note, skip_reason = resolve_routing_backend(backend)  # the same need: one SM >= 90 GPU
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}".replace("routing", "qkv_front")) from None
+        skip_reason = skip_reason.replace("routing", "qkv_front") if skip_reason else None
+    else:
+        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed)
+                  for r in rope for family in inputs for m in tokens for seed in seeds)
+    options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
+                         warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
+    return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,
+               resolved=check_machine, kernel="qkv_front", measurement=measurement, bench=bench)

@@ -456,3 +456,70 @@ def encode_sentinel_word_f32(word):
     -2^-134 is the tie between -0.0 and -2^-133 and goes to the even -0.0), so a reader that
     rounds gets the publisher's BF16 bits."""
     return word ^ (is_sentinel_word_u32(word) * _like(word, SENTINEL_TO_F32_NEGATIVE_ZERO))
+
+
+# ---------------------------------------------------------------------------------------------
+# qkv_front additions (appended): read-only streaming loads and the warp-level BF16 MMA.
+
+
+@dsl_user_op
+def ld_global_nc_L1_no_allocate_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.global.nc.L1::no_allocate.v4.u32`: 16 bytes of data no thread writes during the kernel
+    (a projection weight read once), not kept in L1. Pure: the compiler may schedule it freely."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_ir(Int64(address), loc, ip)],
+        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ld_global_nc_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.global.nc.v4.u32`: 16 bytes of data no thread writes during the kernel (activations,
+    tables read by many CTAs). Pure."""
+    struct = _asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [_ir(Int64(address), loc, ip)],
+        "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ld_global_nc_s64(address: Int64, *, loc=None, ip=None) -> Int64:
+    """`ld.global.nc.s64`: one int64 no thread writes during the kernel (a position, a slot). Pure."""
+    return Int64(_asm(T.i64(), [_ir(Int64(address), loc, ip)], "ld.global.nc.s64 $0, [$1];", "=l,l", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+    a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32,
+    c0: Float32, c1: Float32, c2: Float32, c3: Float32, *, loc=None, ip=None,
+) -> tuple[Float32, Float32, Float32, Float32]:
+    """`mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: D = A B + C for one warp, A 16x16
+    BF16 (row), B 16x8 BF16 (col), C and D 16x8 FP32. Fragments (lane = 4 g + t): a0 (row g,
+    k 2t..2t+1), a1 (row g + 8, same k), a2 (row g, k 2t + 8..2t + 9), a3 (row g + 8, those k);
+    b0 (k 2t..2t+1, column g), b1 (k 2t + 8..2t + 9, column g); c0, c1 (row g, columns 2t, 2t + 1),
+    c2, c3 (row g + 8, the same columns); the lower k of a pair in the low 16 bits."""
+    operands = [_ir(Uint32(v), loc, ip) for v in (a0, a1, a2, a3, b0, b1)]
+    operands += [_ir(Float32(v), loc, ip) for v in (c0, c1, c2, c3)]
+    struct = _asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        operands,
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        side_effects=False,
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))  # type: ignore[return-value]

@@ -1,0 +1,277 @@
+"""The qkv_front family (`front`): the QKV + o-gate projection fused with qk-norm, RoPE and the
+KV-cache insert, on virtual ranks of one GPU (each rank its own weight shard, no mailboxes).
+
+Every rank projects the same x bf16 [T, 8192] through its own weight [N, 8192] (N = 1152 kv,
+kv = 16 / tp) with `cute_ops.launch_qkv_front` of the implementation under test, the tap variant
+(the kernel's BF16 projection before the epilogue). Outputs per rank: `out` [T, N], `tap` [T, N]
+and the whole `kv_cache` [pages, kv, 16, 128] (the driver poisons all three before each call).
+
+Checks, raw bits (`expected`): the tap equals the tap of an independent launch (the projection is
+bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
+cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
+rsqrt.approx (`approximations`), the cache's untouched cells the poison (nothing written outside
+the slots; negative slots skipped). The projection's max and mean error against the FP64
+product must each be at most cuBLAS's (torch bf16 matmul) on the same inputs: both go into the
+row's stock path, side by side, and a worse projection is the case's error.
+
+Inputs (`make_inputs`): random (x and weights N(0, 1), a random table) or adversarial: a zero
+row (rsqrt of eps), huge (2^60) and subnormal (2^-130) activations, -0.0, positions 0 and
+max_pos - 1, duplicate slots (their tokens carry equal x and positions, so either write order
+gives the same bits), negative slots; NoPE cases carry no table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from musebench import config
+from musebench.harness import checks
+from musebench.harness.case import Expected, MailboxSpec, RunOptions
+
+name = "qkv_front"
+faults = ("flip", "silent")
+PARTS = ("no tap",)
+VIRTUAL_STOCK = PROCESS_STOCK = "torch matmul"  # cuBLAS alone: the epilogue baseline is not timed yet
+OUT, TAP, CACHE = "out", "tap", "kv_cache"
+INPUT_FAMILIES = ("random", "adversarial")
+TP_KV_HEADS = {4: 4, 8: 2, 16: 1}  # tp -> KV heads per rank (Muse Spark: 16 KV heads)
+MAX_POS = 4096
+PAGES = 8  # 128 slots: every case's slots fit, other pages stay untouched
+HIDDEN = config.HIDDEN_SIZE
+EPS = config.RMS_NORM_EPS
+MAX_TOKENS = 16
+
+
+def kv_heads_for(tp: int) -> int:
+    """KV heads per rank at `tp`; ValueError naming the supported tps otherwise."""
+    if tp not in TP_KV_HEADS:
+        raise ValueError(f"qkv_front runs at tp {', '.join(map(str, TP_KV_HEADS))} (N = 4608, 2304, 1152), "
+                         f"got tp {tp}")
+    return TP_KV_HEADS[tp]
+
+
+@dataclass(frozen=True)
+class FrontCase:
+    tp: int
+    tokens: int
+    rope: bool = True
+    inputs: str = "random"
+    seed: int = 0
+    family: str = "qkv_front"
+
+    def label(self) -> str:
+        return f"qkv_front tp={self.tp} b={self.tokens} {'rope' if self.rope else 'nope'} {self.inputs} seed={self.seed}"
+
+
+Case = FrontCase
+
+
+@dataclass(frozen=True)
+class FrontInputs:
+    x: torch.Tensor  # bf16 [T, 8192], every rank's
+    weights: list[torch.Tensor]  # bf16 [N, 8192] per rank
+    positions: torch.Tensor  # int64 [T]
+    cos_sin: torch.Tensor | None  # fp32 [MAX_POS, 64]
+    slots: torch.Tensor  # int64 [T]
+
+
+def _generator(*key: object) -> torch.Generator:
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def make_inputs(case: FrontCase) -> FrontInputs:
+    """Every rank's inputs, deterministic in the case (seed included)."""
+    if case.inputs not in INPUT_FAMILIES:
+        raise ValueError(f"qkv_front inputs must be one of {INPUT_FAMILIES}, got {case.inputs!r}")
+    if not 1 <= case.tokens <= MAX_TOKENS:
+        raise ValueError(f"qkv_front takes 1 to {MAX_TOKENS} tokens, got {case.tokens}")
+    kv = kv_heads_for(case.tp)
+    n = 1152 * kv
+    g = _generator("qkv_front", case.tokens, case.inputs, case.seed)
+    tokens = case.tokens
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    positions = torch.randint(0, MAX_POS, (tokens,), generator=g)
+    slots = torch.randperm(PAGES * 16, generator=g)[:tokens].long()
+    if case.inputs == "adversarial":
+        x[0] = 0.0  # rsqrt of eps on every head
+        positions[0] = 0
+        if tokens > 1:
+            x[1, ::2] = 2.0 ** 60  # huge
+            x[1, 1::2] = -0.0
+            positions[1] = MAX_POS - 1
+        if tokens > 2:
+            x[2] = 2.0 ** -130 * torch.sign(x[2])  # subnormal activations
+            slots[2] = -1  # not inserted
+        if tokens > 4:
+            x[4], positions[4], slots[4] = x[3], positions[3], slots[3]  # a duplicate slot, equal rows
+    weights = []
+    for rank in range(case.tp):
+        gw = _generator("qkv_front weight", kv, rank, case.seed)
+        w = torch.randn(n, HIDDEN, generator=gw) * HIDDEN ** -0.5
+        weights.append(w.bfloat16().contiguous())
+    cos_sin = None
+    if case.rope:
+        angles = torch.randn(MAX_POS, 32, generator=g)
+        cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).float().contiguous()
+    return FrontInputs(x.bfloat16().contiguous(), weights, positions, cos_sin, slots)
+
+
+def mailboxes(case: FrontCase, capacity: int) -> dict[str, MailboxSpec]:
+    return {}
+
+
+def _launcher(impl: Any) -> Any:
+    """The implementation's `launch_qkv_front` (musebench: `musebench.cute_ops`)."""
+    import importlib
+
+    path = getattr(impl, "path", impl)
+    for module in (f"{path}.cute_ops", f"{path}.runtime.cute_ops", path):
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        if hasattr(found, "launch_qkv_front"):
+            return found.launch_qkv_front
+    raise ValueError(f"--impl {path} provides no launch_qkv_front (cute_ops)")
+
+
+@dataclass
+class FrontRunner:
+    """One rank's QKV front call (the tap variant) on its device copies of the inputs."""
+
+    launch: Any
+    case: FrontCase
+    x: torch.Tensor
+    weight: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor | None
+    slots: torch.Tensor
+    outputs: dict[str, torch.Tensor]
+
+    def call(self) -> None:
+        o = self.outputs
+        self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, o[CACHE], o[CACHE].shape[1], o[OUT],
+                    tap=o[TAP])
+
+    def check_fault(self) -> None:
+        return None
+
+    def parts(self) -> dict:
+        o = self.outputs
+        return {"no tap": lambda: self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, o[CACHE],
+                                              o[CACHE].shape[1], o[OUT])}
+
+    def launch_demands(self) -> list:
+        return []
+
+
+def _device_copies(case: FrontCase, inputs: FrontInputs, rank: int, device: torch.device) -> dict[str, Any]:
+    kv = kv_heads_for(case.tp)
+    n = 1152 * kv
+    return dict(
+        x=inputs.x.to(device), weight=inputs.weights[rank].to(device), positions=inputs.positions.to(device),
+        cos_sin=inputs.cos_sin.to(device) if inputs.cos_sin is not None else None, slots=inputs.slots.to(device),
+        outputs={OUT: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
+                 TAP: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
+                 CACHE: torch.empty(PAGES, kv, 16, 128, dtype=torch.bfloat16, device=device)},
+    )
+
+
+def bind(case: FrontCase, impl: Any, rank: int, boxes: dict[str, Any], inputs: FrontInputs,
+         options: RunOptions) -> FrontRunner:
+    """This rank's runner; one eager call compiles both variants (before any capture)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    runner = FrontRunner(_launcher(impl), case, **_device_copies(case, inputs, rank, device))
+    runner.call()
+    runner.parts()["no tap"]()
+    return runner
+
+
+def expected_from_projection(case: FrontCase, inputs: FrontInputs, projection: torch.Tensor,
+                             approximations: Any) -> dict[str, torch.Tensor]:
+    """One rank's expected out and kv_cache (CPU) given its BF16 projection [T, N]: the stock
+    epilogue on it, the cache poisoned everywhere the slots do not reach."""
+    from musebench.stock.qkv_front import qkv_epilogue_reference
+
+    kv = kv_heads_for(case.tp)
+    device = projection.device
+    cache = checks.poison(torch.empty(PAGES, kv, 16, 128, dtype=torch.bfloat16, device=device))
+    cos_sin = inputs.cos_sin.to(device) if inputs.cos_sin is not None else None
+    out, cache = qkv_epilogue_reference(projection, inputs.positions.to(device), cos_sin, inputs.slots.to(device),
+                                        cache, kv, eps=EPS, approximations=approximations)
+    return {OUT: out.cpu(), CACHE: cache.cpu()}
+
+
+def projection_verdict(projection: torch.Tensor, cublas: torch.Tensor, x: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[str, bool]:
+    """(line, ok): the kernel's and cuBLAS's max / mean error vs the FP64 product, side by side;
+    ok when each of the kernel's is at most cuBLAS's."""
+    from musebench.stock.qkv_front import fp64_projection, projection_errors
+
+    exact = fp64_projection(x.cpu(), weight.cpu())
+    mine = projection_errors(projection.cpu(), exact)
+    theirs = projection_errors(cublas.cpu(), exact)
+    ok = mine[0] <= theirs[0] and mine[1] <= theirs[1]
+    line = (f"projection vs FP64: kernel max {mine[0]:.3e} mean {mine[1]:.3e}, cuBLAS max {theirs[0]:.3e} "
+            f"mean {theirs[1]:.3e}")
+    return line, ok
+
+
+def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approximations: Any) -> Expected:
+    """Per rank: the tap of an independent launch, out and the cache from the reference epilogue on
+    it. ValueError (the case's error) where the projection is less accurate than cuBLAS's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    launch = _launcher(options.impl)
+    per_rank, lines, worse = [], [], []
+    for rank in range(case.tp):
+        copies = _device_copies(case, inputs, rank, device)
+        o = copies["outputs"]
+        checks.poison(o[CACHE])
+        launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"], o[CACHE],
+               o[CACHE].shape[1], o[OUT], tap=o[TAP])
+        torch.cuda.synchronize()
+        projection = o[TAP].clone()
+        cublas = torch.matmul(copies["x"], copies["weight"].t())
+        line, ok = projection_verdict(projection, cublas, inputs.x, inputs.weights[rank])
+        lines.append(f"rank {rank}: {line}")
+        if not ok:
+            worse.append(rank)
+        want = expected_from_projection(case, inputs, projection, approximations)
+        want[TAP] = projection.cpu()
+        per_rank.append(want)
+    if worse:
+        raise ValueError(f"the projection is less accurate than cuBLAS's on ranks {worse}: {lines[worse[0]]}")
+    return Expected(per_rank, f"tap + torch stock epilogue; {lines[0]}")
+
+
+def bytes_moved(case: FrontCase) -> int:
+    """The weight one rank streams: N x 8192 x 2 bytes (the roofline's numerator)."""
+    return 1152 * kv_heads_for(case.tp) * HIDDEN * 2
+
+
+def row_fields(case: FrontCase, options: RunOptions) -> dict[str, Any]:
+    return dict(kernel=name, mode="rope" if case.rope else "nope", tp=case.tp, tokens=case.tokens,
+                weight_dtype="bf16", norm="qk", inputs=case.inputs, seed=case.seed, stock="torch")
+
+
+def variants(case: FrontCase, options: RunOptions) -> dict[str, RunOptions]:
+    return {}
+
+
+def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunner, comms: Any) -> dict:
+    """torch.matmul (cuBLAS) alone into its own buffer: the unfused path's GEMM. The stock epilogue
+    after it is not timed: the torch reference reads the slots on the host (not capturable), and no
+    Triton epilogue exists here yet; the row's roofline is bytes_moved / 4.2 TB/s."""
+    from musebench.cases.tail import Baseline
+
+    qkv = torch.empty_like(runner.outputs[OUT])
+
+    def matmul() -> None:
+        torch.matmul(runner.x, runner.weight.t(), out=qkv)
+
+    return {VIRTUAL_STOCK: Baseline(matmul)}

@@ -1,0 +1,162 @@
+"""The stock QKV front's arithmetic in torch: the bitwise reference of the qkv_front epilogue.
+
+The unfused path the kernel replaces is the QKV + o-gate projection (a BF16 GEMM with FP32
+accumulation, rounded once to BF16: `qkv = x W^T`) followed by vLLM 0.33.0's
+`fused_muse_spark_qknorm_rope_kv_insert` on `qkv`. `qkv_epilogue_reference` is that second kernel,
+bit for bit, given the projection's BF16 output; `fp64_projection` and `projection_errors` are
+the yardstick of the projection (not bitwise: a GEMM's FP32 summation order is its own).
+
+Layout (Muse Spark, per rank, kv KV heads): qkv [T, N], N = 1152 kv, columns [q | k | v | gate]
+with 8 kv q heads, kv k heads, kv v heads and 8 kv gate heads of 64. cos_sin_cache fp32
+[max_pos, 64]: cos of pair j in column j, sin in column 32 + j (None: a NoPE layer). kv_cache bf16
+[pages, kv, 16, 128], a slot's K in columns 0..63 and V in 64..127; slot s is page s // 16, row
+s % 16; a negative slot is not inserted.
+
+The stock's arithmetic, per q or k head of one token (64 elements, 8 threads of 8 consecutive
+elements each; every operation binary32 round-to-nearest-even, no flush):
+
+1. ss_i = fma chain from +0.0 over thread i's elements e = 8i .. 8i+7 in order: ss = fma(x_e, x_e, ss);
+2. butterfly over xor 4, 2, 1 with adds: every thread ends with
+   ((ss0+ss4) + (ss2+ss6)) + ((ss1+ss5) + (ss3+ss7));
+3. r = rsqrt.approx.f32(fma(ss, 0.015625, f32(eps))) (subnormals kept; the argument is >= eps);
+4. y_e = x_e * r (mul.rn), not rounded;
+5. RoPE (interleaved, rotary_dim 64) on pair (2j, 2j+1) with c = cs[pos, j], s = cs[pos, 32 + j]:
+   o_even = fma(c, y_even, -(s * y_odd)), o_odd = fma(s, y_even, c * y_odd) (products mul.rn);
+   a NoPE layer takes o = y;
+6. one cvt.rn.bf16 of o into qkv and, for a k head, into the cache's K; V is copied raw; the gate
+   columns are untouched.
+
+Checked against the machine code (2025-12, this session): vLLM 0.33.0's
+`vllm/_C_stable_libtorch.abi3.so`, cubin sm_90 (#89 of `cuobjdump -lelf`), disassembled with
+`cuobjdump -sass` (nvidia-cuda-cuobjdump / -nvdisasm 13.5): the variants
+`fusedMuseSparkQKNormRopeKVInsertKernel<c10::BFloat16, __nv_bfloat16, kAuto, float, 64, 1, ROPE,
+INSERT>` (BF16 qkv and cache, fp32 cos_sin, head_dim 64). Seen there: eight `FFMA R, x, x, R`
+from RZ over the thread's 8 elements in order; `SHFL.BFLY` 0x4, 0x2, 0x1 each followed by `FADD`;
+`FFMA ss, 0.015625, eps`; `MUFU.RSQ` behind the non-ftz guard (|arg| < 2^-126 scaled by 2^24, the
+result by 2^12: rsqrt.approx.f32 without .ftz); eight `FMUL x, r`; per pair `FMUL s*y_odd`,
+`FMUL c*y_odd`, `FFMA c, y_even, -t`, `FFMA s, y_even, t` with c from a 16-byte load at
+cs[pos, 4i..4i+3] and s at cs[pos, 32 + 4i..]; `F2FP.BF16.F32.PACK_AB` (round to nearest even) once;
+one 16-byte store of the packed words into qkv and the same words into the cache's K; heads at or
+past q + k heads skip the norm (V copied as loaded); the insert is skipped when the slot is
+negative. The ROPE=false variant has no RoPE arithmetic (o = y).
+
+The rsqrt is the hardware's: `approximations.rsqrt` (`musebench.numerics.Approximations`, passed in
+by the caller: `musebench.kernels.approx.hardware_approximations()` on a GPU, measured there to
+give rsqrt.approx.f32's bits; `PRECISE` on CPU, the correctly rounded value). This module never
+imports the device code it checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from musebench import config
+from musebench import numerics as nx
+
+HEAD_DIM = config.HEAD_DIM
+HEADS_PER_KV_HEAD = config.NUM_QUERY_HEADS // config.NUM_KV_HEADS  # 8
+THREADS_PER_HEAD = 8
+ELEMENTS_PER_THREAD = HEAD_DIM // THREADS_PER_HEAD  # 8
+INV_HEAD_DIM = 0.015625  # 1/64, exact in binary32
+ROTARY_PAIRS = HEAD_DIM // 2
+CACHE_BLOCK = 16
+CACHE_WIDTH = 2 * HEAD_DIM
+
+
+def head_columns(num_kv_heads: int) -> dict[str, tuple[int, int]]:
+    """Column ranges [start, stop) of q, k, v and gate in a row of N = 1152 num_kv_heads."""
+    q = HEADS_PER_KV_HEAD * num_kv_heads * HEAD_DIM
+    kv = num_kv_heads * HEAD_DIM
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv), "gate": (q + 2 * kv, 2 * q + 2 * kv)}
+
+
+def sum_of_squares(heads: torch.Tensor) -> torch.Tensor:
+    """The stock's sum of squares of fp32 heads [..., 64] -> [...]: 8 fma chains from +0.0 over
+    8 consecutive elements, then the butterfly xor 4, 2, 1 with adds (every lane's value)."""
+    lanes = heads.reshape(*heads.shape[:-1], THREADS_PER_HEAD, ELEMENTS_PER_THREAD)
+    ss = torch.zeros(lanes.shape[:-1], dtype=torch.float32, device=heads.device)
+    for e in range(ELEMENTS_PER_THREAD):
+        ss = nx.fma(lanes[..., e], lanes[..., e], ss)
+    ss = nx.add(ss[..., 0:4], ss[..., 4:8])  # lane i (+) lane i ^ 4
+    ss = nx.add(ss[..., 0:2], ss[..., 2:4])  # xor 2
+    return nx.add(ss[..., 0], ss[..., 1])  # xor 1
+
+
+def norm_rope(heads: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None, eps: float,
+              approximations: nx.Approximations) -> torch.Tensor:
+    """The stock's weightless RMS norm and interleaved RoPE of BF16 heads [T, H, 64] at
+    `positions` int64 [T]: bf16 [T, H, 64], one rounding (steps 1 to 6 of the module docstring)."""
+    x = heads.float()
+    ss = sum_of_squares(x)
+    eps32 = nx.f32(eps, x.device)
+    r = approximations.rsqrt(nx.fma(ss, nx.f32(INV_HEAD_DIM, x.device), eps32))
+    y = nx.mul(x, r.unsqueeze(-1).expand_as(x).contiguous())
+    if cos_sin_cache is None:
+        return nx.to_bf16(y)
+    table = cos_sin_cache[positions.long()]  # [T, 64]
+    c = table[:, :ROTARY_PAIRS].unsqueeze(1).expand(-1, x.shape[1], -1).contiguous()
+    s = table[:, ROTARY_PAIRS:].unsqueeze(1).expand(-1, x.shape[1], -1).contiguous()
+    y_even, y_odd = y[..., 0::2].contiguous(), y[..., 1::2].contiguous()
+    o_even = nx.fma(c, y_even, torch.neg(nx.mul(s, y_odd)))
+    o_odd = nx.fma(s, y_even, nx.mul(c, y_odd))
+    return nx.to_bf16(torch.stack([o_even, o_odd], dim=-1).reshape(x.shape))
+
+
+def qkv_epilogue_reference(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    kv_cache: torch.Tensor,
+    num_kv_heads: int,
+    *,
+    eps: float = config.RMS_NORM_EPS,
+    approximations: nx.Approximations = nx.PRECISE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qkv', kv_cache'): the stock epilogue applied to the BF16 projection `qkv` [T, N], new
+    tensors (the inputs are not written), on the inputs' device.
+
+    qkv' holds the q and k heads normed and rotated (one BF16 rounding), v and gate as given;
+    kv_cache' is `kv_cache` with, for each token t in order whose slot s >= 0, K of KV head h =
+    qkv'[t, k head h] and V = qkv[t, v head h] at [s // 16, h, s % 16]. Two tokens on one slot:
+    the later token's bits (the stock's order is undefined; the harness gives such tokens equal
+    rows, so both orders agree). Bitwise the stock's where `approximations` are the hardware's.
+    """
+    tokens, n = qkv.shape
+    cols = head_columns(num_kv_heads)
+    if n != cols["gate"][1]:
+        raise ValueError(f"qkv must be [tokens, {cols['gate'][1]}] for {num_kv_heads} KV heads, got {tuple(qkv.shape)}")
+    if qkv.dtype != torch.bfloat16:
+        raise TypeError(f"qkv must be bf16, got {qkv.dtype}")
+    out = qkv.clone()
+    qk_stop = cols["k"][1]
+    heads = qkv[:, :qk_stop].reshape(tokens, -1, HEAD_DIM)
+    if tokens:
+        out[:, :qk_stop] = norm_rope(heads, positions, cos_sin_cache, eps, approximations).reshape(tokens, qk_stop)
+    cache = kv_cache.clone()
+    k_start, v_start = cols["k"][0], cols["v"][0]
+    for t in range(tokens):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        page, row = divmod(slot, CACHE_BLOCK)
+        for h in range(num_kv_heads):
+            cache[page, h, row, :HEAD_DIM] = out[t, k_start + h * HEAD_DIM: k_start + (h + 1) * HEAD_DIM]
+            cache[page, h, row, HEAD_DIM:] = qkv[t, v_start + h * HEAD_DIM: v_start + (h + 1) * HEAD_DIM]
+    return out, cache
+
+
+def fp64_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T in binary64 from the BF16 inputs (exact products, a binary64 sum): [T, N] float64,
+    the yardstick both the kernel's and cuBLAS's BF16 projections are measured against."""
+    return x.double() @ weight.double().t()
+
+
+def projection_errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """(max, mean) absolute error of a BF16 projection [T, N] against the binary64 product."""
+    if got.shape != exact.shape:
+        raise ValueError(f"shapes differ: {tuple(got.shape)} vs {tuple(exact.shape)}")
+    error = (got.double() - exact.double()).abs()
+    if not bool(torch.isfinite(error).all()):
+        return float("inf"), float("inf")
+    return float(error.max()), float(error.mean())
