@@ -78,9 +78,13 @@ def max_pages(max_model_len: int) -> int:
 
 
 def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
-    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN, else about
-    SPLIT_TARGET_CLUSTERS CTAs per request over the KV heads, at most MAX_SPLITS and at least
-    MIN_PAGES_PER_SPLIT pages each (of the pages a row can see: the window's with one)."""
+    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN, else MAX_SPLITS, at least
+    MIN_PAGES_PER_SPLIT pages each (of the pages a row can see: the window's with one).
+
+    Not divided by num_kv_heads (the seeds' SPLIT_TARGET_CLUSTERS // (ROW_GROUPS * heads)): the
+    split count decides a row's summation order, and a KV head's bits must be the same whichever
+    tp computes it (tp 2: 8 heads x 64 splits = 512 CTAs, four waves of short CTAs; tp 8 and 16:
+    128 and 64 CTAs, about SPLIT_TARGET_CLUSTERS). num_kv_heads is validated only."""
     _check_positive(max_model_len=max_model_len, num_kv_heads=num_kv_heads)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
@@ -89,7 +93,7 @@ def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     pages = max_pages(max_model_len)
     if window:
         pages = min(pages, max_pages(window + QUERY_LEN - 1) + 1)  # + 1: the span may straddle a page
-    fill = min(SPLIT_TARGET_CLUSTERS // (ROW_GROUPS * num_kv_heads), MAX_SPLITS, pages // MIN_PAGES_PER_SPLIT)
+    fill = min(MAX_SPLITS, pages // MIN_PAGES_PER_SPLIT)
     count = 1
     while count * 2 <= fill:
         count *= 2

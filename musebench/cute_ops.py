@@ -294,9 +294,9 @@ def attn2_window(sliding_window: int | None, max_model_len: int) -> int:
 
 def attn2_splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     """The splits of an attn2 launch for a deployment (a power of two): 1 when max_model_len is
-    at most SHORT_MAX_LEN, else about SPLIT_TARGET_CLUSTERS CTAs per request over the rank's KV
-    heads, at most MAX_SPLITS, and at least two pages per split of those a row can see (the
-    window's, with one). Depends on the deployment only, never on a step's L. ValueError for a
+    at most SHORT_MAX_LEN, else MAX_SPLITS with at least two pages per split of those a row can
+    see (the window's, with one). Depends on max_model_len and the window only: never on a step's
+    L, nor on num_kv_heads (a KV head's bits are the same at every tp; the heads are validated). ValueError for a
     non-positive length or head count, or a negative window."""
     return attn2_layout.splits(max_model_len, window, num_kv_heads)
 

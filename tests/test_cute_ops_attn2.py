@@ -59,11 +59,13 @@ def test_attn2_window_refuses_bad_length():
     (2049, 0, 2, 64),  # just past it: 129 pages, capped at MAX_SPLITS
     (131072, 0, 1, 64),  # tp 16: MAX_SPLITS
     (131072, 0, 2, 64),  # tp 8
-    (131072, 0, 4, 32),  # tp 4
-    (131072, 0, 8, 16),  # tp 2
+    (131072, 0, 4, 64),  # tp 4: the same splits at every tp (rank identity)
+    (131072, 0, 8, 64),  # tp 2
     (131072, 2048, 2, 64),  # the window: 130 pages a row can see
     (131072, 64, 2, 2),  # a small window: 6 pages, two per split at least
-    (4096, 0, 3, 32),  # 128 // 3 = 42: rounded down to a power of two
+    (4096, 0, 3, 64),  # 256 pages: MAX_SPLITS
+    (2100, 0, 2, 64),  # 132 pages // 2 = 66: rounded down to a power of two
+    (2200, 64, 2, 2),  # a 6-page window
 ])
 def test_attn2_splits(max_model_len, window, kv_heads, want):
     assert cute_ops.attn2_splits(max_model_len, window, kv_heads) == want
