@@ -37,3 +37,14 @@ ROUTER_OUTPUT_MULTIPLIER_FOLDED = True
 
 TP_SIZES = range(2, 33)  # the tails run at TP 2..32
 MAX_DECODE_TOKENS = 8  # decode batch the kernels are tuned for (b = 1..8)
+
+# --- attn2: the verify step's attention (issue 15) -------------------------------------------
+# Source: vllm 0.33.0 `vllm/models/muse_spark/nvidia/model.py` (MuseSpark1xAttention): the
+# softmax scale is `head_dim ** -0.5` multiplied (Python float64) by the checkpoint's
+# `qk_scale_factor` on layers with QK-norm (every target layer); the o-norm is a weightless
+# MuseSpark1xRMSNorm over head_dim with `rms_norm_eps`; the gate is sigmoid (rms_norm_gated's
+# "sigmoid" activation). qk_scale_factor is a checkpoint value (the config class has no default).
+QK_SCALE_FACTOR = 5.473
+ATTN_SCALE = HEAD_DIM**-0.5 * QK_SCALE_FACTOR  # 0.684125, as the model computes it (float64)
+KV_PAGE_TOKENS = 16  # tokens of one KV-cache page (vLLM's block size for this model)
+VERIFY_QUERY_LEN = 8  # query rows of one request in the verify step: 1 + 7 draft tokens

@@ -18,8 +18,11 @@ What a model executor calls besides the MoE tail (`musebench.kernels.tail`):
   The seeds fix supports_call's and unsupported_projection's signatures; launch_qkv_front's
   call site is not in the vLLM 0.33.0 wheel (no specialized_decode there), so its signature is
   supports_call's with `out` required.
-
-Not yet here: the attn2 entry points (attn2_*, unsupported_attn2) come with that kernel.
+- attn2 (issue 15): the verify step's paged attention fused with the o-norm and sigmoid gate.
+  `attn2_window`, `attn2_splits`, `attn2_workspace_bytes` size a deployment,
+  `unsupported_attn2(layer)` refuses a layer before anything is built, `prepare_attn2` compiles
+  (before capture), `launch_attn2` launches (`musebench.kernels.attn2`). vLLM 0.33.0 ships no Muse
+  Spark specialized-decode runtime, so the launch is named after the seeds' `launch_qkv_front`.
 
 Importing this module needs torch only; CuTe DSL is imported when a `MuseRouting` is built.
 """
@@ -32,9 +35,22 @@ from typing import NamedTuple
 
 import torch
 
-from musebench import config, routing_metadata
+from musebench import attn2_layout, config, routing_metadata
 
 __all__ = [
+    "ATTN2_EPS",
+    "MAX_SPLITS",
+    "QUERY_LEN",
+    "ROW_GROUPS",
+    "SHORT_MAX_LEN",
+    "SM_SCALE",
+    "SPLIT_TARGET_CLUSTERS",
+    "attn2_splits",
+    "attn2_window",
+    "attn2_workspace_bytes",
+    "launch_attn2",
+    "prepare_attn2",
+    "unsupported_attn2",
     "MuseRouting",
     "RoutingMetadata",
     "sm100_family",
@@ -461,4 +477,124 @@ def launch_qkv_front(
     from musebench.kernels import qkv_front  # CuTe DSL: imported at the first launch
 
     qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS)
+
+
+# attn2: the verify step's attention with the o-norm and sigmoid gate (issue 15).
+
+# Why each value: musebench.attn2_layout (the split plan is shared with the CPU model).
+ROW_GROUPS = attn2_layout.ROW_GROUPS  # 1: the 64 rows of a KV head are one M tile, one CTA
+SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 128: about one wave of CTAs
+MAX_SPLITS = attn2_layout.MAX_SPLITS  # 64: bounds the merge tree's depth (6 levels)
+SHORT_MAX_LEN = attn2_layout.SHORT_MAX_LEN  # 2048: up to it one CTA per KV head, no merge
+QUERY_LEN = attn2_layout.QUERY_LEN  # 8: 1 + 7 draft tokens per request
+# head_dim^-0.5 * qk_scale_factor, as MuseSpark1xAttention computes it (float64, 0.684125); the
+# kernel multiplies scores by fp32(SM_SCALE * log2(e)) and exponentiates in base 2.
+SM_SCALE = config.ATTN_SCALE
+# The o-norm's eps: the layer's rms_norm_eps (MuseSpark1xTextConfig's default, 1e-5).
+ATTN2_EPS = config.RMS_NORM_EPS
+
+
+def attn2_window(sliding_window: int | None, max_model_len: int) -> int:
+    """The window attn2 applies for a layer: 0 (none) when the layer has none or the window
+    covers max_model_len (no key is then outside a row's window), else the window (W keys
+    including the row's own: FlashInfer's window_left = W - 1). ValueError for a window < 1."""
+    attn2_layout._check_positive(max_model_len=max_model_len)
+    if sliding_window is None or (not isinstance(sliding_window, bool) and isinstance(sliding_window, int)
+                                  and sliding_window >= max_model_len):
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding window {sliding_window!r}: must be None or an int >= 1")
+    return sliding_window
+
+
+def attn2_splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
+    """The splits of an attn2 launch for a deployment (a power of two): 1 when max_model_len is
+    at most SHORT_MAX_LEN, else MAX_SPLITS with at least two pages per split of those a row can
+    see (the window's, with one). Depends on max_model_len and the window only: never on a step's
+    L, nor on num_kv_heads (a KV head's bits are the same at every tp; the heads are validated). ValueError for a
+    non-positive length or head count, or a negative window."""
+    return attn2_layout.splits(max_model_len, window, num_kv_heads)
+
+
+def attn2_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
+    """Bytes of the workspace a launch of `num_splits` splits needs for num_reqs requests: int32
+    merge counters (16-byte padded) and one FP32 partial per (request, KV head, split); 0 with one
+    split (nothing to merge). Zero it once before the first launch: every launch leaves the
+    counters zero again. ValueError unless every count is positive and num_splits a power of
+    two."""
+    return attn2_layout.workspace_bytes(num_reqs, num_kv_heads, num_splits)
+
+
+def _fp32(value: float) -> int:
+    return _f32_bits(float(value))
+
+
+def unsupported_attn2(layer: object) -> str | None:
+    """Why attn2 cannot compute this MuseSpark1xAttention layer, or None.
+
+    Reads use_o_norm, use_o_gate, head_dim, num_heads, num_kv_heads (this rank's), scaling and
+    rms_norm_eps (`attn2_layout.Attn2Layer` holds the same). Supported: the o-norm with a sigmoid
+    o-gate, head_dim 64, 8 query heads per KV head, and scale and eps equal in binary32 to the
+    SM_SCALE and ATTN2_EPS the kernel is built for."""
+    try:
+        o_norm, o_gate = bool(getattr(layer, "use_o_norm")), bool(getattr(layer, "use_o_gate"))
+        head_dim, heads, kv_heads = (getattr(layer, n) for n in ("head_dim", "num_heads", "num_kv_heads"))
+        scaling, eps = float(getattr(layer, "scaling")), float(getattr(layer, "rms_norm_eps"))
+    except (AttributeError, TypeError, ValueError) as error:
+        return f"a layer without the attributes attn2 reads ({error})"
+    if not (o_norm and o_gate):
+        return "the layer has no o-norm with a sigmoid o-gate"
+    if head_dim != HEAD_DIM:
+        return f"head_dim {head_dim} (the kernel has {HEAD_DIM})"
+    if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads < 1:
+        return f"num_kv_heads {kv_heads!r}"
+    if heads != HEADS_PER_KV_HEAD * kv_heads:
+        return f"{heads} query heads for {kv_heads} KV heads (the kernel has {HEADS_PER_KV_HEAD} per KV head)"
+    if not math.isfinite(scaling) or _fp32(scaling) != _fp32(SM_SCALE):
+        return f"softmax scale {scaling} (the kernel is built for {SM_SCALE})"
+    if not math.isfinite(eps) or _fp32(eps) != _fp32(ATTN2_EPS):
+        return f"o-norm eps {eps} (the kernel is built for {ATTN2_EPS})"
+    return None
+
+
+def prepare_attn2(num_kv_heads: int, max_model_len: int, window: int, *, enable_pdl: bool = True) -> None:
+    """Compile the attn2 variant of a deployment (this rank's KV heads, max_model_len, the window
+    `attn2_window` gives) before CUDA-graph capture; later launches of it compile nothing.
+    ValueError for a deployment outside the kernel's contract."""
+    from musebench.kernels import attn2  # CuTe DSL: imported when a deployment is prepared
+
+    attn2.prepare(num_kv_heads=num_kv_heads, max_model_len=max_model_len, window=window, enable_pdl=enable_pdl)
+
+
+def launch_attn2(
+    q: torch.Tensor,
+    gate: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    workspace: torch.Tensor | None,
+    *,
+    max_model_len: int,
+    window: int,
+    enable_pdl: bool = True,
+) -> torch.Tensor:
+    """One attn2 launch on the current stream: for each request r and query head h,
+    out[8r + t, 64h : 64h + 64] = bf16(rms_norm(bf16(attention)) * sigmoid(gate)); returns out.
+
+    q, gate: bf16 [8 R, 512 K] (K = this rank's KV heads; rows may be strided views of the QKV
+    front's output, `split_qkv`; last dim contiguous, rows 16-byte aligned); kv_cache: bf16
+    [pages, K, 16, 128] contiguous (K | V per slot); page_table: int32 [R, ceil(max_model_len /
+    16)] contiguous; seq_lens: int32 [R] on the device, each L in [8, max_model_len] (the kernel
+    clamps to that range to stay in bounds); out: bf16 [8 R, 512 K] contiguous; workspace: uint8
+    of at least attn2_workspace_bytes(R, K, attn2_splits(...)) bytes, zeroed before the first
+    launch (None with one split). Row t of request r sits at position L - 8 + t and sees keys
+    max(0, L - 8 + t - W + 1) .. L - 8 + t. Graph-capturable, allocates nothing (after
+    `prepare_attn2`); bitwise deterministic: a row's bits depend only on its keys, its query and
+    gate, whatever L, R or the rank's other KV heads. ValueError before launch on anything
+    outside this contract."""
+    from musebench.kernels import attn2
+
+    attn2.launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
+                 window=window, enable_pdl=enable_pdl)
     return out

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "musebench"
 
 CONFIG_LEVEL = ("musebench.config", "musebench.layout", "musebench.numerics", "musebench.routing_metadata",
+                "musebench.attn2_layout",
                 "musebench.tp_dispatch")
 ABOVE_CONFIG = ("musebench.kernels", "musebench.harness", "musebench.cli")
 ABOVE_KERNELS = ("musebench.stock", "musebench.harness", "musebench.cli")

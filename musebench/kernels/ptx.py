@@ -500,6 +500,10 @@ def ld_global_nc_s64(address: Int64, *, loc=None, ip=None) -> Int64:
     return Int64(_asm(T.i64(), [_ir(Int64(address), loc, ip)], "ld.global.nc.s64 $0, [$1];", "=l,l", side_effects=False, loc=loc, ip=ip))
 
 
+# ---------------------------------------------------------------------------------------------
+# attn2 (issue 15): warp mma, cp.async, shared and L2-only loads, exact division and square root.
+
+
 @dsl_user_op
 def mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
     a0: Uint32, a1: Uint32, a2: Uint32, a3: Uint32, b0: Uint32, b1: Uint32,
@@ -523,3 +527,93 @@ def mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
         ip=ip,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(4))  # type: ignore[return-value]
+
+
+@dsl_user_op
+def cp_async_cg_shared_global_16(shared_address: Int32, global_address: Int64, source_bytes: Int32, *, loc=None,
+                                 ip=None) -> None:
+    """`cp.async.cg.shared.global [dst], [src], 16, src_size`: copy 16 bytes to shared memory
+    through L2 only; bytes past `source_bytes` (0 or 16) are written as zeros and not read."""
+    _asm(
+        None,
+        [_ir(Int32(shared_address), loc, ip), _ir(Int64(global_address), loc, ip), _ir(Int32(source_bytes), loc, ip)],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def ld_shared_u32(shared_address: Int32, *, loc=None, ip=None) -> Uint32:
+    """`ld.shared.u32`: one word of this CTA's shared memory."""
+    return Uint32(_asm(T.i32(), [_ir(Int32(shared_address), loc, ip)], "ld.shared.u32 $0, [$1];", "=r,r",
+                       side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_u32(shared_address: Int32, value: Uint32, *, loc=None, ip=None) -> None:
+    """`st.shared.u32`: one word of this CTA's shared memory."""
+    _asm(None, [_ir(Int32(shared_address), loc, ip), _ir(Uint32(value), loc, ip)], "st.shared.u32 [$0], $1;", "r,r",
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """`ld.global.u32`: one word, weak (data a finished kernel wrote)."""
+    return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.u32 $0, [$1];", "=r,l",
+                       side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_v2_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
+    """`ld.global.v2.u32`: 8 bytes, weak."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_ir(Int64(address), loc, ip)],
+                  "ld.global.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side_effects=True, loc=loc, ip=ip)
+    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(2))  # type: ignore[return-value]
+
+
+@dsl_user_op
+def ld_global_cg_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.global.cg.v4.u32`: 16 bytes from L2, never from this SM's L1 (which may hold a stale
+    line of a workspace another CTA rewrote since)."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_ir(Int64(address), loc, ip)],
+                  "ld.global.cg.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", side_effects=True, loc=loc, ip=ip)
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def st_global_v2_u32(address: Int64, w0: Uint32, w1: Uint32, *, loc=None, ip=None) -> None:
+    """`st.global.v2.u32`: 8 bytes, weak."""
+    _asm(None, [_ir(Int64(address), loc, ip), _ir(Uint32(w0), loc, ip), _ir(Uint32(w1), loc, ip)],
+         "st.global.v2.u32 [$0], {$1, $2};", "l,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def prmt_b32(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """`prmt.b32 d, a, b, selector`: bytes of d picked from {b, a} (a bytes 0-3, b bytes 4-7);
+    0x5410 joins the low halves (a's low), 0x7632 the high halves (a's high low)."""
+    return Uint32(_asm(T.i32(), [_ir(Uint32(a), loc, ip), _ir(Uint32(b), loc, ip)],
+                       f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def max_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`max.f32`: the larger (-inf loses to everything; no NaN reaches it on the contract's path)."""
+    return Float32(_asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "max.f32 $0, $1, $2;",
+                        "=f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def div_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """`div.rn.f32`: IEEE division, correctly rounded."""
+    return Float32(_asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "div.rn.f32 $0, $1, $2;",
+                        "=f,f,f", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def sqrt_rn_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`sqrt.rn.f32`: IEEE square root, correctly rounded."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "sqrt.rn.f32 $0, $1;", "=f,f", side_effects=False,
+                        loc=loc, ip=ip))

@@ -1,0 +1,144 @@
+"""The CPU model of attn2's kernel (`musebench.kernels.attn2`): its exact algorithm in torch, so a
+GPU run only has to confirm that the device code does what this does.
+
+Same as the kernel: the split plan (`attn2_layout.split_pages`: page p in split p % S, ascending),
+the pages a CTA visits (those holding keys of [first visible key, L)), the mask (causal, window,
+keys at and past L), the online softmax in FP32 in the log2 domain (s2 = fp32(q.k) * fp32(scale *
+log2 e); m_use = m_new, or 0 while a row has seen no key, so a masked page is an exact no-op),
+P split into two BF16 terms (p_hi = bf16(p), p_lo = bf16(p - p_hi): two P V mmas, so P keeps
+about 16 bits where one BF16 P would keep 8), the row sum of p_hi + p_lo in the kernel's lane order
+((p0 + p1) + (p8 + p9) per lane, then the quad butterfly), the fixed merge tree (left child
+first, O = O_L w_L + O_R w_R as two products and one sum), o = O / l rounded to BF16, the norm's
+sum of squares in the kernel's lane order, rstd = 1 / sqrt(ss / 64 + eps), then x rstd sigmoid(g).
+
+Not the same, by design: the tensor cores' dot products (their internal accumulation order and
+rounding are not IEEE and not documented) and the GPU's ex2.approx; so the GPU agrees with this
+model to within about an ULP, not bitwise. The model's own bits are exact torch FP32 arithmetic,
+so it also proves the determinism argument: a row that sees the same keys gets the same bits at
+every L (tests/cpu/test_attn2_model.py).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from musebench import attn2_layout as lay
+from musebench import config
+from musebench.stock.attn2 import Attn2Problem
+
+LOG2_E = 1.4426950408889634
+NEG_INF = float("-inf")
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _lane_sum16(p: torch.Tensor) -> torch.Tensor:
+    """Row sums of [rows, 16] FP32 in the kernel's order: lane c holds keys 2c, 2c+1, 8+2c, 9+2c,
+    sums (p[2c] + p[2c+1]) + (p[8+2c] + p[9+2c]); the quad adds lanes (0 + 1) + (2 + 3)."""
+    lanes = [(p[:, 2 * c] + p[:, 2 * c + 1]) + (p[:, 8 + 2 * c] + p[:, 9 + 2 * c]) for c in range(4)]
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+
+
+def _lane_sum_squares64(x: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of [rows, 64] FP32 in the kernel's order: lane c holds dims 16p + 4c + j,
+    summed p-major, j-minor from +0.0, then the quad (0 + 1) + (2 + 3)."""
+    lanes = []
+    for c in range(4):
+        acc = torch.zeros(x.shape[0], dtype=torch.float32)
+        for p in range(4):
+            for j in range(4):
+                v = x[:, 16 * p + 4 * c + j]
+                acc = acc + v * v
+        lanes.append(acc)
+    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+
+
+def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor, kv_head: int, seq_len: int,
+                  window: int, split: int, num_splits: int, scale_log2: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One CTA's partial: (O FP32 [64, 64], m [64], l [64]) for the 64 rows [token t, head j] of
+    one KV head (row = 8 t + j), over the pages of split `split`."""
+    rows = lay.ROWS_PER_KV_HEAD
+    token = torch.arange(rows) // lay.HEADS_PER_KV_HEAD
+    last_key = seq_len - lay.QUERY_LEN + token  # row's own position
+    first_key = (last_key - window + 1).clamp_min(0) if window else torch.zeros(rows, dtype=torch.long)
+    first, end = lay.visible_keys(seq_len, window)
+    o = torch.zeros(rows, lay.HEAD_DIM, dtype=torch.float32)
+    m = torch.full((rows,), NEG_INF, dtype=torch.float32)
+    lsum = torch.zeros(rows, dtype=torch.float32)
+    qf = q.float()
+    for page in lay.split_pages(split, num_splits, first // lay.PAGE_TOKENS, lay.max_pages(end)):
+        slots = cache[int(table_row[page]), kv_head].float()  # [16, 128]
+        keys_idx = page * lay.PAGE_TOKENS + torch.arange(lay.PAGE_TOKENS)
+        in_l = keys_idx < seq_len
+        slots = torch.where(in_l[:, None], slots, torch.zeros(()))  # slots past L are never loaded: zeros
+        s2 = (qf @ slots[:, : lay.HEAD_DIM].T) * scale_log2
+        visible = (keys_idx[None, :] <= last_key[:, None]) & (keys_idx[None, :] >= first_key[:, None])
+        s2 = torch.where(visible, s2, torch.full((), NEG_INF))
+        m_new = torch.maximum(m, s2.max(dim=1).values)
+        m_use = torch.where(m_new == NEG_INF, torch.zeros(()), m_new)
+        alpha = torch.exp2(m - m_use[:, None].squeeze(1))
+        p = torch.exp2(s2 - m_use[:, None])
+        p_hi = p.to(torch.bfloat16).float()
+        p_lo = (p - p_hi).to(torch.bfloat16).float()
+        lsum = lsum * alpha + _lane_sum16(p_hi + p_lo)
+        v = slots[:, lay.HEAD_DIM :]
+        o = (o * alpha[:, None] + p_hi @ v) + p_lo @ v
+        m = m_new
+    return o, m, lsum
+
+
+def merge(left: tuple, right: tuple) -> tuple:
+    """One merge-tree node: (O, m, l) of the left child, then the right's."""
+    o_l, m_l, l_l = left
+    o_r, m_r, l_r = right
+    top = torch.maximum(m_l, m_r)
+    use = torch.where(top == NEG_INF, torch.zeros(()), top)
+    w_l, w_r = torch.exp2(m_l - use), torch.exp2(m_r - use)
+    return o_l * w_l[:, None] + o_r * w_r[:, None], top, l_l * w_l + l_r * w_r
+
+
+def merge_tree(partials: list[tuple]) -> tuple:
+    """The fixed tree over num_splits (a power of two) partials: level by level, pairs (2j, 2j+1)."""
+    level = list(partials)
+    while len(level) > 1:
+        level = [merge(level[2 * j], level[2 * j + 1]) for j in range(len(level) // 2)]
+    return level[0]
+
+
+def epilogue(o: torch.Tensor, lsum: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """out bf16 [64, 64] from the merged (O, l) and the gate rows bf16 [64, 64]."""
+    x = (o / lsum[:, None]).to(torch.bfloat16).float()
+    ss = _lane_sum_squares64(x)
+    rstd = 1.0 / torch.sqrt(ss * (1.0 / lay.HEAD_DIM) + _f32(eps))
+    sig = 1.0 / (1.0 + torch.exp(-gate.float()))
+    return ((x * rstd[:, None]) * sig).to(torch.bfloat16)
+
+
+def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: float = config.ATTN_SCALE,
+                eps: float = config.RMS_NORM_EPS) -> torch.Tensor:
+    """The kernel's output, bf16 [8 R, 512 K], computed on the CPU as the kernel computes it;
+    `num_splits` defaults to the deployment's (`attn2_layout.splits`)."""
+    p = problem.to("cpu")
+    heads = p.num_kv_heads
+    splits = num_splits or lay.splits(p.max_model_len, p.window, heads)
+    scale_log2 = _f32(scale * LOG2_E)
+    out = torch.empty_like(p.q)
+    width = lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM
+    for r in range(p.num_reqs):
+        seq_len = min(max(int(p.seq_lens[r]), lay.QUERY_LEN), p.max_model_len)
+        rows = slice(r * lay.QUERY_LEN, (r + 1) * lay.QUERY_LEN)
+        for h in range(heads):
+            cols = slice(h * width, (h + 1) * width)
+            q = p.q[rows, cols].reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)  # row 8 t + j
+            gate = p.gate[rows, cols].reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)
+            partials = [split_partial(q, p.kv_cache, p.page_table[r], h, seq_len, p.window, s, splits, scale_log2)
+                        for s in range(splits)]
+            o, _, lsum = merge_tree(partials)
+            out[rows, cols] = epilogue(o, lsum, gate, eps).reshape(lay.QUERY_LEN, width)
+    return out
+
+

@@ -1,0 +1,105 @@
+"""The CPU model of attn2's kernel (musebench.cpu.attn2): accurate against the FP64 reference,
+and deterministic in the ways the kernel promises (same keys, same bits at every L; a KV head's
+bits whatever the rank; poison never read)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musebench import attn2_layout as lay
+from musebench.cases.attn2_inputs import INPUT_FAMILIES, for_rank, make_problem
+from musebench.cpu.attn2 import attn2_model, merge_tree
+from musebench.stock.attn2 import Attn2Problem, attn2_reference, stock_attn2, ulp_error
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, window, splits", [
+    (8, 0, 1),  # the shortest request
+    (17, 0, 2),  # a page boundary, two splits
+    (40, 20, 4),  # a window inside the context
+    (100, 0, 64),  # more splits than pages: empty splits must contribute nothing
+])
+def test_model_is_accurate(family, seq_len, window, splits):
+    p = make_problem(family, seq_len, 128, window=window, num_kv_heads=1)
+    _, exact = attn2_reference(p)
+    err = ulp_error(attn2_model(p, num_splits=splits), exact)
+    stock = ulp_error(stock_attn2(p), exact)  # an output whose reference o rounds to 0 costs any path dearly
+    assert err.nonfinite == 0 and err.max < max(8, 2 * stock.max) and err.mean < max(0.3, 1.5 * stock.mean), (err, stock)
+
+
+def _extended(p: Attn2Problem) -> Attn2Problem:
+    """The same request one token later: the cache gains key L (written into the slot the table
+    already maps), and every query and gate row moves up one position (row t + 1 of the new step
+    is row t of the old)."""
+    seq_len = int(p.seq_lens[0])
+    cache = p.kv_cache.clone()
+    page = int(p.page_table[0, seq_len // 16])
+    if seq_len % 16 == 0:  # a new page: take a spare one from the pool, clean it
+        spare = set(range(cache.shape[0])) - set(p.page_table[0, : lay.max_pages(seq_len)].tolist())
+        page = min(spare)
+        table = p.page_table.clone()
+        table[0, seq_len // 16] = page
+    else:
+        table = p.page_table
+    cache[page, :, seq_len % 16] = torch.randn(cache.shape[1], lay.SLOT_WIDTH).to(torch.bfloat16)
+    q = torch.cat([p.q[1:], torch.randn(1, p.q.shape[1]).to(torch.bfloat16)])
+    gate = torch.cat([p.gate[1:], torch.randn(1, p.gate.shape[1]).to(torch.bfloat16)])
+    return Attn2Problem(q, gate, cache, table, torch.tensor([seq_len + 1], dtype=torch.int32), p.max_model_len,
+                        p.window)
+
+
+@pytest.mark.parametrize("seq_len, window", [(8, 0), (15, 0), (16, 0), (31, 0), (47, 0), (60, 30), (64, 16)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_same_keys_same_bits_at_every_length(seq_len, window, splits):
+    """Row t at L and row t - 1 at L + 1 see the same keys with the same query: equal bits, across
+    page boundaries and window edges."""
+    p = make_problem("random", seq_len, 256, window=window, num_kv_heads=2)
+    later = _extended(p)
+    now, then = attn2_model(p, num_splits=splits), attn2_model(later, num_splits=splits)
+    assert torch.equal(_bits(now[1:]), _bits(then[:-1]))
+
+
+def test_the_length_check_can_fail():
+    """Fault injection for the test above: a changed key the rows see changes their bits."""
+    p = make_problem("random", 30, 256, num_kv_heads=1)
+    later = _extended(p)
+    cache = later.kv_cache.clone()
+    cache[int(later.page_table[0, 0]), :, 3] += 1
+    changed = Attn2Problem(later.q, later.gate, cache, later.page_table, later.seq_lens, 256)
+    assert not torch.equal(_bits(attn2_model(p)[1:]), _bits(attn2_model(changed)[:-1]))
+
+
+def test_kv_head_bits_whatever_the_rank():
+    whole = make_problem("random", 50, 128, num_kv_heads=4)
+    full = attn2_model(whole, num_splits=2)
+    for tp in (2, 4):
+        parts = torch.cat([attn2_model(for_rank(whole, r, tp), num_splits=2) for r in range(tp)], dim=1)
+        assert torch.equal(_bits(parts), _bits(full))
+
+
+def test_poison_never_read():
+    p = make_problem("tiny", 33, 128, num_kv_heads=1)
+    out = attn2_model(p, num_splits=4)
+    cache = p.kv_cache.clone()
+    used = p.page_table[0, :3].long()
+    mask = torch.ones(cache.shape[0], dtype=torch.bool)
+    mask[used] = False
+    cache[mask] = 1.0
+    cache[used[-1], :, 1:] = 2.0
+    again = attn2_model(Attn2Problem(p.q, p.gate, cache, p.page_table, p.seq_lens, 128), num_splits=4)
+    assert torch.equal(_bits(out), _bits(again))
+
+
+def test_empty_partials_are_exact_no_ops():
+    o = torch.randn(64, 64)
+    m = torch.randn(64)
+    lsum = torch.rand(64) + 1
+    empty = (torch.zeros(64, 64), torch.full((64,), float("-inf")), torch.zeros(64))
+    for tree in ([empty, (o, m, lsum)], [(o, m, lsum), empty, empty, empty]):
+        got = merge_tree(tree)
+        assert torch.equal(got[0], o) and torch.equal(got[1], m) and torch.equal(got[2], lsum)

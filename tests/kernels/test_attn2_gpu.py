@@ -1,0 +1,86 @@
+"""attn2 on a GPU: against the CPU model of its algorithm (within 2 BF16 ULPs: the tensor cores'
+dot products and ex2.approx are not emulated), against the FP64 reference beside the stock
+(max and mean ULP each at most the stock's), bitwise determinism across calls and graph replays,
+rank identity across tp, same keys same bits across L, poison never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from musebench import cute_ops
+from musebench.cases.attn2_inputs import INPUT_FAMILIES, for_rank, make_problem
+from musebench.cpu.attn2 import attn2_model
+from musebench.stock.attn2 import attn2_reference, stock_attn2, ulp_error
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(problem, out=None):
+    p = problem.to("cuda")
+    heads = p.num_kv_heads
+    splits = cute_ops.attn2_splits(p.max_model_len, p.window, heads)
+    workspace = torch.zeros(max(16, cute_ops.attn2_workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8,
+                            device="cuda")
+    out = torch.full_like(p.q, float("nan")) if out is None else out
+    cute_ops.prepare_attn2(heads, p.max_model_len, p.window)
+    cute_ops.launch_attn2(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                          max_model_len=p.max_model_len, window=p.window)
+    torch.cuda.synchronize()
+    return out.cpu(), (p, workspace, out)
+
+
+# L at page and split boundaries, the window's edges; max_model_len 4096 runs the split kernel
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window", [
+    (8, 2048, 0), (15, 2048, 0), (16, 2048, 0), (17, 2048, 0), (2047, 2048, 0), (2048, 2048, 0),
+    (2049, 4096, 0), (17, 4096, 0), (2055, 4096, 2048), (2056, 4096, 2048), (4000, 4096, 2048),
+])
+def test_matches_model_and_beats_stock(family, seq_len, max_model_len, window):
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
+    got, _ = _run(problem)
+    model = attn2_model(problem)
+    _, exact = attn2_reference(problem)
+    assert ulp_error(got, model.double()).max <= 2.0
+    mine, stock = ulp_error(got, exact), ulp_error(stock_attn2(problem.to("cuda")), exact)
+    print(f"{family} L={seq_len} W={window}: attn2 max {mine.max:.2f} mean {mine.mean:.4f} | "
+          f"stock max {stock.max:.2f} mean {stock.mean:.4f}")
+    assert mine.nonfinite == 0
+    assert mine.within(stock), (mine, stock)
+
+
+def test_deterministic_across_calls_and_graph_replays():
+    problem = make_problem("random", 3000, 8192, num_kv_heads=2)
+    first, (p, workspace, out) = _run(problem)
+    for _ in range(3):
+        again, _ = _run(problem)
+        assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_ops.launch_attn2(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                              max_model_len=p.max_model_len, window=0)
+    for _ in range(5):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first.view(torch.int16), out.cpu().view(torch.int16))
+
+
+def test_kv_head_bits_whatever_the_tp():
+    """A KV head's bits are the same at tp 2, 4, 8 and 16 (the split count ignores the heads)."""
+    whole = make_problem("random", 2100, 8192, num_kv_heads=16)
+    per_tp = {tp: torch.cat([_run(for_rank(whole, r, tp))[0] for r in range(tp)], dim=1) for tp in (2, 4, 8, 16)}
+    for tp in (4, 8, 16):
+        assert torch.equal(per_tp[2].view(torch.int16), per_tp[tp].view(torch.int16)), tp
+
+
+def test_same_keys_same_bits_at_every_length():
+    """Row t at L and row t - 1 at L + 1 (same keys, same query and gate): equal bits, across a
+    page boundary, with the split kernel."""
+    from tests.cpu.test_attn2_model import _extended
+
+    for seq_len in (2063, 2064, 3000):
+        problem = make_problem("random", seq_len, 8192, num_kv_heads=2)
+        now, _ = _run(problem)
+        then, _ = _run(_extended(problem))
+        assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), seq_len

@@ -1,0 +1,118 @@
+"""cute_ops' attn2 entry points on the CPU: the deployment sizing, the layer check, the launch's
+refusals (musebench.cute_ops, seeds `cute_ops.txt`). The split plan itself: test_attn2_layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+
+import pytest
+
+from musebench import attn2_layout, config, cute_ops
+from musebench.attn2_layout import Attn2Layer
+
+
+def test_constants_are_the_models():
+    assert cute_ops.SM_SCALE == 64**-0.5 * 5.473 == 0.684125
+    assert cute_ops.ATTN2_EPS == 1e-5
+    assert cute_ops.QUERY_LEN == 8
+    assert cute_ops.ROW_GROUPS == 1
+    assert cute_ops.SHORT_MAX_LEN == 2048
+    assert attn2_layout.is_power_of_two(cute_ops.SPLIT_TARGET_CLUSTERS)
+    assert attn2_layout.is_power_of_two(cute_ops.MAX_SPLITS)
+
+
+def test_signatures_follow_the_seeds():
+    assert list(inspect.signature(cute_ops.attn2_splits).parameters) == ["max_model_len", "window", "num_kv_heads"]
+    assert list(inspect.signature(cute_ops.attn2_window).parameters) == ["sliding_window", "max_model_len"]
+    assert list(inspect.signature(cute_ops.attn2_workspace_bytes).parameters) == ["num_reqs", "num_kv_heads",
+                                                                                   "num_splits"]
+    assert list(inspect.signature(cute_ops.unsupported_attn2).parameters) == ["layer"]
+
+
+@pytest.mark.parametrize("sliding_window, max_model_len, want", [
+    (None, 131072, 0),  # no window
+    (2048, 131072, 2048),  # Muse Spark's sliding layers
+    (2048, 2048, 0),  # the window covers every key
+    (4096, 2048, 0),
+    (1, 16, 1),  # the smallest window: the row's own key
+])
+def test_attn2_window(sliding_window, max_model_len, want):
+    assert cute_ops.attn2_window(sliding_window, max_model_len) == want
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_attn2_window_refuses(bad):
+    with pytest.raises(ValueError):
+        cute_ops.attn2_window(bad, 131072)
+
+
+def test_attn2_window_refuses_bad_length():
+    with pytest.raises(ValueError):
+        cute_ops.attn2_window(None, 0)
+
+
+@pytest.mark.parametrize("max_model_len, window, kv_heads, want", [
+    (2048, 0, 2, 1),  # SHORT_MAX_LEN: one CTA per KV head
+    (8, 0, 1, 1),
+    (2049, 0, 2, 64),  # just past it: 129 pages, capped at MAX_SPLITS
+    (131072, 0, 1, 64),  # tp 16: MAX_SPLITS
+    (131072, 0, 2, 64),  # tp 8
+    (131072, 0, 4, 64),  # tp 4: the same splits at every tp (rank identity)
+    (131072, 0, 8, 64),  # tp 2
+    (131072, 2048, 2, 64),  # the window: 130 pages a row can see
+    (131072, 64, 2, 2),  # a small window: 6 pages, two per split at least
+    (4096, 0, 3, 64),  # 256 pages: MAX_SPLITS
+    (2100, 0, 2, 64),  # 132 pages // 2 = 66: rounded down to a power of two
+    (2200, 64, 2, 2),  # a 6-page window
+])
+def test_attn2_splits(max_model_len, window, kv_heads, want):
+    assert cute_ops.attn2_splits(max_model_len, window, kv_heads) == want
+
+
+@pytest.mark.parametrize("args", [(0, 0, 2), (4096, -1, 2), (4096, 0, 0), (4096, 0, 2.0), (True, 0, 2)])
+def test_attn2_splits_refuses(args):
+    with pytest.raises(ValueError):
+        cute_ops.attn2_splits(*args)
+
+
+def test_attn2_workspace_bytes():
+    assert cute_ops.attn2_workspace_bytes(1, 2, 1) == 0  # nothing to merge
+    counters = attn2_layout.counter_words(1, 2, 64) * 4
+    assert counters % 16 == 0 and counters >= 2 * 64 * 4
+    assert cute_ops.attn2_workspace_bytes(1, 2, 64) == counters + 2 * 64 * attn2_layout.PARTIAL_BYTES
+    assert cute_ops.attn2_workspace_bytes(3, 1, 2) == 32 + 3 * 2 * attn2_layout.PARTIAL_BYTES  # 6 counters, padded
+
+
+@pytest.mark.parametrize("args", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (1, 2, 3), (1, 2, 2.0)])
+def test_attn2_workspace_bytes_refuses(args):
+    with pytest.raises(ValueError):
+        cute_ops.attn2_workspace_bytes(*args)
+
+
+def test_unsupported_attn2_accepts_muse_spark_at_every_tp():
+    for tp in (2, 4, 8, 16):
+        kv = config.NUM_KV_HEADS // tp
+        assert cute_ops.unsupported_attn2(Attn2Layer(num_heads=8 * kv, num_kv_heads=kv)) is None
+    # the model's own float64 product, and the same value in binary32
+    assert cute_ops.unsupported_attn2(Attn2Layer(scaling=math.ldexp(1, -3) * 5.473)) is None
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(use_o_norm=False), "o-norm"),
+    (dict(use_o_gate=False), "o-gate"),
+    (dict(head_dim=128), "head_dim 128"),
+    (dict(num_heads=12), "12 query heads"),
+    (dict(num_kv_heads=0, num_heads=0), "num_kv_heads"),
+    (dict(scaling=0.125), "softmax scale"),
+    (dict(scaling=float("nan")), "softmax scale"),
+    (dict(rms_norm_eps=1e-6), "eps"),
+])
+def test_unsupported_attn2_names_the_reason(change, words):
+    reason = cute_ops.unsupported_attn2(dataclasses.replace(Attn2Layer(), **change))
+    assert reason is not None and words in reason
+
+
+def test_unsupported_attn2_on_a_foreign_object():
+    assert "attributes" in cute_ops.unsupported_attn2(object())
