@@ -172,3 +172,18 @@ def test_a_fault_record_decodes_to_rank_peer_slot_row_and_generation():
     assert "rank 1 timed out waiting for rank 3" in fault.message() and "generation 2" in fault.message()
     with pytest.raises(ValueError):
         oneshot.decode_fault([1, 2], 8)
+
+
+def test_the_host_object_refuses_memory_it_cannot_use_before_compiling():
+    import torch
+
+    tp, capacity = 2, 4
+    memory = dict(mailbox=torch.full(oneshot.mailbox_shape(tp, capacity, WIDTH, "bf16"), -32768, dtype=torch.int16),
+                  peer_mailboxes=torch.zeros(tp, dtype=torch.int64), stage=torch.zeros(2, dtype=torch.int32),
+                  fault=torch.full((4,), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="CUDA"):  # host memory: no kernel can store into it
+        oneshot.OneShotAllReduce(rank=0, tp=tp, capacity=capacity, width=WIDTH, **memory)
+    with pytest.raises(ValueError, match="rank 2 outside"):
+        oneshot.OneShotAllReduce(rank=2, tp=tp, capacity=capacity, width=WIDTH, **memory)
+    with pytest.raises(ValueError, match="dtype"):
+        oneshot.OneShotAllReduce(rank=0, tp=tp, capacity=capacity, width=WIDTH, dtype="fp16", **memory)
