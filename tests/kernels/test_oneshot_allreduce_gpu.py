@@ -11,7 +11,6 @@ verdict as JSON; the parent waits a bounded time and kills what is left.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
