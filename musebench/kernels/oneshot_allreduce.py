@@ -1,11 +1,13 @@
 """musebench one-shot (Lamport IPC): an all-reduce of one [m, width] vector per rank, one kernel per call.
 
-Own implementation of the published algorithm of the one-shot all-reduces H200 users pick (vLLM's
-custom all-reduce, TensorRT-LLM's one-shot Lamport all-reduce as FlashInfer ships it in
-`trtllm_custom_all_reduce` / `trtllm_allreduce_fusion`), read for facts only, nothing copied: every
-rank stores its vector into its own slot of every rank's buffer, then each rank waits until every
-slot of its own buffer has landed and sums them. Here the buffer is a Lamport mailbox of the tails'
-protocol (`musebench.comm.protocol`), allocated like theirs (`comm.mailboxes.allocate_process`:
+Own implementation of the published algorithm of the one-shot all-reduces H200 users pick over
+CUDA IPC buffers, read for facts only, nothing copied: TensorRT-LLM's one-shot Lamport all-reduce
+(as FlashInfer ships it in `trtllm_custom_all_reduce` / `trtllm_allreduce_fusion`) pushes: every
+rank stores its vector into its own slot of every rank's buffer (a -0.0 word means "not arrived",
+three buffers rotate), then each rank waits until every slot of its own buffer has landed and sums
+them; vLLM's custom all-reduce (world sizes 2, 4, 6, 8, 16, up to 8 MiB) moves the same bytes by
+pulling peers' registered buffers after a flag barrier. This kernel is the push form. Here the
+buffer is a Lamport mailbox of the tails' protocol (`musebench.comm.protocol`), allocated like theirs (`comm.mailboxes.allocate_process`:
 CUDA IPC handles where processes share GPUs, SymmetricMemory peer pointers one process per GPU):
 int16 words [3, tp, capacity, row words] per rank, armed with BF16 -0.0, a stage word pair and a
 fault record.
@@ -15,7 +17,7 @@ Why not FlashInfer's own kernel (decided 2026-12-01, flashinfer-python 0.7.2.pos
 `trtllm_custom_all_reduce` and `trtllm_allreduce_fusion` load `gen_trtllm_comm_module()`, which
 is compiled at first use by nvcc and ninja (JIT) unless the separate `flashinfer-jit-cache`
 package holds it, and that package is not on PyPI, the only Python registry these machines
-reach (`flashinfer-cubin` there is 0.6.13 and ships other kernels). The H200 image has nvcc 13.0
+reach (`flashinfer-cubin` there is 0.6.13, not this version, and holds cubins, not JIT modules). The H200 image has nvcc 13.0
 and ninja, but nothing can be installed there: the 62 MB wheel and its binary dependencies
 (apache-tvm-ffi, nccl4py, cuda-tile, ...) would have to travel in pieces beside CuTe DSL, and a
 JIT build of three TRT-LLM sources per fresh lease is untried. vLLM's kernel is its compiled
