@@ -6,9 +6,11 @@ finalize's (`stock.ep.ep_tail_reference`), identical on every rank. With `--ep-l
 the cute tail runs as one kernel, bitwise the same (its rows are named `ep_tail_single`).
 
 Mailbox: "ep", tp source slots of `capacity` rows of 4096 BF16 words. Bytes moved per rank and
-call: the partial to every rank, tp * m * 8 KiB. Bench baselines: the stock finalize alone, and
-with one process per GPU the finalize followed by an NCCL all-reduce or by torch
-SymmetricMemory's one-shot all-reduce of the partial.
+call: the partial to every rank, tp * m * 8 KiB. Bench baselines: the stock finalize alone; with
+processes, the finalize followed by musebench's one-shot all-reduce of the partial (own
+implementation of the Lamport IPC one-shot, `kernels.oneshot_allreduce`, over the "one_shot"
+mailbox a process bench adds: `baseline_mailboxes`), and with one process per GPU the finalize
+followed by an NCCL all-reduce or by torch SymmetricMemory's one-shot all-reduce.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ PROCESS_STOCK = "finalize+nccl"  # with a process per GPU: what a user runs with
 SINGLE_LAUNCH_KERNEL = "ep_tail_single"  # rows of the cute EP tail run as one kernel (--ep-launch single)
 
 make_inputs = shared.make_inputs
+baseline_mailboxes = shared.baseline_mailboxes  # a process bench's one-shot all-reduce mailbox
 
 
 def mailboxes(case: TailCase, capacity: int) -> dict[str, MailboxSpec]:

@@ -17,11 +17,17 @@ from typing import Any
 
 import torch
 
-from musebench.harness.case import Expected, RunOptions
+from musebench.harness.case import Expected, MailboxSpec, RunOptions
 from musebench.harness.measure import PUBLISHER
-from musebench.cases.tail_inputs import TailCase, TailInputs, make_tail_inputs
+from musebench.cases.tail_inputs import EDGE_PADDING_ROWS, TailCase, TailInputs, make_tail_inputs
 
 OUT = "out"
+ONE_SHOT_MAILBOX = "one_shot"  # the one-shot all-reduce baseline's mailbox (benches of processes only)
+ONE_SHOT = "one-shot(own)"  # musebench's one-shot all-reduce in baseline names: our own implementation
+ONE_SHOT_NOTE = ("one-shot(own) = musebench one-shot (Lamport IPC), own implementation of the published algorithm "
+                 "(vLLM custom all-reduce / TRT-LLM one-shot Lamport), not FlashInfer's kernel, which needs a JIT "
+                 "build the device cannot do (musebench/kernels/oneshot_allreduce.py); its result is checked "
+                 "bitwise against the rank-order sum on every rank")
 
 
 @dataclass
@@ -109,20 +115,67 @@ def cpu_options(case: TailCase, rank: int, options: RunOptions) -> Any:
 @dataclass(frozen=True)
 class Baseline:
     """A path a bench times beside the tail: `call` launches it on the current stream;
-    `collective` ones are timed behind a one-call sync graph (every rank reaches the same call)."""
+    `collective` ones are timed behind a one-call sync graph (every rank reaches the same call).
+    `outputs` are poisoned before the timed replays (so the replays must write them); `check`
+    (collective: every rank calls it after the path, timed or not) returns why the path's result
+    is wrong on this rank, or None; `note` goes on the row."""
 
     call: Callable[[], None]
     collective: bool = False
+    outputs: dict[str, torch.Tensor] | None = None
+    check: Callable[[], str | None] | None = None
+    note: str | None = None
+
+
+def baseline_mailboxes(case: TailCase, capacity: int) -> dict[str, MailboxSpec]:
+    """The mailbox a process bench allocates beside the case's own for the one-shot all-reduce
+    baseline: tp slots of rows enough for the TP tail's K-partials (capacity * top_k routes and
+    the edge inputs' padding rows), 4096 BF16 wide; the EP partial uses its first m rows."""
+    return {ONE_SHOT_MAILBOX: MailboxSpec(slots=case.tp, rows=capacity * case.top_k + EDGE_PADDING_ROWS,
+                                          width=case.width)}
+
+
+def one_shot_check(all_reduce: Any, source: torch.Tensor, out: torch.Tensor) -> Callable[[], str | None]:
+    """Collective over the default process group: every rank's `source` gathered to every rank,
+    this rank's `out` compared bitwise with their rank-order sum (`stock.all_reduce`), and the
+    all-reduce's fault record read. Returns the first problem as a line, or None."""
+
+    def check() -> str | None:
+        import torch.distributed as dist
+
+        from musebench.stock.all_reduce import mismatches, rank_order_sum
+
+        problem, mine, got = None, None, None
+        try:
+            all_reduce.check_fault()
+            mine, got = source.detach().cpu(), out.detach().cpu()
+        except Exception as error:
+            problem = f"{type(error).__name__}: {error}"
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        if problem is not None:
+            return problem
+        if any(part is None for part in parts):
+            return "a peer could not read its input back"
+        wrong, first = mismatches(got, rank_order_sum(parts))
+        if wrong:
+            return f"{wrong} words differ from the rank-order sum of every rank's input, the first at flat index {first}"
+        return None
+
+    return check
 
 
 def tail_baselines(case: TailCase, inputs: TailInputs, rank: int, runner: TailRunner, comms: Any,
                    *, reduce_first: bool) -> dict[str, Baseline]:
     """The stock finalize of this rank's rows alone (`finalize`, no communication), and with
-    `comms` (one process per GPU: an NCCL group and SymmetricMemory on it) the finalize and an
-    all-reduce of the partial (EP: `finalize+nccl`, `finalize+symm_mem`) or, `reduce_first`
-    (TP: the norm needs whole rows), the all-reduce of the K-partial rows then the finalize
-    (`nccl+finalize`, `symm_mem+finalize`). Baseline outputs are not checked bitwise: their sums
-    run in another order."""
+    `comms` (a process bench's) the finalize and an all-reduce of the partial (EP) or,
+    `reduce_first` (TP: the norm needs whole rows), the all-reduce of the K-partial rows then the
+    finalize: musebench's one-shot all-reduce over the `one_shot` mailbox wherever the run has one
+    (`finalize+one-shot(own)`, `one-shot(own)+finalize`; processes sharing a GPU too), and with an
+    NCCL group (one process per GPU) NCCL's and torch SymmetricMemory's (`finalize+nccl`,
+    `finalize+symm_mem`; `nccl+finalize`, `symm_mem+finalize`). The one-shot's result is checked
+    bitwise against the rank-order sum of every rank's input (`one_shot_check`); the others'
+    outputs are not checked: their sums run in another order."""
     from musebench.layout import UnfinalizedMoEOutput
     from musebench.stock.triton_finalize import triton_finalize
 
@@ -139,7 +192,12 @@ def tail_baselines(case: TailCase, inputs: TailInputs, rank: int, runner: TailRu
     paths = {"finalize": Baseline(lambda: finalize(source, partial))}
     if comms is None:
         return paths
+    box = comms.mailboxes.get(ONE_SHOT_MAILBOX)
+    if box is not None:
+        paths.update(_one_shot_baselines(case, source, box, comms.timeout_ns, finalize, partial, reduce_first))
     group = comms.group
+    if group is None:
+        return paths
     import torch.distributed as dist
 
     if not reduce_first:
@@ -176,3 +234,35 @@ def tail_baselines(case: TailCase, inputs: TailInputs, rank: int, runner: TailRu
     paths["nccl+finalize"] = Baseline(nccl_finalize, collective=True)
     paths["symm_mem+finalize"] = Baseline(one_shot_finalize, collective=True)
     return paths
+
+
+def _one_shot_baselines(case: TailCase, source: Any, box: Any, timeout_ns: int, finalize: Callable[[Any, torch.Tensor], None],
+                        partial: torch.Tensor, reduce_first: bool) -> dict[str, Baseline]:
+    """EP: the finalize of this rank's rows, then the one-shot all-reduce of its [m, 4096] BF16
+    result; TP: the one-shot all-reduce of the K-partial rows (their first 4096 columns), then
+    the finalize of the summed rows."""
+    from musebench.kernels.oneshot_allreduce import OneShotAllReduce
+    from musebench.layout import UnfinalizedMoEOutput
+
+    all_reduce = OneShotAllReduce.from_mailbox(box, timeout_ns=timeout_ns)  # compiles, warms up: before capture
+    if not reduce_first:
+        finalized = torch.empty_like(partial)
+        reduced = torch.empty_like(partial)
+
+        def finalize_one_shot() -> None:
+            finalize(source, finalized)
+            all_reduce.run(finalized, reduced)
+
+        return {f"finalize+{ONE_SHOT}": Baseline(finalize_one_shot, collective=True, outputs={OUT: reduced},
+                                                  check=one_shot_check(all_reduce, finalized, reduced),
+                                                  note=ONE_SHOT_NOTE)}
+    rows = source.gemm2_permuted[:, : case.width].contiguous()
+    reduced_rows = torch.empty_like(rows)
+    summed = UnfinalizedMoEOutput(reduced_rows, source.route_weights, source.expanded_idx_to_permuted_idx)
+
+    def one_shot_finalize() -> None:
+        all_reduce.run(rows, reduced_rows)
+        finalize(summed, partial)
+
+    return {f"{ONE_SHOT}+finalize": Baseline(one_shot_finalize, collective=True, outputs={OUT: reduced_rows},
+                                              check=one_shot_check(all_reduce, rows, reduced_rows), note=ONE_SHOT_NOTE)}

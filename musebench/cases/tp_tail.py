@@ -8,8 +8,10 @@ its row, the other ranks get the stock's copy (`stock.tp.tp_rank_output`).
 
 Mailboxes: "tp_route" (tp source slots of capacity * 8 route rows) and "tp_token" (one slot of
 capacity rows widened to FP32: a BF16 row can hold the 32-bit sentinel). Bench baselines: the
-stock finalize alone, and with one process per GPU an NCCL or SymmetricMemory all-reduce of the
-K-partial rows followed by the finalize (the norm needs whole rows).
+stock finalize alone; with processes, musebench's one-shot all-reduce of the K-partial rows
+(`kernels.oneshot_allreduce`, over the "one_shot" mailbox of `baseline_mailboxes`) followed by the
+finalize; with one process per GPU an NCCL or SymmetricMemory all-reduce of the K-partial rows
+followed by the finalize (the norm needs whole rows).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ VIRTUAL_STOCK = "finalize"  # the row's stock_us on virtual ranks: one rank's fi
 PROCESS_STOCK = "nccl+finalize"  # with a process per GPU: what a user runs without musebench
 
 make_inputs = shared.make_inputs
+baseline_mailboxes = shared.baseline_mailboxes  # a process bench's one-shot all-reduce mailbox
 
 
 def mailboxes(case: TailCase, capacity: int) -> dict[str, MailboxSpec]:

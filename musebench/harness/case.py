@@ -156,4 +156,7 @@ class Family(Protocol):
 
     def baselines(self, case: Any, inputs: Any, rank: int, runner: Runner, comms: Any) -> dict[str, Any]:
         """name -> `cases.tail.Baseline` (a call, collective or not): what a bench times beside
-        the case on the same inputs; `comms` (an NCCL group with SymmetricMemory) or None."""
+        the case on the same inputs; `comms` (a process bench's: `group`, an NCCL group with
+        SymmetricMemory, or None where processes share GPUs; `mailboxes`, this rank's, with those
+        of the optional `baseline_mailboxes(case, capacity)` a family may define; `timeout_ns`)
+        or None (virtual ranks)."""

@@ -125,13 +125,18 @@ def shared_gpu_timing_note(local_world: int) -> str | None:
 # What every launcher shares
 
 
-def mailbox_specs(cases: Sequence[Any], capacity: int = 0) -> dict[str, MailboxSpec]:
+def mailbox_specs(cases: Sequence[Any], capacity: int = 0, *, bench: bool = False) -> dict[str, MailboxSpec]:
     """The union of the cases' mailboxes, sized for `capacity` tokens (0: the largest token count;
-    never fewer than that)."""
+    never fewer than that); with `bench` (a process bench) also their baselines' mailboxes
+    (`baseline_mailboxes`, where a family has them)."""
     capacity = max(capacity, max(case.tokens for case in cases), 1)
     specs: dict[str, MailboxSpec] = {}
     for case in cases:
-        for name, spec in family_of(case).mailboxes(case, capacity).items():
+        family = family_of(case)
+        wanted = dict(family.mailboxes(case, capacity))
+        if bench and hasattr(family, "baseline_mailboxes"):
+            wanted.update(family.baseline_mailboxes(case, capacity))
+        for name, spec in wanted.items():
             if specs.setdefault(name, spec) != spec:
                 raise ValueError(f"mailbox {name!r} is asked for with two shapes in one run")
     return specs
@@ -530,6 +535,28 @@ class _Collectives:
         torch.ops.symm_mem.one_shot_all_reduce_out(source, "sum", self.group.group_name, out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BaselineComms:
+    """What a process bench's baselines communicate through (`Family.baselines`' `comms`): the
+    NCCL group with SymmetricMemory (`collectives`, one process per GPU; None where processes
+    share GPUs or NCCL could not start), this rank's mailboxes (the cases' and their baselines'),
+    and the bound on a baseline's device waits."""
+
+    collectives: _Collectives | None
+    mailboxes: dict
+    timeout_ns: int
+
+    @property
+    def group(self) -> Any:
+        return self.collectives.group if self.collectives is not None else None
+
+    def symmetric_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return self.collectives.symmetric_buffer(shape, device)
+
+    def one_shot(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        self.collectives.one_shot(source, out)
+
+
 def process_transport(options: RunOptions, tp: int) -> Any:
     """The transport this host's processes get (`comm.transport.decide`, as every rank asks it)."""
     return decide(layout_here(options.backend, "torchrun", tp), options.transport)
@@ -566,7 +593,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     if options.backend == "cute":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    specs = mailbox_specs(cases, options.capacity) if cases else {}
+    specs = mailbox_specs(cases, options.capacity, bench=measurement == "bench") if cases else {}
     boxes = mailbox_sets.allocate_process(specs, rank, tp, transport, job) if specs else {}
     transport = transport.name
     rows: list[CaseResult] = []
@@ -719,7 +746,8 @@ def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, 
     for name, variant in family.variants(case, options).items():
         _process_variant(case, family, name, variant, rank, boxes, inputs, time_path, outcome, impl, agree, rearm)
     try:
-        paths = family.baselines(case, inputs, rank, runner, collectives)
+        comms = _BaselineComms(collectives, boxes, int(options.timeout_s * 1e9))
+        paths = family.baselines(case, inputs, rank, runner, comms)
     except Exception as error:
         paths = {}
         outcome.notes.append(f"baselines not timed: {type(error).__name__}: {error}")
@@ -729,9 +757,17 @@ def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, 
         paths = {}
     for name, baseline in paths.items():
         try:
-            outcome.times_us[name] = time_path(baseline.call, collective=baseline.collective)
+            outcome.times_us[name] = time_path(baseline.call, collective=baseline.collective,
+                                               outputs=baseline.outputs)
         except Exception as error:
             outcome.notes.append(f"{name} not timed: {type(error).__name__}: {error}")
+        if baseline.note and baseline.note not in outcome.notes:
+            outcome.notes.append(baseline.note)
+        if baseline.check is not None:  # collective: every rank, timed or not
+            problem = baseline.check()
+            if problem is not None:  # a baseline that computes garbage fast fails the row
+                outcome.times_us.pop(name, None)
+                outcome.error = outcome.error or f"rank {rank}: the {name} baseline is wrong: {problem}"
     if collectives is None:
         note = shared_gpu_timing_note(int(os.environ.get("LOCAL_WORLD_SIZE", case.tp)))
         if note is not None and boxes:

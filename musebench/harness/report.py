@@ -137,6 +137,16 @@ def _format_ratio(value: float | None) -> str:
     return _MISSING if value is None else f"{value:.2f}×"
 
 
+BASELINE_LEGEND = "baseline columns: µs (tail / that baseline, same run, each the max over ranks)"
+
+
+def _baseline_cell(case: CaseResult, name: str) -> str:
+    """A baseline's µs and the tail's ratio to it: `12.70 (0.37×)`."""
+    us = case.baselines_us.get(name)
+    ratio = case.baseline_ratios.get(name)
+    return _format_us(us) if ratio is None else f"{_format_us(us)} ({_format_ratio(ratio)})"
+
+
 def _format_bits(bits: int, width_digits: int) -> str:
     return f"0x{bits:0{width_digits}x}"
 
@@ -247,7 +257,7 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
                 Text(_format_us(case.stock_us if bench else None)),
                 Text(_format_ratio(case.ratio if bench else None)),
             ]
-            row += [Text(_format_us(case.baselines_us.get(name) if bench else None)) for name in baselines]
+            row += [Text(_baseline_cell(case, name) if bench else _MISSING) for name in baselines]
             row += [Text(_format_us(case.kernels_us.get(name) if bench else None)) for name in parts]
         table.add_row(*row, style=None if passed else "red")
 
@@ -255,6 +265,8 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
         console.print(table)
     else:  # only skipped runs: the heading still says which machine and command this was
         console.print(Text(heading, style="italic"))
+    if baselines:
+        console.print(Text(BASELINE_LEGEND), soft_wrap=True)
     notes = list(dict.fromkeys(note for case in report.cases for note in case.notes))
     for note in notes:
         console.print(Text(f"note: {note}"), soft_wrap=True)

@@ -98,6 +98,13 @@ class CaseResult:
         return self.tail_us / self.stock_us
 
     @property
+    def baseline_ratios(self) -> dict[str, float]:
+        """tail / each baseline of the same run (each the max over ranks), where both were timed."""
+        if self.tail_us is None:
+            return {}
+        return {name: self.tail_us / us for name, us in self.baselines_us.items() if us}
+
+    @property
     def key(self) -> tuple:
         """Identity of a case across runs (for `report --compare`)."""
         return (self.kernel, self.tp, self.tokens, self.weight_dtype, self.norm, self.inputs, self.transport)
@@ -106,6 +113,7 @@ class CaseResult:
         data = asdict(self)
         data["passed"] = self.passed
         data["ratio"] = self.ratio
+        data["baseline_ratios"] = self.baseline_ratios  # derived, like "ratio": readers ignore it
         return data
 
     @classmethod

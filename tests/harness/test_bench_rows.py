@@ -113,3 +113,18 @@ def test_the_spec_carries_the_measurement_and_the_bench_options():
 def test_a_bench_case_is_bounded():
     bound = launch.case_bound_s(RunOptions(backend="cute"), OPTIONS)
     assert 30.0 < bound < 120.0
+
+
+def test_a_row_gives_the_tail_over_each_baseline_of_the_same_run():
+    row = _row(_outcomes(**{"finalize+one-shot(own)": (8.0, 10.0)}))
+    assert row.baselines_us["finalize+one-shot(own)"] == 10.0  # the slowest rank
+    assert row.baseline_ratios == {"finalize": 5.0 / 3.0, "finalize+nccl": 0.25, "finalize+one-shot(own)": 0.5}
+    data = json.loads(json.dumps(row.to_dict()))
+    assert data["baseline_ratios"]["finalize+one-shot(own)"] == 0.5
+    assert CaseResult.from_dict(data).baseline_ratios == row.baseline_ratios  # derived, not stored
+
+
+def test_a_baseline_timed_on_no_rank_has_no_ratio():
+    row = _row(_outcomes())
+    row.tail_us = None
+    assert row.baseline_ratios == {}

@@ -445,3 +445,17 @@ def test_report_module_does_not_import_torch():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert result.stdout.strip() == "False"
+
+
+def test_each_baseline_shows_its_us_and_the_tails_ratio_to_it():
+    from musebench.harness.report import BASELINE_LEGEND
+
+    console = Console(record=True, width=300)
+    row = make_case(tail_us=5.0, baselines_us={"finalize+nccl": 20.0, "finalize+one-shot(own)": 10.0})
+    render_table(make_report([row, check_case(tokens=2)]), console)
+    text = console.export_text()
+    assert "20.00 (0.25×)" in text and "10.00 (0.50×)" in text
+    assert "finalize+one-shot(own) µs" in text and BASELINE_LEGEND in text
+    console = Console(record=True, width=300)
+    render_table(make_report([make_case()]), console)  # no baselines: no legend
+    assert BASELINE_LEGEND not in console.export_text()
