@@ -126,9 +126,11 @@ def test_transports_by_layout():
     assert single["distinct_gpus"]["transports"] == []
 
     assert transports(fake_info(8))["distinct_gpus"]["transports"] == ["unicast", "ipc"]
-    # multicast is refused even where usable: no multicast mailbox exists yet (issue 14)
+    # multicast where usable; where not, the note gives the machine's reason
     fabric = transports(fake_info(8, multicast_usable=True))["distinct_gpus"]
-    assert fabric["transports"] == ["unicast", "ipc"] and "multicast mailboxes are not implemented yet" in fabric["note"]
+    assert fabric["transports"] == ["unicast", "ipc", "multicast"]
+    forbidden = transports(fake_info(8))["distinct_gpus"]
+    assert forbidden["transports"] == ["unicast", "ipc"] and "multicast: forbidden" in forbidden["note"]
     no_peer = transports(fake_info(2, p2p=False, multicast_usable=True))["distinct_gpus"]
     assert no_peer["transports"] == [] and "peer access" in no_peer["note"]
 
