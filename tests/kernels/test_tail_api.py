@@ -51,7 +51,7 @@ SEED_FUNCTIONS = {
     tail.compile_publisher: (
         [("constants", POS, EMPTY), ("weight_dtype", POS, EMPTY), ("tp", KW, EMPTY), ("rank", KW, EMPTY),
          ("capacity", KW, EMPTY), ("enable_pdl", KW, EMPTY)],
-        ("single_launch", "timeout_ns", "arch", "ptx_dir"),
+        ("single_launch", "timeout_ns", "transport", "arch", "ptx_dir"),
     ),
     tail.compile_reduce: (
         [("tp", KW, EMPTY), ("capacity", KW, EMPTY), ("enable_pdl", KW, EMPTY)],
@@ -61,12 +61,12 @@ SEED_FUNCTIONS = {
         [("constants", POS, EMPTY), ("weight_dtype", POS, EMPTY), ("tp", KW, EMPTY), ("rank", KW, EMPTY),
          ("split", KW, EMPTY), ("slots", KW, EMPTY), ("route_peers", KW, EMPTY), ("generations", KW, EMPTY),
          ("enable_pdl", KW, EMPTY), ("timeout_ns", KW, SEED_TIMEOUT)],
-        ("capacity", "variant", "token_width", "arch", "ptx_dir"),
+        ("capacity", "variant", "token_width", "transport", "arch", "ptx_dir"),
     ),
     tail.MoETail.__init__: (
         [("self", POS, EMPTY), ("group", POS, EMPTY), ("tp", KW, EMPTY), ("rank", KW, EMPTY), ("device", KW, EMPTY),
          ("capacity", KW, CAP), ("enable_pdl", KW, True)],
-        ("timeout_ns", "single_launch", "mailbox"),
+        ("timeout_ns", "single_launch", "mailbox", "transport"),
     ),
     tail.MoETail.select: ([("self", POS, EMPTY), ("constants", POS, EMPTY), ("weight_dtype", POS, EMPTY), ("m", POS, EMPTY)], ()),
     tail.MoETail.bind: ([("self", POS, EMPTY), ("norm", POS, EMPTY)], ("weight_dtypes",)),
@@ -78,7 +78,7 @@ SEED_FUNCTIONS = {
     tail.TpTail.__init__: (
         [("self", POS, EMPTY), ("group", POS, EMPTY), ("tp", KW, EMPTY), ("rank", KW, EMPTY), ("device", KW, EMPTY),
          ("capacity", KW, CAP), ("batches", KW, (8,)), ("enable_pdl", KW, True), ("timeout_ns", KW, SEED_TIMEOUT)],
-        ("nsm", "routes", "tokens"),
+        ("nsm", "routes", "tokens", "transport"),
     ),
     tail.TpTail.split: ([("self", POS, EMPTY), ("m", POS, EMPTY)], ()),
     tail.TpTail.select: ([("self", POS, EMPTY), ("constants", POS, EMPTY), ("weight_dtype", POS, EMPTY), ("m", POS, EMPTY)], ()),
