@@ -320,6 +320,32 @@ def test_layout_here_reads_the_launch(monkeypatch):
         decide(in_job, environ={})
 
 
+def test_layout_here_reads_the_fabric_attribute_for_cute_processes_across_hosts_only(monkeypatch):
+    asked: list[str] = []
+    monkeypatch.setattr(transport, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(transport, "peer_access_everywhere", lambda gpus: True)
+    monkeypatch.setattr(transport, "symmetric_memory_imports", lambda: True)
+    monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: asked.append(attribute) or [True] * count)
+    one_host = transport.layout_here("cute", "torchrun", 4, environ={"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    assert one_host.fabric is False and asked == []
+    two_hosts = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert transport.layout_here("cpu", "torchrun", 8, environ=two_hosts).fabric is False and asked == []
+    rack = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    assert rack.fabric is True and asked == [transport.FABRIC_ATTRIBUTE]
+    assert decide(rack, environ={}).name == "unicast"
+    monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True, False, True, True])
+    no_fabric = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    assert no_fabric.fabric is False
+    with pytest.raises(TransportRefused, match=f"unicast across hosts \\(2\\) {NO_FABRIC}"):
+        decide(no_fabric, environ={})
+
+    def no_driver(count, attribute):
+        raise ImportError("no cuda-python")
+
+    monkeypatch.setattr(transport, "query_device_attribute", no_driver)
+    assert transport.fabric_everywhere(4) is False and transport.fabric_everywhere(0) is False
+
+
 def test_peer_access_needs_no_probe_below_two_gpus_and_is_false_where_nothing_answers():
     assert transport.peer_access_everywhere(0) is True and transport.peer_access_everywhere(1) is True
     try:
