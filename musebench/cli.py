@@ -167,7 +167,9 @@ def _is_reporting_rank() -> bool:
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default 148).")
 @click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default="auto", show_default=True,
               help="Mailbox transport: auto picks the layout's (local, unicast, ipc; the CPU model's cpu-local, shm); "
-                   "a transport the layout or machine cannot have exits 2 (multicast, everywhere until issue 14).")
+                   "multicast maps the mailboxes through NVLink multicast too (one process per GPU, where the "
+                   "driver reports it and the environment allows it); a transport the layout or machine cannot "
+                   "have exits 2 with the reason (`musebench env` says which this machine gets).")
 @click.option("--ep-launch", type=click.Choice(["two", "single"]), default="two", show_default=True,
               help="The cute EP tail as two kernels (publisher, reduction) or one (rows: ep_tail_single).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")

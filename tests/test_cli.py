@@ -388,8 +388,10 @@ def test_multicast_where_the_policy_forbids_it_names_the_variables(monkeypatch, 
             in result.output)
 
 
-def test_multicast_where_the_machine_has_it_is_refused_not_run_as_unicast(monkeypatch, nothing_launches):
-    """A multicast rack (stood in for): one process per GPU, every attribute set; no mailbox yet."""
+def test_multicast_where_the_machine_has_it_makes_a_multicast_job(monkeypatch):
+    """A multicast rack (stood in for): one process per GPU, every attribute set, the policy
+    silent: the job is made with transport multicast and handed to the runner (stood in for
+    here: nothing starts), not refused and not turned into unicast."""
     from musebench.comm import transport
     from musebench.harness import jobs
 
@@ -398,10 +400,19 @@ def test_multicast_where_the_machine_has_it_is_refused_not_run_as_unicast(monkey
     monkeypatch.setattr(jobs, "resolve_backend", lambda requested: ("cute", "cute (test)"))
     monkeypatch.setattr(transport, "visible_gpus", lambda: 4)
     monkeypatch.setattr(transport, "peer_access_everywhere", lambda gpus: True)
+    monkeypatch.setattr(transport, "symmetric_memory_imports", lambda: True)
     monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True] * count)
+    monkeypatch.setattr(jobs, "gpu_sm_count", lambda: 148)
+    handed: list = []
+
+    def stand_in(job, *args, **kwargs):
+        handed.append(job)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(jobs, "run_job", stand_in)
     result = _run("tail", "--tp", "4", "--transport", "multicast", "--launcher", "torchrun")
-    assert result.exit_code == 2
-    assert "transport multicast: multicast mailboxes are not implemented yet (issue 14)" in result.output
+    assert result.exit_code == 0, result.output
+    assert [job.options.transport for job in handed] == ["multicast"]
 
 
 def test_a_scenario_asking_for_multicast_exits_2_before_launching(nothing_launches):

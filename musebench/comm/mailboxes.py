@@ -9,8 +9,10 @@ transport picks the allocation:
 - `shm`: POSIX shared-memory files, one per rank and name, for processes of one host (collective:
   every file exists before a peer maps it);
 - `local`: device mailboxes of virtual ranks on one GPU (`device.local_device_group`);
-- `ipc` / `unicast`: a process's own device mailbox, its peers mapped through CUDA IPC or torch
-  SymmetricMemory (collective over the default process group).
+- `ipc` / `unicast` / `multicast`: a process's own device mailbox, its peers mapped through CUDA
+  IPC or torch SymmetricMemory, with `multicast` also the words' address in the group's NVLink
+  multicast mapping (collective over `group`: the default process group unless given, a
+  ProcessGroup or the group's global ranks, `comm.device.resolve_group`).
 
 `reset` re-arms every word, restarts the generations and clears the fault records of one rank's
 set (no call in flight: callers put it between two barriers, or after every thread joined);
@@ -25,7 +27,7 @@ from typing import Any
 from musebench.comm import lamport
 
 HOST_TRANSPORTS = ("cpu-local", "shm")
-DEVICE_TRANSPORTS = ("local", "ipc", "unicast")
+DEVICE_TRANSPORTS = ("local", "ipc", "unicast", "multicast")
 
 
 def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[dict[str, Any]]:
@@ -48,9 +50,12 @@ def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[
     return sets
 
 
-def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str) -> dict[str, Any]:
+def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str,
+                     group: Any = None) -> dict[str, Any]:
     """This process's set for `transport` (`comm.transport.Transport`: `shm`, `ipc` with its open
-    mode, or `unicast`); collective over the default group."""
+    mode, `unicast` or `multicast`, the last only as `decide`'s verdict); collective over the
+    default group (`shm`), or over `group` for device mailboxes (`rank`: this process's rank in
+    it, of `tp`). `comm.device.PeerMappingRefused` on every rank where a pair cannot be mapped."""
     from functools import partial
 
     import torch.distributed as dist
@@ -63,16 +68,19 @@ def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: An
                  for name, spec in specs.items()}
         dist.barrier()
         return boxes
-    if transport.name not in ("ipc", "unicast"):
-        raise ValueError(f"processes take shm, ipc or unicast mailboxes, not {transport.name!r}")
+    if transport.name not in ("ipc", "unicast", "multicast"):
+        raise ValueError(f"processes take shm, ipc, unicast or multicast mailboxes, not {transport.name!r}")
     import torch
 
     from musebench.comm.device import ipc_device_group, symmetric_device_group
 
     device = torch.device("cuda", torch.cuda.current_device())
-    group_of = (symmetric_device_group if transport.name == "unicast"
-                else partial(ipc_device_group, open_mode=transport.ipc_open))
-    return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device) for name, spec in specs.items()}
+    if transport.name == "ipc":
+        group_of = partial(ipc_device_group, open_mode=transport.ipc_open)
+    else:
+        group_of = partial(symmetric_device_group, multicast=transport.name == "multicast")
+    return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device, group=group)
+            for name, spec in specs.items()}
 
 
 def reset(boxes: Mapping[str, Any]) -> None:

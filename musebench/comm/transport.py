@@ -8,9 +8,18 @@ Transports (what carries a rank's stores into its peers' mailboxes):
 - `ipc`: cute processes sharing GPUs, CUDA IPC handles; a peer on this rank's GPU is opened
   through torch, a peer on another GPU on this rank's own device (`IPC_OPEN_MODES`);
 - `unicast`: cute processes on a GPU each, torch SymmetricMemory peer pointers;
-- `multicast`: NVLink multicast (GB200 racks). Never chosen today: no multicast mailbox is
-  allocated yet (issue 14), so asking for it is refused even where the fabric has it, never run as
-  unicast.
+- `multicast`: cute processes on a GPU each whose mailboxes torch SymmetricMemory also maps
+  through one NVLink multicast object per mailbox (GB200 racks): a `multimem.st` reaches every
+  rank; the rest of the protocol (the TP tail's route pushes) keeps the unicast peer pointers.
+  Granted only where the policy allows multicast and the driver reports it (below), never run as
+  unicast where it cannot be had.
+
+Across hosts (`Layout.hosts` > 1: torchrun nodes) a cute launch maps its peers through
+SymmetricMemory, which needs fabric handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED on
+every GPU: an NVLink fabric of several hosts); CUDA IPC works only among the processes of one
+physical host, so `ipc` across nodes is granted and its allocation names any pair of ranks on
+different hosts (`musebench.comm.device`). Every pair a transport cannot map is refused by the
+allocation, collectively, before any kernel launches.
 
 `decide(layout, request, multicast)` is the only place that picks one; the CLI's checks, the
 virtual and process launchers, the ranks' mailbox allocation and `musebench env`'s table all call
@@ -23,12 +32,13 @@ cute process launch) and MUSEBENCH_IPC_OPEN (`auto` | `this-device`: open every 
 rank's device; how one GPU tests the path peers on other GPUs take) are read here and nowhere
 else.
 
-Multicast is never exercised: `multicast_support` reads the environment's policy, then (only when
-the policy allows it) the driver's device attributes (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, and
+`decide` never creates a multicast object: `multicast_support` reads the environment's policy, then
+(only when the policy allows it) the driver's device attributes (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED, and
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED across hosts), never creating a multicast
 object: a program using NVLink multicast on a shared host can take every GPU on it out of
 service. TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NCCL_NVLS_ENABLE=0 and NVSHMEM_DISABLE_NVLS=1 each
-forbid it for musebench as a whole.
+forbid it for musebench as a whole. The only code that creates one (`comm.device`'s multicast
+allocation) runs behind a `multicast` verdict and reads the policy again itself.
 
 Importing this module imports neither torch nor cuda-python; `layout_here` and
 `multicast_support` import them when they probe the machine, and work without a GPU, a driver or
@@ -70,7 +80,6 @@ _PEER_MAPPING_REQUEST = {"symmetric": "unicast", "ipc": "ipc"}
 
 MULTICAST_ATTRIBUTE = "CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED"
 FABRIC_ATTRIBUTE = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"
-MULTICAST_NOT_IMPLEMENTED = "multicast mailboxes are not implemented yet (issue 14)"
 
 # (variable, whether its value forbids multicast). Matching is case-insensitive after stripping,
 # and errs towards forbidding: any value a user could mean as "disable" counts.
@@ -112,7 +121,9 @@ class Layout:
     for virtual ranks); gpus: CUDA GPUs visible to a process; hosts: distinct hosts the ranks span;
     peer_access: every pair of visible GPUs can access each other's memory (True where fewer than
     two GPUs are visible, and for the cpu backend, which moves nothing between GPUs);
-    symmetric_memory: torch.distributed._symmetric_memory imports.
+    symmetric_memory: torch.distributed._symmetric_memory imports; fabric: every visible GPU
+    reports CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (SymmetricMemory maps peers on other
+    hosts through fabric handles; read for cute process launches across hosts only).
     """
 
     backend: str
@@ -123,6 +134,7 @@ class Layout:
     hosts: int = 1
     peer_access: bool = True
     symmetric_memory: bool = True
+    fabric: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -295,14 +307,11 @@ def decide(layout: Layout, request: str = "auto", multicast: MulticastSupport | 
     if request not in REQUESTS:
         raise TransportRefused(request, f"unknown transport; choose from {', '.join(REQUESTS)}")
     if request == "multicast":
-        _refuse_multicast(layout, multicast, environ)
+        return _multicast(layout, multicast, environ)
     if layout.backend == "cpu":
         return _cpu_transport(layout, request)
     if layout.gpus < 1:
         raise TransportRefused(request, "the cute backend needs a CUDA GPU (none visible)")
-    if layout.hosts > 1:
-        raise TransportRefused(request, f"device mailboxes across hosts ({layout.hosts}) are not implemented yet "
-                                        "(issue 14)")
     if layout.launcher == "virtual":
         if request not in ("auto", "local"):
             raise TransportRefused(request, "virtual ranks share one process and one GPU (transport local); "
@@ -325,9 +334,10 @@ def decide(layout: Layout, request: str = "auto", multicast: MulticastSupport | 
     return _ipc(layout, _environment_choice(environ, "MUSEBENCH_IPC_OPEN", IPC_OPEN_MODES, asked), asked)
 
 
-def _refuse_multicast(layout: Layout, multicast: MulticastSupport | None, environ: Mapping[str, str]) -> None:
-    """Always raises: what the machine lacks first (no flag fixes it), then the layout, then that
-    no multicast mailbox exists yet."""
+def _multicast(layout: Layout, multicast: MulticastSupport | None, environ: Mapping[str, str]) -> Transport:
+    """Multicast where the machine and the layout allow it, else TransportRefused: what the machine
+    lacks first (policy, driver attribute, fabric across hosts: no flag fixes those), then the
+    layout (one process per GPU of the cute backend), then the unicast peers it also needs."""
     if multicast is None:
         multicast = multicast_support(layout.gpus, hosts=layout.hosts, environ=environ)
     if not multicast.supported:
@@ -341,7 +351,9 @@ def _refuse_multicast(layout: Layout, multicast: MulticastSupport | None, enviro
     if layout.shares_gpus:
         raise TransportRefused("multicast", f"multicast needs one process per GPU: {layout.local_world} processes "
                                             f"share {layout.gpus} GPU(s)")
-    raise TransportRefused("multicast", MULTICAST_NOT_IMPLEMENTED)
+    _unicast(layout, "multicast")  # the route pushes and the polls keep the peer pointers
+    return Transport("multicast", peers="torch SymmetricMemory: one NVLink multicast mapping per mailbox "
+                                        "(multimem stores), peer pointers besides")
 
 
 def _cpu_transport(layout: Layout, request: str) -> Transport:
@@ -357,15 +369,20 @@ def _cpu_transport(layout: Layout, request: str) -> Transport:
 
 
 def _unicast(layout: Layout, asked: str) -> Transport:
+    name = "unicast" if asked in ("auto", "unicast") else asked
     if layout.shares_gpus:
-        raise TransportRefused(asked, f"unicast needs one process per GPU: {layout.local_world} processes share "
+        raise TransportRefused(asked, f"{name} needs one process per GPU: {layout.local_world} processes share "
                                       f"{layout.gpus} GPU(s) (transport ipc maps peers there)")
     if not layout.peer_access:
-        raise TransportRefused(asked, "unicast needs peer access between every pair of GPUs: ranks on GPUs "
+        raise TransportRefused(asked, f"{name} needs peer access between every pair of GPUs: ranks on GPUs "
                                       "without it cannot map each other's mailboxes")
     if not layout.symmetric_memory:
-        raise TransportRefused(asked, "unicast needs torch SymmetricMemory (torch.distributed._symmetric_memory "
+        raise TransportRefused(asked, f"{name} needs torch SymmetricMemory (torch.distributed._symmetric_memory "
                                       "does not import)")
+    if layout.hosts > 1 and not layout.fabric:
+        raise TransportRefused(asked, f"{name} across hosts ({layout.hosts}) needs an NVLink fabric: device "
+                                      f"attribute {FABRIC_ATTRIBUTE} is 0 here (SymmetricMemory maps peers on "
+                                      "other hosts through fabric handles)")
     return Transport("unicast", peers="torch SymmetricMemory peer pointers")
 
 
@@ -432,6 +449,17 @@ def peer_access_everywhere(gpus: int) -> bool:
     return True
 
 
+def fabric_everywhere(gpus: int) -> bool:
+    """Whether every visible GPU reports CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED (False
+    without a GPU, cuda-python or a driver). Reads an attribute: creates nothing."""
+    if gpus < 1:
+        return False
+    try:
+        return all(query_device_attribute(gpus, FABRIC_ATTRIBUTE))
+    except Exception:
+        return False
+
+
 def symmetric_memory_imports() -> bool:
     """Whether torch.distributed._symmetric_memory is importable (torch with distributed support)."""
     try:
@@ -450,7 +478,8 @@ def layout_here(backend: str, launcher: str, tp: int, environ: Mapping[str, str]
     launcher under srun/torchrun) LOCAL_WORLD_SIZE processes on this host and WORLD_SIZE /
     LOCAL_WORLD_SIZE hosts; otherwise the standalone launch, tp processes on this host. The GPUs
     are counted always (multicast's reason needs them); their peer access and SymmetricMemory are
-    probed for cute process launches on two GPUs or more only.
+    probed for cute process launches on two GPUs or more (or across hosts), the fabric attribute
+    for cute process launches across hosts only.
     """
     environ = os.environ if environ is None else environ
     local_world, hosts = 1, 1
@@ -464,4 +493,5 @@ def layout_here(backend: str, launcher: str, tp: int, environ: Mapping[str, str]
     probe = backend == "cute" and launcher == "torchrun"
     return Layout(backend=backend, launcher=launcher, tp=tp, local_world=local_world, gpus=gpus, hosts=hosts,
                   peer_access=peer_access_everywhere(gpus) if probe else True,
-                  symmetric_memory=symmetric_memory_imports() if probe and gpus >= 2 else True)
+                  symmetric_memory=symmetric_memory_imports() if probe and (gpus >= 2 or hosts > 1) else True,
+                  fabric=fabric_everywhere(gpus) if probe and hosts > 1 else False)

@@ -243,6 +243,25 @@ def multicast_status(
     }
 
 
+def fabric_handles(device_count: int,
+                   query: Callable[[int, str], list[bool]] | None = None) -> dict[str, Any]:
+    """CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED per GPU: whether SymmetricMemory can map
+    mailboxes (and bind multicast) across hosts. Keys: per_gpu (None where not read), usable,
+    note. Reads an attribute only; never raises."""
+    if device_count < 1:
+        return {"per_gpu": None, "usable": False, "note": "no CUDA GPU"}
+    query = _transport.query_device_attribute if query is None else query
+    try:
+        per_gpu = [bool(flag) for flag in query(device_count, _transport.FABRIC_ATTRIBUTE)]
+    except Exception as exc:
+        return {"per_gpu": None, "usable": False, "note": f"{_transport.FABRIC_ATTRIBUTE} not read ({_one_line(exc)})"}
+    usable = bool(per_gpu) and all(per_gpu)
+    note = (f"every GPU reports {_transport.FABRIC_ATTRIBUTE}=1: peers on other hosts can be mapped" if usable else
+            f"{_transport.FABRIC_ATTRIBUTE} is 0 on GPU {', '.join(str(i) for i, ok in enumerate(per_gpu) if not ok)}"
+            ": mailboxes cannot span hosts")
+    return {"per_gpu": per_gpu, "usable": usable, "note": note}
+
+
 _NVLINK_GPU_LINE = re.compile(r"^GPU\s+\d+:.*\(UUID:\s*(?P<uuid>[^)]+)\)")
 _NVLINK_ACTIVE_LINE = re.compile(r"^\s*Link\s+\d+:\s*[\d.]+\s*[GM]B/s")
 
@@ -271,10 +290,12 @@ def fabric(gpu_list: list[dict[str, Any]], query_nvidia_smi: bool = True) -> dic
 
     Keys: source ("nvidia-smi" or None), active_nvlinks (a count per entry of `gpu_list`, None
     where unknown; None as a whole when nothing was read; all 0 when nvidia-smi lists no NVLink
-    at all), note. nvidia-smi numbers GPUs by PCI
+    at all), note, handles (`fabric_handles`: whether mailboxes and multicast can span hosts).
+    nvidia-smi numbers GPUs by PCI
     order regardless of CUDA_VISIBLE_DEVICES, so its rows are matched to torch's by UUID.
     """
-    result: dict[str, Any] = {"source": None, "active_nvlinks": None, "note": ""}
+    result: dict[str, Any] = {"source": None, "active_nvlinks": None, "note": "",
+                              "handles": fabric_handles(len(gpu_list))}
     if not gpu_list:
         result["note"] = "no CUDA GPU"
         return result
@@ -520,6 +541,9 @@ def render_probe(info: Mapping[str, Any], console: Console) -> None:
         Text(" ".join("?" if n is None else str(n) for n in nvlinks) if nvlinks else "—"),
         Text(str(fabric_info.get("note") or fabric_info.get("source") or "")),
     )
+    handles = fabric_info.get("handles") or {}
+    links.add_row(Text("fabric handles (across hosts)"), _yes_no(handles.get("usable") if handles else None),
+                  Text(str(handles.get("note") or "")))
     console.print(links)
 
     transport_table = Table(title=Text("mailbox transports by launch layout"), header_style="bold")

@@ -20,6 +20,16 @@ kernels (`Int32`), as in the TP tail: one compilation serves every rank of a gro
    (transport "unicast", peers from rank + 1 upward, wrapping, own mailbox last: `peer_index`) or
    one `multimem.st` (transport "multicast"). The generation is NEXT_STAGE, read after the wait;
    the publisher writes no stage word.
+
+   Transports give the same bits: the transport is a compile-time knob that changes only how the
+   finished payload words leave the thread (tp `st.relaxed.sys` through the peer table, or one
+   `multimem.st`, which the NVLink switch replicates into every bound rank's words at the same
+   offset without arithmetic; the `.bf16x2` in its name types the 16 bytes, it converts nothing).
+   Every rank's mailbox therefore holds the same words either way, the reduction is one kernel
+   for both, and everything before the stores (the loads, every rounding, the scrub) is traced
+   from the same code (tests/kernels/test_ep_tail_compile.py compares the two PTX files: the
+   same arithmetic, in the same order, on the same operands; only the stores, the peer-address
+   loads and, in the single launch, a `fence.proxy.alias` differ).
 2. `_EpReduceKernel`, grid (m, width / 8 / 128), 128 threads: a thread owns one 16-byte fragment
    of one token. Thread 0 of each CTA reads NEXT_STAGE and counts the CTA in (the generation
    protocol below), then, without waiting for the publisher's grid, every thread polls the tp
@@ -480,6 +490,10 @@ class _EpPublisherKernel:
                     ptx.st_relaxed_sys_global_v4_u32(peer_bases[step] + slot_bytes + column * BF16_BYTES, w[0], w[1], w[2], w[3])
 
         if cutlass.const_expr(self.single_launch):
+            if cutlass.const_expr(self.transport == "multicast"):
+                # This thread stored its own slot through the multicast mapping and now polls it
+                # through the unicast one: the two aliases are ordered by a proxy fence.
+                ptx.fence_proxy_alias()
             # This CTA's token, all its fragments under one timer.
             started = ptx.read_globaltimer_u64()
             mailbox_base = Int64(mailbox.iterator.toint())

@@ -164,6 +164,33 @@ def multimem_st_relaxed_sys_global_v4_bf16x2(
 
 
 @dsl_user_op
+def multimem_st_relaxed_sys_global_v4_f32(
+    address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None
+) -> None:
+    """`multimem.st.relaxed.sys.global.v4.f32`: 16 bytes (four binary32 words, as bits) to every
+    rank bound to a multicast address. A plain store replicated by the switch, no arithmetic:
+    the words land as given (the TP tail's FP32 rows). Needs an NVLink multicast object (sm_90+;
+    exercised on GB200 only)."""
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), *(_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3))],
+        "multimem.st.relaxed.sys.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def fence_proxy_alias(*, loc=None, ip=None) -> None:
+    """`fence.proxy.alias`: orders this thread's accesses through one virtual address (a multicast
+    mapping) with its later accesses through another that aliases the same memory (the unicast
+    mapping of its own words)."""
+    _asm(None, [], "fence.proxy.alias;", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def atom_cas_relaxed_gpu_global_b32(address: Int64, compare: Int32, value: Int32, *, loc=None, ip=None) -> Int32:
     """`atom.relaxed.gpu.global.cas.b32`: store `value` if the word equals `compare`; returns the old word."""
     return Int32(

@@ -22,10 +22,15 @@ Callers use this module's names only.
 Where musebench differs from the seed, behind the same names:
 
 - Memory: the mailboxes are `musebench.comm.device.DeviceMailbox`es (unicast stores through a
-  peer-address table; the seed multicasts). Built collectively over `group` with the transport
-  `comm.transport.decide` picks for this host's processes (torch SymmetricMemory with one
-  process per GPU, CUDA IPC where processes share GPUs), or given (`mailbox=`, `routes=` /
-  `tokens=`: e.g. virtual ranks on one GPU over `comm.device.local_device_group`, `group` None).
+  peer-address table; the seed multicasts, which musebench does where the mailboxes carry a
+  multicast address: transport `multicast`). Built collectively over `group` with the transport
+  `comm.transport.decide` picks for this host's processes for the musebench extra `transport`
+  ("auto": torch SymmetricMemory with one process per GPU, CUDA IPC where processes share GPUs;
+  "multicast": SymmetricMemory's multicast mapping too, refused where the machine or its policy
+  has none), or given (`mailbox=`, `routes=` / `tokens=`: e.g. virtual ranks on one GPU over
+  `comm.device.local_device_group`, `group` None). The kernels' transport follows the mailbox:
+  the EP publisher and the TP tail's publish are multimem stores exactly when the EP mailbox /
+  the TP token mailbox has a multicast address; the bits are the same either way.
   The generation words are each mailbox's two stage words, the fault record its `fault` words.
 - The TP tail's kernel is chosen per m by the stock's dispatch (`TpTail.path(m)`), a
   `TpVariant` (split, combine, delivery); `select` and the cache key by that variant, of which
@@ -218,12 +223,15 @@ def compile_publisher(
     enable_pdl: bool,
     single_launch: bool = False,
     timeout_ns: int = SPIN_TIMEOUT_NS,
+    transport: str = "unicast",
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
     """The EP tail's publisher for one norm and route-weight dtype, publishing into tp ranks'
-    [3, tp, capacity, P] mailboxes (through the peer-address table, unicast). The rank is a
-    runtime argument of musebench's kernel (one compilation serves the group); `rank` is checked.
+    [3, tp, capacity, P] mailboxes (`transport` "unicast": through the peer-address table;
+    "multicast": one multimem store through the group's multicast address, the same bits). The
+    rank is a runtime argument of musebench's kernel (one compilation serves the group); `rank`
+    is checked.
 
     musebench's extras: `single_launch` compiles the whole tail as one kernel (publish, then
     reduce the CTA's own token, spinning at most `timeout_ns`); `arch` / `ptx_dir` choose the
@@ -232,7 +240,7 @@ def compile_publisher(
     return _ep.compile_publisher(
         width=POOLED, top_k=TOP_K, tp=tp, rank=rank, capacity=capacity, threads=_ep.DEFAULT_THREADS,
         weight_before_norm=constants.weight_before_norm, weight_dtype=_check_weight_dtype(weight_dtype),
-        eps=constants.eps, gain_center=constants.gain_center, transport="unicast", enable_pdl=enable_pdl,
+        eps=constants.eps, gain_center=constants.gain_center, transport=transport, enable_pdl=enable_pdl,
         single_launch=single_launch, timeout_ns=timeout_ns, arch=arch, ptx_dir=ptx_dir,
     )
 
@@ -272,6 +280,7 @@ def compile_tp_tail(
     capacity: int | None = None,
     variant: _tp.TpVariant | None = None,
     token_width: int = TOKEN_WIDTH,
+    transport: str = _tp.UNICAST,
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
@@ -302,7 +311,8 @@ def compile_tp_tail(
     return _tp.compile_tp_tail(
         tp=tp, capacity=capacity, token_width=token_width, variant=variant,
         weight_before_norm=constants.weight_before_norm, weight_dtype=name, eps=constants.eps,
-        gain_center=constants.gain_center, timeout_ns=timeout_ns, enable_pdl=enable_pdl, arch=arch, ptx_dir=ptx_dir,
+        gain_center=constants.gain_center, timeout_ns=timeout_ns, enable_pdl=enable_pdl, transport=transport,
+        arch=arch, ptx_dir=ptx_dir,
     )
 
 
@@ -311,14 +321,17 @@ def compile_tp_tail(
 
 
 def _group_mailbox(group, *, rank: int, tp: int, slots: int, capacity: int, width: int,
-                   device: torch.device) -> DeviceMailbox:
+                   device: torch.device, request: str = "auto") -> DeviceMailbox:
     """This rank's mailbox, allocated collectively over `group` (None: the default process group)
-    with the transport `comm.transport.decide` picks for this host's process layout: torch
-    SymmetricMemory peers with one process per GPU (unicast), CUDA IPC where processes share
-    GPUs. TransportRefused (a ValueError) where neither can serve."""
-    chosen = transport.decide(transport.layout_here("cute", "torchrun", tp))
-    if chosen.name == "unicast":
-        return comm_device.symmetric_device_group(rank, tp, slots, capacity, width, device, group=group)
+    with the transport `comm.transport.decide` picks for this host's process layout and
+    `request`: torch SymmetricMemory peers with one process per GPU (unicast; multicast adds the
+    multicast mapping), CUDA IPC where processes share GPUs. TransportRefused (a ValueError)
+    where none can serve the request; `comm.device.PeerMappingRefused` where a pair of ranks
+    cannot be mapped."""
+    chosen = transport.decide(transport.layout_here("cute", "torchrun", tp), request)
+    if chosen.name in ("unicast", "multicast"):
+        return comm_device.symmetric_device_group(rank, tp, slots, capacity, width, device, group=group,
+                                                  multicast=chosen.name == "multicast")
     return comm_device.ipc_device_group(rank, tp, slots, capacity, width, device, group=group,
                                         open_mode=chosen.ipc_open or "auto")
 
@@ -488,7 +501,8 @@ class MoETail(_Tail):
     [3, tp, capacity, P] words, e.g. one of `local_device_group`'s virtual ranks; `group` is then
     not used). tp >= 2; `capacity` tokens per call at most. musebench's extras: `timeout_ns`
     bounds every spin (then `check_fault`); `single_launch` runs each call as one kernel (the
-    same bits; every rank must choose alike).
+    same bits; every rank must choose alike); `transport` the request for an allocated mailbox
+    (`_group_mailbox`). The publisher multicasts exactly when the mailbox has a multicast address.
     """
 
     def __init__(
@@ -503,6 +517,7 @@ class MoETail(_Tail):
         timeout_ns: int = SPIN_TIMEOUT_NS,
         single_launch: bool = False,
         mailbox: DeviceMailbox | None = None,
+        transport: str = "auto",
     ) -> None:
         refuse_during_capture("the MoE tail")
         self._init_common(tp=tp, rank=rank, device=device, capacity=capacity, enable_pdl=enable_pdl,
@@ -510,10 +525,11 @@ class MoETail(_Tail):
         self.single_launch = bool(single_launch)
         if mailbox is None:
             mailbox = _group_mailbox(group, rank=rank, tp=tp, slots=tp, capacity=capacity, width=POOLED,
-                                     device=self.device)
+                                     device=self.device, request=transport)
         else:
             _check_mailbox("mailbox", mailbox, rank=rank, tp=tp, slots=tp, capacity=capacity, widths=(POOLED,))
         self.mailbox = mailbox
+        self.transport = "multicast" if mailbox.multicast else "unicast"  # the publisher's stores
         self._publishers: dict[tuple[TailConstants, torch.dtype], Any] = {}
 
     def select(self, constants: TailConstants, weight_dtype: torch.dtype, m: int) -> Any:
@@ -524,7 +540,7 @@ class MoETail(_Tail):
         if kernel is None:
             kernel = compile_publisher(constants, weight_dtype, tp=self.tp, rank=self.rank, capacity=self.capacity,
                                        enable_pdl=self.enable_pdl, single_launch=self.single_launch,
-                                       timeout_ns=self.timeout_ns)
+                                       timeout_ns=self.timeout_ns, transport=self.transport)
             self._publishers[key] = kernel
         return kernel
 
@@ -541,9 +557,11 @@ class MoETail(_Tail):
         key = (constants, weight_dtype)
         warm = key not in self._warm
         box = self.mailbox
+        multicast = self.transport == "multicast"
         runner = _ep.EpTail(
             rank=self.rank, tp=self.tp, capacity=self.capacity, mailbox=box.words, stage=box.stage, fault=box.fault,
-            norm_weight=weight, peer_mailboxes=box.peer_table, weight_before_norm=constants.weight_before_norm,
+            norm_weight=weight, peer_mailboxes=None if multicast else box.peer_table,
+            multicast_address=box.multicast if multicast else None, weight_before_norm=constants.weight_before_norm,
             weight_dtype=_check_weight_dtype(weight_dtype), eps=constants.eps, gain_center=constants.gain_center,
             width=POOLED, top_k=TOP_K, enable_pdl=self.enable_pdl, timeout_ns=self.timeout_ns, warm_up=warm,
             single_launch=self.single_launch,
@@ -573,6 +591,8 @@ class TpTail(_Tail):
     most; `batches`: the token counts whose kernels every bind compiles (a captured call must be
     one of them; other counts compile on their first call). `nsm`: the SM count the stock's
     dispatch reads (the group's smallest; None: this GPU's). `timeout_ns` bounds every spin.
+    musebench's extra `transport`: the request for allocated mailboxes (`_group_mailbox`); the
+    owner publishes its rows by multicast exactly when the token mailbox has a multicast address.
     """
 
     wide_rows = True  # the TP kernel reads the first P columns at the rows' own stride
@@ -591,6 +611,7 @@ class TpTail(_Tail):
         nsm: int | None = None,
         routes: DeviceMailbox | None = None,
         tokens: DeviceMailbox | None = None,
+        transport: str = "auto",
     ) -> None:
         refuse_during_capture("the TP MoE tail")
         self._init_common(tp=tp, rank=rank, device=device, capacity=capacity, enable_pdl=enable_pdl,
@@ -606,9 +627,9 @@ class TpTail(_Tail):
             raise ValueError("give both the route and the token mailboxes, or neither")
         if routes is None:
             routes = _group_mailbox(group, rank=rank, tp=tp, slots=tp, capacity=capacity * TOP_K, width=POOLED,
-                                    device=self.device)
+                                    device=self.device, request=transport)
             tokens = _group_mailbox(group, rank=rank, tp=tp, slots=1, capacity=capacity, width=TOKEN_WIDTH,
-                                    device=self.device)
+                                    device=self.device, request=transport)
         else:
             _check_mailbox("routes", routes, rank=rank, tp=tp, slots=tp, capacity=capacity * TOP_K, widths=(POOLED,))
             _check_mailbox("tokens", tokens, rank=rank, tp=tp, slots=1, capacity=capacity,
@@ -616,6 +637,7 @@ class TpTail(_Tail):
         # Rank d's route mailbox receives every rank's K-partials of the tokens d owns, its token
         # mailbox every owner's finished rows.
         self.routes, self.tokens = routes, tokens
+        self.transport = _tp.MULTICAST if tokens.multicast else _tp.UNICAST  # how owners publish their rows
         self.slots = -(-capacity // tp)  # tokens each rank owns per call at most
         self.generations = routes.stage  # the stage words every CTA reads and the last advances
         self._kernels: dict[tuple[TailConstants, torch.dtype, _tp.TpVariant], Any] = {}
@@ -645,7 +667,7 @@ class TpTail(_Tail):
                                      slots=self.slots, route_peers=tuple(range(self.tp)),
                                      generations=self.generations.numel(), enable_pdl=self.enable_pdl,
                                      timeout_ns=self.timeout_ns, capacity=self.capacity, variant=variant,
-                                     token_width=self.tokens.width)
+                                     token_width=self.tokens.width, transport=self.transport)
             self._kernels[key] = kernel
         return kernel
 
@@ -669,6 +691,7 @@ class TpTail(_Tail):
             weight_before_norm=constants.weight_before_norm, weight_dtype=_check_weight_dtype(weight_dtype),
             eps=constants.eps, gain_center=constants.gain_center, variants=variant, timeout_ns=self.timeout_ns,
             enable_pdl=self.enable_pdl, warm_up=warm,
+            token_multicast=tokens.multicast if self.transport == _tp.MULTICAST else None,
         )
         self._warm.add(key)
         return runner

@@ -48,6 +48,21 @@ therefore publishes its FP32 row before rounding, the pattern 0x80008000 (-2^-13
 -0.0 (`ptx.encode_sentinel_word_f32`; both round to BF16 -0.0), and every reader rounds it with
 the same `cvt.rn.bf16x2.f32`: the token mailbox is 2H int16 wide for EXACT variants.
 
+Transports (compile time). UNICAST: the owner publishes its row with tp - 1 `st.relaxed.sys`
+stores through the token peer table, its peers from rank + 1 upward. MULTICAST (the seed's, GB200
+racks): one `multimem.st` per vector to the token mailboxes' multicast address, which the NVLink
+switch replicates into every bound rank's token mailbox at the same offset, the owner's own
+included (nothing on the owner reads that row: a rank never copies a token it owns). The pushes
+into the route mailboxes stay unicast in both (each goes to one owner). The two give the same
+bits: the words stored are the same registers (scrubbed BF16 pairs, `.v4.bf16x2`; or encoded
+binary32 words, `.v4.f32`), a multimem store converts nothing (its type names the 16 bytes),
+every reader polls and copies the same words from its own mailbox, and all arithmetic precedes
+the stores and is traced from the same code (tests/kernels/test_tp_tail_compile.py compares the
+two PTX files: the same arithmetic on the same operands in the same order, only the publishing
+stores and the peer-address loads differ). The same word lands once per generation either way,
+so the memory ordering below holds for both (a multimem store is a relaxed system-scope store to
+each rank's words).
+
 Memory ordering (the Lamport protocol, `musebench.comm.protocol`, 32-bit-word unit as in the stock
 TP kernel). A word that still reads 0x80008000 has not arrived; every payload word is scrubbed
 or encoded so it never equals it, and each word is written once per generation, so the data
@@ -168,6 +183,9 @@ SCRUBBED = "scrubbed"  # single-launch delivery: other ranks get the BF16 row sc
 EXACT = "exact"  # expert-owner / chunked delivery: every rank gets the owner's bits (FP32 transport)
 DELIVERIES = (SCRUBBED, EXACT)
 OWNER_GROUPS = (1, 2, 4)  # routes per owner partial: KO = 8 / P for P = 8, 4, 2
+UNICAST = "unicast"  # the owner publishes its row with tp - 1 stores through the token peer table
+MULTICAST = "multicast"  # one multimem store per vector into the group's token mailboxes (the seed's)
+TRANSPORTS = (UNICAST, MULTICAST)
 
 WEIGHT_DTYPES = ("bf16", "fp32")
 _CUTE_WEIGHT_TYPES = {"bf16": BFloat16, "fp32": Float32}
@@ -259,8 +277,10 @@ class _TpTailKernel:
         gain_center: float,
         timeout_ns: int,
         enable_pdl: bool,
+        transport: str = UNICAST,
     ) -> None:
         TpVariant(split=split, combine=combine, group=group, delivery=delivery)  # validates the knobs
+        _require(transport in TRANSPORTS, f"transport must be one of {TRANSPORTS}, got {transport!r}")
         _require(tp >= 2, f"tp must be >= 2, got {tp}")
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
         _require(token_width in (H_DIM, 2 * H_DIM), f"token_width must be {H_DIM} or {2 * H_DIM}, got {token_width}")
@@ -282,6 +302,7 @@ class _TpTailKernel:
         self.gain_center = float(gain_center)
         self.timeout_ns = int(timeout_ns)
         self.enable_pdl = bool(enable_pdl)
+        self.transport = transport
         self.threads = ROW_THREADS // split
         self.warps = self.threads // WARP  # 16 / S
         self.band = H_DIM // split
@@ -300,6 +321,7 @@ class _TpTailKernel:
         route_peers: cute.Tensor,
         token_mailbox: cute.Tensor,
         token_peers: cute.Tensor,
+        token_multicast: Int64,
         stage: cute.Tensor,
         fault: cute.Tensor,
         out: cute.Tensor,
@@ -312,7 +334,7 @@ class _TpTailKernel:
         slots = (m + self.tp - 1) // self.tp
         kernel = self.kernel(
             rows, route_weights, permuted_idx, norm_weight, route_mailbox, route_peers, token_mailbox, token_peers,
-            stage, fault, out, m, num_rows, row_stride, rank,
+            token_multicast, stage, fault, out, m, num_rows, row_stride, rank,
         )
         if cutlass.const_expr(self.split > 1):
             kernel.launch(
@@ -343,6 +365,7 @@ class _TpTailKernel:
         route_peers: cute.Tensor,
         token_mailbox: cute.Tensor,
         token_peers: cute.Tensor,
+        token_multicast: Int64,
         stage: cute.Tensor,
         fault: cute.Tensor,
         out: cute.Tensor,
@@ -384,8 +407,8 @@ class _TpTailKernel:
                       num_rows, row_stride, rank, generation)
             if owner == rank:
                 self.reduce(
-                    route_weights, route_mailbox, token_peers, fault, out, token, slot, band, tidx, column, rank,
-                    generation, gain, warp_sums, warp_faults, inv_rms, cta_fault, band_sums, band_faults,
+                    route_weights, route_mailbox, token_peers, token_multicast, fault, out, token, slot, band, tidx,
+                    column, rank, generation, gain, warp_sums, warp_faults, inv_rms, cta_fault, band_sums, band_faults,
                 )
             else:
                 self.copy(token_mailbox, fault, out, token, owner, column, rank, generation)
@@ -467,6 +490,7 @@ class _TpTailKernel:
         route_weights: cute.Tensor,
         route_mailbox: cute.Tensor,
         token_peers: cute.Tensor,
+        token_multicast: Int64,
         fault: cute.Tensor,
         out: cute.Tensor,
         token: Int32,
@@ -655,23 +679,39 @@ class _TpTailKernel:
             out_address = Int64(out.iterator.toint()) + (Int64(token) * H_DIM + column) * BF16_BYTES
             ptx.st_global_v4_u32(out_address, words[0], words[1], words[2], words[3])
             row_offset = (Int64(generation) * self.capacity + Int64(token)) * (self.token_width * BF16_BYTES)
-            # Every peer's mailbox address in one batch of loads, not one before each peer's store
-            # (here, not earlier: at tp 32 and 512 threads the registers would spill).
-            peer_bases = []
-            for step in cutlass.range_constexpr(1, self.tp):
-                peer_bases.append(Int64(token_peers[(rank + step) % self.tp]))
-            for step in cutlass.range_constexpr(1, self.tp):
-                peer_row = peer_bases[step - 1] + row_offset
+            if cutlass.const_expr(self.transport == MULTICAST):
+                # One store per vector into every rank's token mailbox at once (the owner's own
+                # row too, which nothing on this rank reads): the same words as the unicast
+                # stores below, the switch replicates them unchanged.
+                mc_row = token_multicast + row_offset
                 if cutlass.const_expr(self.delivery == SCRUBBED):
-                    # The data write is the release; the copy is scrubbed per 32-bit word.
                     copy = [ptx.scrub_sentinel_word_u32(w) for w in words]
-                    ptx.st_relaxed_sys_global_v4_u32(peer_row + column * BF16_BYTES, copy[0], copy[1], copy[2], copy[3])
+                    ptx.multimem_st_relaxed_sys_global_v4_bf16x2(mc_row + column * BF16_BYTES, copy[0], copy[1], copy[2],
+                                                                copy[3])
                 else:
-                    # FP32 before rounding, sentinel pattern mapped to -0.0: the reader rounds to
-                    # the owner's BF16 bits.
                     bits = [ptx.encode_sentinel_word_f32(ptx.bitcast_f32_to_u32(v)) for v in result]
-                    ptx.st_relaxed_sys_global_v4_u32(peer_row + column * F32_BYTES, bits[0], bits[1], bits[2], bits[3])
-                    ptx.st_relaxed_sys_global_v4_u32(peer_row + column * F32_BYTES + 16, bits[4], bits[5], bits[6], bits[7])
+                    ptx.multimem_st_relaxed_sys_global_v4_f32(mc_row + column * F32_BYTES, bits[0], bits[1], bits[2], bits[3])
+                    ptx.multimem_st_relaxed_sys_global_v4_f32(mc_row + column * F32_BYTES + 16, bits[4], bits[5], bits[6],
+                                                              bits[7])
+            else:
+                # Every peer's mailbox address in one batch of loads, not one before each peer's
+                # store (here, not earlier: at tp 32 and 512 threads the registers would spill).
+                peer_bases = []
+                for step in cutlass.range_constexpr(1, self.tp):
+                    peer_bases.append(Int64(token_peers[(rank + step) % self.tp]))
+                for step in cutlass.range_constexpr(1, self.tp):
+                    peer_row = peer_bases[step - 1] + row_offset
+                    if cutlass.const_expr(self.delivery == SCRUBBED):
+                        # The data write is the release; the copy is scrubbed per 32-bit word.
+                        copy = [ptx.scrub_sentinel_word_u32(w) for w in words]
+                        ptx.st_relaxed_sys_global_v4_u32(peer_row + column * BF16_BYTES, copy[0], copy[1], copy[2], copy[3])
+                    else:
+                        # FP32 before rounding, sentinel pattern mapped to -0.0: the reader rounds to
+                        # the owner's BF16 bits.
+                        bits = [ptx.encode_sentinel_word_f32(ptx.bitcast_f32_to_u32(v)) for v in result]
+                        ptx.st_relaxed_sys_global_v4_u32(peer_row + column * F32_BYTES, bits[0], bits[1], bits[2], bits[3])
+                        ptx.st_relaxed_sys_global_v4_u32(peer_row + column * F32_BYTES + 16, bits[4], bits[5], bits[6],
+                                                         bits[7])
 
     @cute.jit
     def copy(
@@ -735,20 +775,23 @@ def compile_tp_tail(
     gain_center: float,
     timeout_ns: int = DEFAULT_TIMEOUT_NS,
     enable_pdl: bool = True,
+    transport: str = UNICAST,
     arch: str | None = None,
     ptx_dir: str | None = None,
 ) -> Any:
     """The compiled TP tail for these compile-time values (cached; never during capture).
 
-    The rank is a runtime argument: one compilation serves every rank of the group. `arch`
-    overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the PTX
-    there (`compiled.artifacts.PTX`). Both are part of the cache key.
+    The rank is a runtime argument: one compilation serves every rank of the group. `transport`:
+    UNICAST publishes each owned row through the token peer table, MULTICAST with one multimem
+    store per vector to the token mailboxes' multicast address (a runtime argument; the same bits,
+    module docstring). `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU);
+    `ptx_dir` keeps the PTX there (`compiled.artifacts.PTX`). All are part of the cache key.
     """
     config = dict(
         tp=tp, capacity=capacity, token_width=token_width, split=variant.split, combine=variant.combine,
         group=variant.group, delivery=variant.delivery, weight_before_norm=bool(weight_before_norm),
         weight_dtype=weight_dtype, eps=float(eps), gain_center=float(gain_center), timeout_ns=timeout_ns,
-        enable_pdl=bool(enable_pdl),
+        enable_pdl=bool(enable_pdl), transport=transport,
     )
 
     def build() -> Any:
@@ -766,6 +809,7 @@ def compile_tp_tail(
             make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
             make_fake_compact_tensor(Int16, (token_words,), assumed_align=16),
             make_fake_compact_tensor(Int64, (tp,), assumed_align=8),
+            Int64(0),
             make_fake_compact_tensor(Int32, (STAGE_WORDS,), assumed_align=8),
             make_fake_compact_tensor(Int32, (FAULT_WORDS,), assumed_align=16),
             fake_flat(BFloat16, H_DIM, 16),
@@ -823,6 +867,8 @@ class TpTail:
       `route_peers`: int64 [tp], every rank's route mailbox address as this device sees it;
     - `token_mailbox`: int16 `token_mailbox_shape(capacity, delivery)`, armed, width 2H as
       soon as one variant delivers EXACT; `token_peers`: int64 [tp] likewise;
+      `token_multicast` (MULTICAST kernels; None: UNICAST): the address of the group's token
+      mailboxes in their NVLink multicast mapping (every rank's at the same offset);
     - `stage`: int32 [2] zero on every rank ([NEXT_STAGE, ARRIVAL_COUNT]); `fault`: int32 [4], all -1;
     - `norm_weight`: BF16 [4096] gamma (not written by the kernel that precedes `run`).
 
@@ -855,8 +901,12 @@ class TpTail:
         timeout_ns: int = DEFAULT_TIMEOUT_NS,
         enable_pdl: bool = True,
         warm_up: bool = True,
+        token_multicast: int | None = None,
     ) -> None:
         _require(tp >= 2, f"tp must be >= 2, got {tp}")
+        _require(token_multicast is None or (isinstance(token_multicast, int) and token_multicast > 0
+                                             and token_multicast % 16 == 0),
+                 f"token_multicast must be a 16-byte aligned multicast address, got {token_multicast!r}")
         _require(0 <= rank < tp, f"rank {rank} outside 0..{tp - 1}")
         _require(capacity >= 1, f"capacity must be positive, got {capacity}")
         _require(weight_dtype in WEIGHT_DTYPES, f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
@@ -885,12 +935,14 @@ class TpTail:
         self.weight_dtype = weight_dtype
         self.fault = fault
         self.plan = plan
+        self.transport = UNICAST if token_multicast is None else MULTICAST
+        self._token_multicast = Int64(token_multicast or 0)
         compiled = {}
         for variant in sorted(set(plan.values()), key=repr):
             compiled[variant] = compile_tp_tail(
                 tp=tp, capacity=capacity, token_width=token_width, variant=variant,
                 weight_before_norm=weight_before_norm, weight_dtype=weight_dtype, eps=eps, gain_center=gain_center,
-                timeout_ns=timeout_ns, enable_pdl=enable_pdl,
+                timeout_ns=timeout_ns, enable_pdl=enable_pdl, transport=self.transport,
             )
         self._kernels = {m: compiled[variant] for m, variant in plan.items()}
         # The fixed buffers are exported once; run converts only the per-call tensors.
@@ -917,7 +969,9 @@ class TpTail:
         to go idle; behind a peer's spinning kernel (virtual ranks sharing one GPU) that wait
         lasts until the peer times out. Here every peer address points at zeroed scratch
         mailboxes (full size: the compiled kernel's mailbox extents are static), so every poll
-        finds its words landed and nothing of a peer is touched.
+        finds its words landed and nothing of a peer is touched. A MULTICAST kernel can publish
+        only to a multicast address, so it is launched for one token as rank 1, which owns none of
+        it: the send and copy phases run, no multimem store does (the module loads all the same).
         """
         route_box = torch.zeros(route_mailbox_shape(self.tp, self.capacity), dtype=torch.int16, device=device)
         token_box = torch.zeros(protocol.mailbox_shape(1, self.capacity, self.token_width), dtype=torch.int16, device=device)
@@ -929,15 +983,19 @@ class TpTail:
         first_m = {}
         for m in sorted(self.plan):
             first_m.setdefault(id(self._kernels[m]), m)  # one launch per distinct compiled variant
-        for m in sorted(first_m.values()):
+        multicast = self.transport == MULTICAST
+        warm_rank = Int32(1) if multicast else self._rank  # token 0's owner is rank 0
+        for first in sorted(first_m.values()):
+            m = 1 if multicast else first
+            kernel = self._kernels[first]
             weights = torch.zeros(m, TOP_K, dtype=_TORCH_WEIGHT_TYPES[self.weight_dtype], device=device)
             index = torch.full((m, TOP_K), -1, dtype=torch.int32, device=device)  # no row is read
             out = torch.empty(m, H_DIM, dtype=torch.bfloat16, device=device)
-            self._kernels[m](
+            kernel(
                 cute_flat(self._no_rows, 16, VEC), cute_flat(weights, weights.element_size(), TOP_K),
                 cute_flat(index, 4, TOP_K), self._gamma, cute_view(route_box.view(-1), 16), cute_view(route_peers, 8),
-                cute_view(token_box.view(-1), 16), cute_view(token_peers, 8), cute_view(stage, 8),
-                cute_view(fault, 16), cute_flat(out, 16, H_DIM), Int32(m), Int32(0), Int32(H_DIM), self._rank, stream,
+                cute_view(token_box.view(-1), 16), cute_view(token_peers, 8), Int64(0), cute_view(stage, 8),
+                cute_view(fault, 16), cute_flat(out, 16, H_DIM), Int32(m), Int32(0), Int32(H_DIM), warm_rank, stream,
             )
             torch.cuda.current_stream(device).synchronize()
             # Back to the state the next variant expects: generation 0, every word landed.
@@ -992,6 +1050,7 @@ class TpTail:
             self._route_peers,
             self._token_mailbox,
             self._token_peers,
+            self._token_multicast,
             self._stage,
             self._fault,
             cute_flat(out, 16, H_DIM),

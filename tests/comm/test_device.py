@@ -190,6 +190,8 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
 
     monkeypatch.setattr(device.IpcMapping, "open", open_here)
     monkeypatch.setattr(device.IpcMapping, "close", lambda self: None)
+    monkeypatch.setattr(device, "group_places", lambda rank, tp, where, group=None: (group, [
+        device.RankPlace(r, r, "node", 0 if r < 2 or gpus == 1 else 1, (True, True)) for r in range(4)]))
     box = device.ipc_device_group(1, 4, 3, 2, 8, torch.device("cpu"), open_mode=mode)
     table = box.peer_table.tolist()
     assert table[1] == box.words.data_ptr()
@@ -205,3 +207,230 @@ def test_peers_on_this_gpu_go_through_torch_and_others_are_opened_here(monkeypat
     else:
         assert rebuilt == [] and opened == [b"0", b"2", b"3"]
         assert table[0] == 0x1000 and table[2:] == [0x2000 + 8, 0x3000 + 16]
+
+
+# ---------------------------------------------------------------------------------------------
+# SymmetricMemory mailboxes (unicast, multicast) on stand-ins: the binding and every refusal.
+
+OFFSET = 64  # the words' offset in a rank's allocation (the same in every rank's: symmetric)
+PEER_BASE = 0x7F00_0000_0000
+MULTICAST_BASE = 0x7E00_0000_0000
+
+
+class _SymmetricHandle:
+    """A stand-in for torch's SymmetricMemory handle: every rank's allocation base, and the
+    multicast mapping's (0: none)."""
+
+    def __init__(self, buffer_ptrs, multicast_ptr=0):
+        self.buffer_ptrs = buffer_ptrs
+        self.multicast_ptr = multicast_ptr
+
+
+class _SymmetricMemory:
+    """A stand-in for torch.distributed._symmetric_memory: `empty` gives a CPU tensor, the
+    rendezvous maps this rank's allocation at words - OFFSET and every peer's at PEER_BASE + ...;
+    `multicast_ptr` is given; `fail` makes the rendezvous raise."""
+
+    def __init__(self, rank, tp, multicast_ptr=0, null_peer=None, fail=None):
+        self.rank, self.tp, self.multicast_ptr, self.null_peer, self.fail = rank, tp, multicast_ptr, null_peer, fail
+        self.calls: list[str] = []
+
+    def empty(self, *shape, dtype, device):
+        self.calls.append("empty")
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def rendezvous(self, words, group):
+        self.calls.append("rendezvous")
+        if self.fail:
+            raise RuntimeError(self.fail)
+        bases = [PEER_BASE + 0x1_0000_0000 * peer for peer in range(self.tp)]
+        bases[self.rank] = words.data_ptr() - OFFSET
+        if self.null_peer is not None:
+            bases[self.null_peer] = 0
+        return _SymmetricHandle(bases, self.multicast_ptr)
+
+
+def _places(tp, hosts=1, devices=None, peer_access=True):
+    """tp ranks over `hosts` hosts, consecutive ranks on one host, GPU = rank on its host."""
+    per_host = tp // hosts
+    devices = devices or [r % per_host for r in range(tp)]
+    return [device.RankPlace(r, 10 + r, f"node{r // per_host}", devices[r],
+                             tuple(True if d == devices[r] else peer_access for d in range(per_host)))
+            for r in range(tp)]
+
+
+def _scripted_gather(rank, places, peer_outcomes=None):
+    """All-gather as rank `rank` sees it: its own object in its place, the scripted peers' besides."""
+    def gather(obj):
+        if isinstance(obj, device.RankPlace):
+            return [obj if r == rank else place for r, place in enumerate(places)]
+        outcomes = peer_outcomes or {}
+        return [obj if r == rank else outcomes.get(r, obj) for r in range(len(places))]
+    return gather
+
+
+def _allocate(rank, tp, memory, gather, places, multicast=False):
+    return device.allocate_symmetric(rank, tp, 3, 2, 8, torch.device("cpu"), place=places[rank], multicast=multicast,
+                                     symmetric_memory=memory, group="group", gather=gather,
+                                     synchronize=lambda where: None)
+
+
+def _peer_outcome(rank, tp, multicast=0):
+    bases = [PEER_BASE + 0x1_0000_0000 * peer + OFFSET for peer in range(tp)]
+    return device.MappingOutcome(peers=tuple(bases), multicast=multicast)
+
+
+@pytest.mark.parametrize("multicast", [False, True], ids=["unicast", "multicast"])
+def test_a_symmetric_mailbox_binds_every_peer_and_the_multicast_mapping_at_the_words_offset(multicast):
+    tp, rank = 4, 2
+    places = _places(tp, hosts=2)  # two hosts: SymmetricMemory's to map (fabric handles)
+    memory = _SymmetricMemory(rank, tp, multicast_ptr=MULTICAST_BASE if multicast else 0)
+    peers = {r: _peer_outcome(r, tp, MULTICAST_BASE + OFFSET if multicast else 0) for r in range(tp)}
+    box = _allocate(rank, tp, memory, _scripted_gather(rank, places, peers), places, multicast=multicast)
+    expected = [PEER_BASE + 0x1_0000_0000 * peer + OFFSET for peer in range(tp)]
+    expected[rank] = box.words.data_ptr()
+    assert box.peer_table.tolist() == expected
+    assert box.multicast == (MULTICAST_BASE + OFFSET if multicast else 0)
+    assert box.transport == ("multicast" if multicast else "unicast")
+    assert tuple(box.words.shape) == (3, 3, 2, 8) and bool((box.words == -32768).all())
+    assert box.stage.tolist() == [0, 0] and box.fault.tolist() == [-1] * 4
+    assert memory.calls == ["empty", "rendezvous"]
+
+
+def test_a_unicast_mailbox_ignores_a_multicast_mapping():
+    tp, rank = 2, 0
+    places = _places(tp)
+    memory = _SymmetricMemory(rank, tp, multicast_ptr=MULTICAST_BASE)
+    box = _allocate(rank, tp, memory, _scripted_gather(rank, places, {1: _peer_outcome(1, tp)}), places)
+    assert box.multicast == 0 and box.transport == "unicast"
+
+
+def test_gpus_of_one_host_without_peer_access_are_refused_before_anything_is_allocated():
+    places = _places(4, peer_access=False)
+    memory = _SymmetricMemory(0, 4)
+    with pytest.raises(device.PeerMappingRefused) as refused:
+        _allocate(0, 4, memory, _scripted_gather(0, places), places)
+    assert "rank 10 (host node0, GPU 0) cannot map rank 11 (host node0, GPU 1): GPU 0 has no peer access to GPU 1" \
+        in str(refused.value)
+    assert len(refused.value.pairs) == 12 and memory.calls == []
+
+
+def test_a_null_peer_pointer_on_another_rank_is_refused_on_this_one_naming_the_pair():
+    tp, rank = 4, 0
+    places = _places(tp, hosts=2)
+    broken = _peer_outcome(3, tp)
+    broken = device.MappingOutcome(peers=broken.peers[:1] + (0,) + broken.peers[2:])
+    gather = _scripted_gather(rank, places, {1: _peer_outcome(1, tp), 2: _peer_outcome(2, tp), 3: broken})
+    with pytest.raises(device.PeerMappingRefused) as refused:
+        _allocate(rank, tp, _SymmetricMemory(rank, tp), gather, places)
+    assert [pair.message() for pair in refused.value.pairs] == [
+        "rank 13 (host node1, GPU 1) cannot map rank 11 (host node0, GPU 1): SymmetricMemory gave a null peer pointer"]
+
+
+def test_a_null_peer_pointer_here_is_refused():
+    tp, rank = 2, 1
+    places = _places(tp, hosts=2, devices=[0, 0])
+    gather = _scripted_gather(rank, places, {0: _peer_outcome(0, tp)})
+    with pytest.raises(device.PeerMappingRefused, match=r"rank 11 \(host node1, GPU 0\) cannot map rank 10 "):
+        _allocate(rank, tp, _SymmetricMemory(rank, tp, null_peer=0), gather, places)
+
+
+def test_a_failed_rendezvous_is_gathered_and_refused_by_every_rank():
+    tp = 2
+    places = _places(tp)
+    failed = device.MappingOutcome(error="RuntimeError: no fabric handle")
+    with pytest.raises(device.PeerMappingRefused, match=r"rank 11 \(host node0, GPU 1\): SymmetricMemory rendezvous "
+                                                        r"failed \(RuntimeError: no fabric handle\)"):
+        _allocate(0, tp, _SymmetricMemory(0, tp), _scripted_gather(0, places, {1: failed}), places)
+    with pytest.raises(device.PeerMappingRefused, match=r"rank 11 .*rendezvous failed \(RuntimeError: cannot import"):
+        _allocate(1, tp, _SymmetricMemory(1, tp, fail="cannot import the peer's handle\nmore"),
+                  _scripted_gather(1, places, {0: _peer_outcome(0, tp)}), places)
+
+
+def test_multicast_without_a_multicast_mapping_on_any_rank_is_refused():
+    tp, rank = 2, 0
+    places = _places(tp)
+    here_none = _SymmetricMemory(rank, tp, multicast_ptr=0)
+    with pytest.raises(device.PeerMappingRefused, match=r"rank 10 .*no multicast mapping \(multicast_ptr is 0\)"):
+        _allocate(rank, tp, here_none, _scripted_gather(rank, places, {1: _peer_outcome(1, tp, MULTICAST_BASE)}),
+                  places, multicast=True)
+    with pytest.raises(device.PeerMappingRefused, match=r"rank 11 .*no multicast mapping"):
+        _allocate(rank, tp, _SymmetricMemory(rank, tp, multicast_ptr=MULTICAST_BASE),
+                  _scripted_gather(rank, places, {1: _peer_outcome(1, tp, 0)}), places, multicast=True)
+
+
+def test_ipc_refuses_ranks_on_different_hosts_and_allows_one_host():
+    two_hosts = _places(4, hosts=2, devices=[0, 0, 0, 0])
+    pairs = device.unmappable_pairs(two_hosts, "ipc")
+    assert len(pairs) == 8 and all(pair.reason == "CUDA IPC handles do not cross hosts" for pair in pairs)
+    assert device.unmappable_pairs(two_hosts, "unicast") == []  # SymmetricMemory's to judge (fabric)
+    assert device.unmappable_pairs(_places(4, devices=[0, 0, 0, 0]), "ipc") == []
+
+
+def test_a_refusal_names_at_most_eight_pairs_and_counts_the_rest():
+    refused = device.PeerMappingRefused("ipc", device.unmappable_pairs(_places(8, hosts=2, devices=[0] * 8), "ipc"))
+    assert str(refused).startswith("ipc mailboxes cannot be mapped: rank 10 (host node0, GPU 0) cannot map rank 14")
+    assert str(refused).endswith("; and 24 more")
+
+
+def test_the_multicast_allocation_reads_the_policy_first_and_allocates_nothing_where_it_forbids(monkeypatch):
+    """The lent GPUs' environment: even called directly (past decide), no group is resolved and
+    no SymmetricMemory allocation or rendezvous happens."""
+    from musebench.comm.transport import MULTICAST_OFF, TransportRefused
+
+    for name, value in MULTICAST_OFF.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(device, "resolve_group", lambda group: pytest.fail("a group was resolved"))
+    monkeypatch.setattr(device, "enable_symmetric_memory", lambda group: pytest.fail("SymmetricMemory was used"))
+    with pytest.raises(TransportRefused, match="multicast is forbidden here: TORCH_SYMM_MEM_DISABLE_MULTICAST=1"):
+        device.symmetric_device_group(0, 2, 3, 2, 8, torch.device("cpu"), multicast=True)
+
+
+def test_a_unicast_allocation_turns_every_multicast_switch_off_first(monkeypatch):
+    from musebench.comm.transport import MULTICAST_OFF
+
+    for name in MULTICAST_OFF:
+        monkeypatch.delenv(name, raising=False)
+
+    class Stop(Exception):
+        pass
+
+    def stop(group):
+        raise Stop
+
+    monkeypatch.setattr(device, "resolve_group", stop)
+    with pytest.raises(Stop):
+        device.symmetric_device_group(0, 2, 3, 2, 8, torch.device("cpu"))
+    import os
+
+    assert {name: os.environ[name] for name in MULTICAST_OFF} == MULTICAST_OFF
+
+
+def test_a_group_of_global_ranks_is_created_once_by_its_members_alone(monkeypatch):
+    import torch.distributed as dist
+
+    created: list[tuple] = []
+    monkeypatch.setattr(device, "_GROUPS", {})
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 5)
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kwargs: created.append((tuple(ranks), kwargs)) or "g")
+    assert device.resolve_group([6, 4, 5, 7]) == "g" and device.resolve_group((4, 5, 6, 7)) == "g"
+    assert created == [((4, 5, 6, 7), {"use_local_synchronization": True})]
+    with pytest.raises(ValueError, match="global rank 5 is not in the group"):
+        device.resolve_group([0, 1])
+    with pytest.raises(ValueError, match="distinct global ranks"):
+        device.resolve_group([4, 5, 5])
+    process_group = object()
+    assert device.resolve_group(process_group) is process_group  # a ProcessGroup (anything else) as is
+
+
+def test_a_group_that_is_not_the_asked_rank_of_tp_is_refused(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda group: [4, 5, 6, 7])
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    assert device.check_group("g", 1, 4) == (4, 5, 6, 7)
+    with pytest.raises(ValueError, match=r"this process is rank 1 of a group of 4 \(global ranks \[4, 5, 6, 7\]\); "
+                                         r"the mailbox was asked for rank 0 of 4"):
+        device.check_group("g", 0, 4)
+    with pytest.raises(ValueError, match="asked for rank 1 of 8"):
+        device.check_group("g", 1, 8)

@@ -20,7 +20,7 @@ LOCAL_ONLY = "local is for virtual ranks"
 ONE_PER_GPU = "unicast needs one process per GPU"
 NO_PEERS = "need peer access between every pair"
 UNICAST_NO_PEERS = "unicast needs peer access between every pair of GPUs"
-NOT_YET = "multicast mailboxes are not implemented yet (issue 14)"
+NO_FABRIC = "needs an NVLink fabric: device attribute CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0"
 
 LAYOUTS = {
     # the CPU model: threads of one process, processes of one host, processes of two hosts
@@ -39,10 +39,14 @@ LAYOUTS = {
     "cute-two-per-gpu": Layout("cute", "torchrun", 4, local_world=4, gpus=2),
     "cute-two-per-gpu-no-peers": Layout("cute", "torchrun", 4, local_world=4, gpus=2, peer_access=False),
     "cute-two-hosts": Layout("cute", "torchrun", 8, local_world=4, gpus=4, hosts=2),
+    # two hosts on an NVLink fabric (GB200 racks); two torchrun nodes sharing one GPU each
+    "cute-fabric": Layout("cute", "torchrun", 8, local_world=4, gpus=4, hosts=2, fabric=True),
+    "cute-two-nodes-one-gpu": Layout("cute", "torchrun", 4, local_world=2, gpus=1, hosts=2),
 }
 
 # layout -> request -> the transport's name, or ("refused", a substring of the reason). Multicast
-# is asked with a machine that supports it (MC_YES): the layout's own reason, else "not yet".
+# is asked with a machine that supports it (MC_YES): granted where the layout has one process per
+# GPU with unicast peers, else the layout's own reason.
 EXPECTED = {
     "cpu-virtual": {"auto": "cpu-local", "local": ("refused", CPU), "ipc": ("refused", CPU),
                     "unicast": ("refused", CPU), "multicast": ("refused", f"{CPU}: multicast needs the cute backend")},
@@ -63,23 +67,29 @@ EXPECTED = {
                      "unicast": ("refused", f"{ONE_PER_GPU}: 4 processes share 1 GPU(s)"),
                      "multicast": ("refused", "multicast needs one process per GPU: 4 processes share 1 GPU(s)")},
     "cute-distinct": {"auto": "unicast", "local": ("refused", LOCAL_ONLY), "ipc": "ipc", "unicast": "unicast",
-                      "multicast": ("refused", NOT_YET)},
+                      "multicast": "multicast"},
     "cute-distinct-no-peers": {"auto": ("refused", UNICAST_NO_PEERS), "local": ("refused", LOCAL_ONLY),
                                "ipc": ("refused", NO_PEERS), "unicast": ("refused", UNICAST_NO_PEERS),
-                               "multicast": ("refused", NOT_YET)},
+                               "multicast": ("refused", "multicast needs peer access between every pair")},
     "cute-distinct-no-symm": {"auto": ("refused", "unicast needs torch SymmetricMemory"),
                               "local": ("refused", LOCAL_ONLY), "ipc": "ipc",
                               "unicast": ("refused", "unicast needs torch SymmetricMemory"),
-                              "multicast": ("refused", NOT_YET)},
+                              "multicast": ("refused", "multicast needs torch SymmetricMemory")},
     "cute-two-per-gpu": {"auto": "ipc", "local": ("refused", LOCAL_ONLY), "ipc": "ipc",
                          "unicast": ("refused", f"{ONE_PER_GPU}: 4 processes share 2 GPU(s)"),
                          "multicast": ("refused", "4 processes share 2 GPU(s)")},
     "cute-two-per-gpu-no-peers": {"auto": ("refused", NO_PEERS), "local": ("refused", LOCAL_ONLY),
                                   "ipc": ("refused", NO_PEERS), "unicast": ("refused", ONE_PER_GPU),
                                   "multicast": ("refused", "4 processes share 2 GPU(s)")},
-    "cute-two-hosts": {"auto": ("refused", "device mailboxes across hosts (2) are not implemented yet (issue 14)"),
-                       "local": ("refused", "across hosts"), "ipc": ("refused", "across hosts"),
-                       "unicast": ("refused", "across hosts"), "multicast": ("refused", NOT_YET)},
+    "cute-two-hosts": {"auto": ("refused", f"unicast across hosts (2) {NO_FABRIC}"),
+                       "local": ("refused", LOCAL_ONLY), "ipc": "ipc",
+                       "unicast": ("refused", f"unicast across hosts (2) {NO_FABRIC}"),
+                       "multicast": ("refused", f"multicast across hosts (2) {NO_FABRIC}")},
+    "cute-fabric": {"auto": "unicast", "local": ("refused", LOCAL_ONLY), "ipc": "ipc", "unicast": "unicast",
+                    "multicast": "multicast"},
+    "cute-two-nodes-one-gpu": {"auto": "ipc", "local": ("refused", LOCAL_ONLY), "ipc": "ipc",
+                               "unicast": ("refused", f"{ONE_PER_GPU}: 2 processes share 1 GPU(s)"),
+                               "multicast": ("refused", "multicast needs one process per GPU")},
 }
 
 CASES = [(name, request, expected) for name, row in EXPECTED.items() for request, expected in row.items()]
@@ -112,11 +122,30 @@ def test_multicast_where_the_machine_cannot_is_refused_with_the_machine_reason(l
         decide(LAYOUTS[layout], "multicast", multicast=MC_FORBIDDEN, environ={})
 
 
-def test_multicast_is_never_granted_not_even_where_the_machine_has_it():
-    """No multicast mailbox exists yet: a layout fit for multicast is refused, never run as unicast."""
-    for layout in LAYOUTS.values():
-        with pytest.raises(TransportRefused):
-            decide(layout, "multicast", multicast=MC_YES, environ={})
+def test_multicast_is_granted_only_where_machine_and_layout_have_it():
+    """Multicast is never run as unicast: granted as itself, or refused."""
+    granted = []
+    for name, layout in LAYOUTS.items():
+        try:
+            chosen = decide(layout, "multicast", multicast=MC_YES, environ={})
+        except TransportRefused:
+            continue
+        assert chosen.name == "multicast" and "multicast" in chosen.peers
+        granted.append(name)
+    assert granted == ["cute-distinct", "cute-fabric"]
+
+
+def test_the_lent_gpus_refuse_multicast_by_policy_before_any_probe(monkeypatch):
+    """The lent H200s (one or several, one process per GPU) run with every multicast switch set:
+    the refusal is the policy's, and the driver is never asked."""
+    def must_not_query(count, attribute):
+        raise AssertionError("the driver was asked although multicast is forbidden")
+
+    monkeypatch.setattr(transport, "query_device_attribute", must_not_query)
+    for gpus in (1, 2, 4, 8):
+        layout = Layout("cute", "torchrun", gpus, local_world=gpus, gpus=gpus)
+        with pytest.raises(TransportRefused, match="multicast is forbidden here: TORCH_SYMM_MEM_DISABLE_MULTICAST=1"):
+            decide(layout, "multicast", environ=dict(transport.MULTICAST_OFF))
 
 
 def test_multicast_is_probed_when_not_given_and_the_policy_is_read_first(monkeypatch):
@@ -133,8 +162,12 @@ def test_multicast_is_probed_when_not_given_and_the_policy_is_read_first(monkeyp
     with pytest.raises(TransportRefused, match="CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED is 0 on GPU 0, 1, 2, 3"):
         decide(LAYOUTS["cute-distinct"], "multicast", environ={})
     monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True] * count)
-    with pytest.raises(TransportRefused, match=r"not implemented yet \(issue 14\)"):
-        decide(LAYOUTS["cute-distinct"], "multicast", environ={})
+    assert decide(LAYOUTS["cute-distinct"], "multicast", environ={}).name == "multicast"
+    # across hosts the fabric attribute is read too
+    fabric_off = lambda count, attribute: [attribute != transport.FABRIC_ATTRIBUTE] * count  # noqa: E731
+    monkeypatch.setattr(transport, "query_device_attribute", fabric_off)
+    with pytest.raises(TransportRefused, match="CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0"):
+        decide(LAYOUTS["cute-fabric"], "multicast", environ={})
 
 
 def test_an_unknown_request_is_refused():
@@ -285,6 +318,32 @@ def test_layout_here_reads_the_launch(monkeypatch):
     assert (in_job.local_world, in_job.hosts, in_job.peer_access) == (4, 2, True) and probed == [4]
     with pytest.raises(TransportRefused, match="every rank on one host"):
         decide(in_job, environ={})
+
+
+def test_layout_here_reads_the_fabric_attribute_for_cute_processes_across_hosts_only(monkeypatch):
+    asked: list[str] = []
+    monkeypatch.setattr(transport, "visible_gpus", lambda: 4)
+    monkeypatch.setattr(transport, "peer_access_everywhere", lambda gpus: True)
+    monkeypatch.setattr(transport, "symmetric_memory_imports", lambda: True)
+    monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: asked.append(attribute) or [True] * count)
+    one_host = transport.layout_here("cute", "torchrun", 4, environ={"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
+    assert one_host.fabric is False and asked == []
+    two_hosts = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
+    assert transport.layout_here("cpu", "torchrun", 8, environ=two_hosts).fabric is False and asked == []
+    rack = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    assert rack.fabric is True and asked == [transport.FABRIC_ATTRIBUTE]
+    assert decide(rack, environ={}).name == "unicast"
+    monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True, False, True, True])
+    no_fabric = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    assert no_fabric.fabric is False
+    with pytest.raises(TransportRefused, match=f"unicast across hosts \\(2\\) {NO_FABRIC}"):
+        decide(no_fabric, environ={})
+
+    def no_driver(count, attribute):
+        raise ImportError("no cuda-python")
+
+    monkeypatch.setattr(transport, "query_device_attribute", no_driver)
+    assert transport.fabric_everywhere(4) is False and transport.fabric_everywhere(0) is False
 
 
 def test_peer_access_needs_no_probe_below_two_gpus_and_is_false_where_nothing_answers():

@@ -126,9 +126,11 @@ def test_transports_by_layout():
     assert single["distinct_gpus"]["transports"] == []
 
     assert transports(fake_info(8))["distinct_gpus"]["transports"] == ["unicast", "ipc"]
-    # multicast is refused even where usable: no multicast mailbox exists yet (issue 14)
+    # multicast where usable; where not, the note gives the machine's reason
     fabric = transports(fake_info(8, multicast_usable=True))["distinct_gpus"]
-    assert fabric["transports"] == ["unicast", "ipc"] and "multicast mailboxes are not implemented yet" in fabric["note"]
+    assert fabric["transports"] == ["unicast", "ipc", "multicast"]
+    forbidden = transports(fake_info(8))["distinct_gpus"]
+    assert forbidden["transports"] == ["unicast", "ipc"] and "multicast: forbidden" in forbidden["note"]
     no_peer = transports(fake_info(2, p2p=False, multicast_usable=True))["distinct_gpus"]
     assert no_peer["transports"] == [] and "peer access" in no_peer["note"]
 
@@ -194,4 +196,20 @@ def test_fabric_counts_zero_when_nvidia_smi_lists_no_nvlink(monkeypatch):
     monkeypatch.setattr(environment.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     monkeypatch.setattr(environment.subprocess, "run", lambda *args, **kwargs: Completed())
     result = environment.fabric([fake_gpu(0), fake_gpu(1)])
+    result.pop("handles")
     assert result == {"source": "nvidia-smi", "active_nvlinks": [0, 0], "note": "nvidia-smi lists no NVLink"}
+
+
+def test_fabric_handles_say_whether_mailboxes_can_span_hosts():
+    asked: list[str] = []
+    rack = environment.fabric_handles(4, query=lambda count, attribute: asked.append(attribute) or [True] * count)
+    assert rack["usable"] is True and asked == ["CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"]
+    node = environment.fabric_handles(2, query=lambda count, attribute: [True, False])
+    assert node["usable"] is False and node["note"].endswith("is 0 on GPU 1: mailboxes cannot span hosts")
+
+    def no_driver(count, attribute):
+        raise RuntimeError("CUDA driver call failed: CUDA_ERROR_NO_DEVICE")
+
+    unknown = environment.fabric_handles(2, query=no_driver)
+    assert unknown["per_gpu"] is None and "CUDA_ERROR_NO_DEVICE" in unknown["note"]
+    assert environment.fabric_handles(0)["note"] == "no CUDA GPU"

@@ -3,8 +3,12 @@
 Every variant is compiled here with fake tensors and its PTX read back. The assertions are the
 contract's, checked in the emitted code rather than the source:
 
-- transport: `multimem.st` only in the multicast publisher, one `st.relaxed.sys` per peer and
-  trip only in the unicast one;
+- transport: `multimem.st` only in the multicast publisher (both forms; never in the reduction),
+  one `st.relaxed.sys` per peer and trip only in the unicast one; the multicast single launch
+  fences its multicast stores from its unicast polls (`fence.proxy.alias`, once, between them);
+- the same bits on both transports: the two publishers' PTX have the same arithmetic trace
+  (`arithmetic_trace`: every floating-point operation and conversion in program order, registers
+  renamed by first use, and the payload of each publishing store): only the stores differ;
 - PDL: `griddepcontrol.wait` and `.launch_dependents` exactly when enabled;
 - rounding: every binary32 add/mul/fma is the explicit `.rn` form, none is `.ftz`, no packed
   `f32x2` arithmetic is left for ptxas to contract; the only approximate instruction is
@@ -202,6 +206,40 @@ def chains(ptx: str, opcode: str, *, link: int, where=lambda args: True) -> list
     return found
 
 
+PUBLISHING_STORES = ("st.relaxed.sys.global.v4.u32", "multimem.st.relaxed.sys.global.v4.bf16x2",
+                     "multimem.st.relaxed.sys.global.v4.f32")
+_REGISTER = re.compile(r"%[a-z]+\d+")
+
+
+def arithmetic_trace(ptx: str) -> list[str]:
+    """What a kernel computes, independent of how it stores it: every floating-point arithmetic
+    instruction and conversion in program order with its operands, registers renamed in order of
+    first use (two compilations number their registers apart), and each distinct payload stored to
+    a peer or multicast address ("publish" and its four registers; the address and the store's
+    opcode dropped, a payload stored to several peers listed once)."""
+    names: dict[str, str] = {}
+
+    def canonical(text: str) -> str:
+        return _REGISTER.sub(lambda match: names.setdefault(match.group(0), f"v{len(names)}"), text)
+
+    trace: list[str] = []
+    published: set[str] = set()
+    for line in instructions(ptx):
+        if line.endswith(":"):
+            continue
+        body = line.split(None, 1)[1] if line.startswith("@") else line
+        op = _opcode(line)
+        args = _operands(body)
+        if op in PUBLISHING_STORES:
+            entry = "publish " + canonical(args[1])
+            if entry not in published:
+                published.add(entry)
+                trace.append(entry)
+        elif op in float_arithmetic(body) or (op.startswith("cvt.") and re.search(r"\.f32|\.bf16", op)):
+            trace.append(op + " " + canonical(", ".join(args)))
+    return trace
+
+
 def float_arithmetic(ptx: str) -> list[str]:
     return [op for op in opcodes(ptx) if re.match(r"(add|sub|mul|fma|div|rcp|sqrt|rsqrt|ex2|lg2|min|max|neg|abs)\.", op)
             and re.search(r"\.f32|\.f16|\.bf16", op)]
@@ -245,6 +283,7 @@ def test_publisher_ptx(arch, tp, weight_dtype, before, transport):
     unicast = count(ptx, "st.relaxed.sys.global.v4.u32")
     assert (multicast, unicast) == ((TRIPS, 0) if transport == "multicast" else (0, tp * TRIPS))
     assert not any(op.startswith("multimem") for op in ops if op != "multimem.st.relaxed.sys.global.v4.bf16x2")
+    assert count(ptx, "fence.proxy.alias") == 0  # the two-launch publisher polls nothing
 
     # PDL, once each, the reduction let launch right after the wait (before any row is read); the
     # stage word is the only volatile load; no loop, so no spin.
@@ -332,6 +371,7 @@ def test_publisher_without_pdl_has_no_griddepcontrol(arch, transport):
 def test_reduce_ptx(arch, tp, pdl):
     ptx = reduce_ptx(arch, tp, pdl)
     ops = opcodes(ptx)
+    assert not any(op.startswith("multimem") or op.startswith("fence.proxy") for op in ops)  # one kernel, both transports
     assert count(ptx, "griddepcontrol.wait") == count(ptx, "griddepcontrol.launch_dependents") == int(pdl)
     if pdl:  # the next call's publisher may launch only after every store of this call
         last_store = max(i for i, op in enumerate(ops) if op.startswith("st."))
@@ -407,6 +447,14 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
         assert count(ptx, opcode) == count(alone, opcode), opcode
     assert_rounding_is_explicit(ptx, approximate={"rsqrt.approx.ftz.f32"})
 
+    # Multicast: one proxy fence, after the last multicast store and before the first poll of
+    # the own words through their unicast mapping; none with unicast stores.
+    assert count(ptx, "fence.proxy.alias") == (1 if transport == "multicast" else 0)
+    if transport == "multicast":
+        fence_at = ops.index("fence.proxy.alias")
+        last_multicast = max(i for i, op in enumerate(ops) if op.startswith("multimem.st"))
+        assert last_multicast < fence_at < ops.index("ld.volatile.global.v4.u32")
+
     # The generation: thread 0 reads NEXT_STAGE once and arrives once (a release, not waited
     # for), both after every row load is issued, and shares it through shared memory behind the
     # routes' own barrier (no barrier of its own: no round trip before the loads); the last
@@ -450,18 +498,55 @@ def test_single_launch_ptx(arch, tp, transport, pdl):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("transport", ["unicast", "multicast"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tp, weight_dtype, before, single_launch", [
     (2, "bf16", True, False), (8, "bf16", True, False), (32, "fp32", False, False),
     (2, "bf16", True, True), (8, "bf16", True, True), (32, "fp32", False, True),
 ], ids=["tp2-two", "tp8-two", "tp32-two", "tp2-single", "tp8-single", "tp32-single"])
-def test_the_publisher_assembles_without_spills(tp, weight_dtype, before, single_launch, tmp_path):
+def test_the_publisher_assembles_without_spills(tp, weight_dtype, before, single_launch, arch, transport, tmp_path):
     """Every route's fragments are live at once (255 registers): a spill would put local memory on
     the load path the batching removed, and the single launch adds its reduction on top."""
     source = tmp_path / "publisher.ptx"
-    source.write_text(publisher_ptx("sm_90a", tp, weight_dtype, before, "unicast", True, single_launch=single_launch))
-    result = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", str(source), "-o", str(tmp_path / "publisher.cubin")],
+    source.write_text(publisher_ptx(arch, tp, weight_dtype, before, transport, True, single_launch=single_launch))
+    result = subprocess.run(["ptxas", f"-arch={arch}", "-O3", "-v", str(source), "-o", str(tmp_path / "publisher.cubin")],
                             capture_output=True, text=True, check=True)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("single_launch", [False, True], ids=["two", "single"])
+@pytest.mark.parametrize("tp, weight_dtype, before", [(2, "bf16", True), (3, "fp32", False), (8, "bf16", False),
+                                                      (32, "fp32", True)])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_multicast_and_unicast_publishers_compute_the_same_and_differ_in_the_stores(arch, tp, weight_dtype, before,
+                                                                                   single_launch):
+    """The bitwise argument in the emitted code: the same arithmetic on the same operands in the
+    same order, the same payloads published (once per trip by multicast, to every peer by
+    unicast); everything else that differs is a store, the peer-address loads, integer address
+    arithmetic, or (single launch) the proxy fence."""
+    unicast = publisher_ptx(arch, tp, weight_dtype, before, "unicast", True, single_launch=single_launch)
+    multicast = publisher_ptx(arch, tp, weight_dtype, before, "multicast", True, single_launch=single_launch)
+    trace = arithmetic_trace(unicast)
+    assert sum(entry.startswith("publish ") for entry in trace) == TRIPS
+    assert arithmetic_trace(multicast) == trace
+    ignored = ("st.", "multimem.", "ld.global.b64", "ld.global.u64", "add.s64", "mul.wide", "shl.b64", "mad.wide",
+               "cvt.s64", "cvt.u64", "fence.proxy", "selp", "setp", "mov.", "add.s32", "sub.s32", "ld.param", "@")
+    def rest(ptx):
+        return sorted(op for op in opcodes(ptx) if not op.startswith(ignored) and op != "bra.uni" and op != "bra")
+    assert rest(unicast) == rest(multicast)
+
+
+def test_the_arithmetic_trace_sees_a_changed_rounding_and_a_changed_payload():
+    """The comparison itself: an fma turned into mul + add, or a payload register swapped, differs."""
+    base = ("fma.rn.f32 %f3, %f1, %f2, %f0;\ncvt.rn.bf16x2.f32 %r1, %f3, %f3;\n"
+            "st.relaxed.sys.global.v4.u32 [%rd1], {%r1, %r2, %r3, %r4};\n")
+    assert arithmetic_trace(base) == arithmetic_trace(base.replace("%f", "%f1"))  # renumbered: the same
+    split = base.replace("fma.rn.f32 %f3, %f1, %f2, %f0;", "mul.rn.f32 %f4, %f1, %f2;\nadd.rn.f32 %f3, %f4, %f0;")
+    assert arithmetic_trace(split) != arithmetic_trace(base)
+    swapped = base.replace("{%r1, %r2, %r3, %r4}", "{%r2, %r1, %r3, %r4}")
+    assert arithmetic_trace(swapped) != arithmetic_trace(base)
+    multicast = base.replace("st.relaxed.sys.global.v4.u32", "multimem.st.relaxed.sys.global.v4.bf16x2")
+    assert arithmetic_trace(multicast) == arithmetic_trace(base) == arithmetic_trace(base + base.splitlines()[-1])
 
 
 def test_every_loop_that_polls_reads_the_timer_in_a_broken_example():

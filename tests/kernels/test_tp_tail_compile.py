@@ -17,8 +17,12 @@ tail test's). What the PTX must show, per variant:
   8 / KO `add` from +0.0;
 - distributed shared memory (`mapa.shared::cluster`, `st.shared::cluster`, cluster barriers)
   exactly when S > 1;
-- transport: 8 pushes (`st.relaxed.sys`) and (tp - 1) publishes of 1 or 2 vectors; the re-arm
-  stores exactly what the polls read; the generation is advanced once (`atom.acq_rel` counter).
+- transport: 8 pushes (`st.relaxed.sys`) and (tp - 1) publishes of 1 or 2 vectors (unicast), or
+  1 or 2 `multimem.st` (`.v4.bf16x2` scrubbed BF16 rows, `.v4.f32` FP32 rows) and no peer-address
+  load (multicast), `multimem` nowhere else; the re-arm stores exactly what the polls read; the
+  generation is advanced once (`atom.acq_rel` counter);
+- the same bits on both transports: the multicast and unicast kernels of a variant have the same
+  arithmetic trace (the EP test's `arithmetic_trace`), only the publishing stores differ.
 
 Compile times (this CPU host, 2 cores, CuTe DSL 4.8.1): 0.5-1 s per variant for tp <= 8, about
 4 s at tp 32. The grid below: the core matrix (every split x combine x tp on one target, both
@@ -47,6 +51,7 @@ from tests.kernels.test_ep_tail_compile import (  # noqa: E402
     Origins,
     _operands,
     _ptx_text,
+    arithmetic_trace,
     assert_bounded_polling,
     assert_rounding_is_explicit,
     chains,
@@ -76,11 +81,12 @@ def variant_for(m: int, tp: int, nsm: int = NSM) -> tp_tail.TpVariant:
 
 
 @functools.lru_cache(maxsize=None)
-def tp_ptx(arch: str, tp: int, variant: tp_tail.TpVariant, weight_dtype: str, before: bool, pdl: bool = True) -> str:
+def tp_ptx(arch: str, tp: int, variant: tp_tail.TpVariant, weight_dtype: str, before: bool, pdl: bool = True,
+           transport: str = tp_tail.UNICAST) -> str:
     compiled = tp_tail.compile_tp_tail(
         tp=tp, capacity=CAPACITY, token_width=2 * H, variant=variant, weight_before_norm=before,
         weight_dtype=weight_dtype, eps=1e-8, gain_center=1.0, timeout_ns=1_000_000_000, enable_pdl=pdl,
-        arch=arch, ptx_dir=_DUMP,
+        transport=transport, arch=arch, ptx_dir=_DUMP,
     )
     return _ptx_text(compiled)
 
@@ -127,8 +133,9 @@ def _f32_ops(ptx: str, opcode: str) -> list[list[str]]:
     return [_operands(line) for line in instructions(ptx) if not line.endswith(":") and line.split()[0] == opcode]
 
 
-def check_variant(ptx: str, tp: int, v: tp_tail.TpVariant, before: bool) -> None:
+def check_variant(ptx: str, tp: int, v: tp_tail.TpVariant, before: bool, transport: str = tp_tail.UNICAST) -> None:
     ops = opcodes(ptx)
+    multicast = transport == tp_tail.MULTICAST
     origins = Origins(ptx)
     exact = v.delivery == tp_tail.EXACT
     copy_vectors = 2 if exact else 1
@@ -155,16 +162,27 @@ def check_variant(ptx: str, tp: int, v: tp_tail.TpVariant, before: bool) -> None
     scalar_loads = ("ld.global.b16", "ld.global.b32")  # route indices (b32) and weights (b16 or b32)
     assert sum(ops[:first_poll].count(op) for op in scalar_loads) == 2 * K == sum(ops.count(op) for op in scalar_loads)
     pushes = [i for i, op in enumerate(ops) if op == "st.relaxed.sys.global.v4.u32"]
-    first_publish = pushes[K]
-    peer_loads = [i for i, op in enumerate(ops) if op == "ld.global.b64" and pushes[K - 1] < i < first_publish]
-    assert len(peer_loads) >= tp - 1, "every peer's address is loaded before the first publish"
+    if multicast:  # the owner's route-mailbox address alone; the token peer table is not read
+        assert len(pushes) == K and count(ptx, "ld.global.b64") == 1
+    else:
+        first_publish = pushes[K]
+        peer_loads = [i for i, op in enumerate(ops) if op == "ld.global.b64" and pushes[K - 1] < i < first_publish]
+        assert len(peer_loads) >= tp - 1, "every peer's address is loaded before the first publish"
 
-    # Transport: 8 pushes, tp - 1 publishes; re-arm exactly the words polled.
-    assert count(ptx, "st.relaxed.sys.global.v4.u32") == K + (tp - 1) * copy_vectors
+    # Transport: 8 pushes, tp - 1 publishes or 1 multicast store per vector; re-arm exactly the
+    # words polled.
+    multimem = "multimem.st.relaxed.sys.global.v4." + ("f32" if exact else "bf16x2")
+    if multicast:
+        assert count(ptx, "st.relaxed.sys.global.v4.u32") == K and count(ptx, multimem) == copy_vectors
+        assert {op for op in ops if op.startswith("multimem")} == {multimem}
+        assert ops.index(multimem) > max(pushes) and ops.index(multimem) > ops.index("cvt.rn.bf16x2.f32")
+    else:
+        assert count(ptx, "st.relaxed.sys.global.v4.u32") == K + (tp - 1) * copy_vectors
+        assert not any(op.startswith("multimem") for op in ops)
+    assert not any(op.startswith("fence.proxy") for op in ops)  # nothing on the owner reads its own row
     rearm = [line for line in instructions(ptx) if line.startswith("st.global.v4.u32")
              and all(origins.value(reg.strip()) == SENTINEL_I32 for reg in _operands(line)[1].strip("{}").split(","))]
     assert len(rearm) == K * tp + copy_vectors
-    assert not any(op.startswith("multimem") for op in ops)
 
     # Rounding points.
     assert_rounding_is_explicit(ptx, approximate={"rsqrt.approx.f32"})
@@ -283,17 +301,63 @@ def test_without_pdl_there_is_no_griddepcontrol(arch):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("transport", [tp_tail.UNICAST, tp_tail.MULTICAST])
 @pytest.mark.parametrize("tp, variant", [
     (32, tp_tail.TpVariant(1, tp_tail.FMA_CHAIN, 0, tp_tail.EXACT)),  # 512 threads: at most 128 registers
     (8, tp_tail.TpVariant(2, tp_tail.ROUNDED_PRODUCTS, 0, tp_tail.SCRUBBED)),
     (2, variant_for(1, 2)),
 ], ids=["tp32-S1", "tp8-S2", "tp2-S16"])
-def test_ptxas_assembles_without_spills(tp, variant, tmp_path):
+def test_ptxas_assembles_without_spills(tp, variant, transport, tmp_path):
     source = tmp_path / "tp_tail.ptx"
-    source.write_text(tp_ptx("sm_90a", tp, variant, "bf16", False))
+    source.write_text(tp_ptx("sm_90a", tp, variant, "bf16", False, transport=transport))
     result = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", str(source), "-o", str(tmp_path / "tp_tail.cubin")],
                             capture_output=True, text=True, check=True)
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr
+
+
+# Multicast: the stock's decode paths (both deliveries, every combine) and the S = 1 chunked
+# delivery, on both targets.
+MULTICAST_GRID = [
+    pytest.param(arch, tp, v, dtype, before, id=f"{arch}-tp{tp}-{_label(v)}-{dtype}-{'before' if before else 'after'}")
+    for arch in ARCHS
+    for (tp, v), dtype, before in [
+        ((2, variant_for(1, 2)), "bf16", True),  # expert-owner KO 4, EXACT
+        ((4, variant_for(9, 4)), "fp32", False),  # expert-owner KO 2 at S 8
+        ((8, variant_for(8, 8)), "bf16", False),  # token-owner XP = P, SCRUBBED
+        ((3, variant_for(4, 3)), "fp32", True),  # the extension: fma chain, SCRUBBED
+        ((32, tp_tail.TpVariant(1, tp_tail.FMA_CHAIN, 0, tp_tail.EXACT)), "bf16", True),  # chunked
+    ]
+]
+
+
+@pytest.mark.parametrize("arch, tp, variant, weight_dtype, before", MULTICAST_GRID)
+def test_multicast_variants(arch, tp, variant, weight_dtype, before):
+    """Every check of the unicast kernel holds, with one multimem store per vector for the publish."""
+    multicast = tp_ptx(arch, tp, variant, weight_dtype, before, transport=tp_tail.MULTICAST)
+    check_variant(multicast, tp, variant, before, transport=tp_tail.MULTICAST)
+
+
+@pytest.mark.parametrize("arch, tp, variant, weight_dtype, before", MULTICAST_GRID)
+def test_multicast_and_unicast_compute_the_same_and_differ_in_the_stores(arch, tp, variant, weight_dtype, before):
+    """The bitwise argument in the emitted code: the same arithmetic on the same operands in the
+    same order, the same payloads published (once by multicast, to every peer by unicast)."""
+    unicast = tp_ptx(arch, tp, variant, weight_dtype, before)
+    multicast = tp_ptx(arch, tp, variant, weight_dtype, before, transport=tp_tail.MULTICAST)
+    trace = arithmetic_trace(unicast)
+    publishes = sum(entry.startswith("publish ") for entry in trace)
+    assert publishes == K + (2 if variant.delivery == tp_tail.EXACT else 1)  # the route pushes, the row
+    assert arithmetic_trace(multicast) == trace
+
+
+def test_the_transport_is_a_compile_time_knob_of_its_own():
+    with pytest.raises(ValueError, match="transport must be one of"):
+        tp_tail._TpTailKernel(tp=2, capacity=8, token_width=2 * H, split=16, combine=tp_tail.FMA_CHAIN, group=0,
+                              delivery=tp_tail.SCRUBBED, weight_before_norm=True, weight_dtype="bf16", eps=1e-8,
+                              gain_center=1.0, timeout_ns=1000, enable_pdl=True, transport="nvshmem")
+    v = variant_for(8, 8)
+    knobs = dict(tp=8, capacity=CAPACITY, token_width=2 * H, variant=v, weight_before_norm=True, weight_dtype="bf16",
+                 eps=1e-8, gain_center=1.0, arch="sm_90a")
+    assert tp_tail.compile_tp_tail(**knobs) is not tp_tail.compile_tp_tail(**knobs, transport=tp_tail.MULTICAST)
 
 
 # ---------------------------------------------------------------------------------------------
