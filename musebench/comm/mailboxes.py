@@ -48,9 +48,12 @@ def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[
     return sets
 
 
-def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str) -> dict[str, Any]:
+def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str,
+                     group: Any = None) -> dict[str, Any]:
     """This process's set for `transport` (`comm.transport.Transport`: `shm`, `ipc` with its open
-    mode, or `unicast`); collective over the default group."""
+    mode, or `unicast`); collective over `group` (a torch.distributed group of `tp` processes; the
+    default group when None). `rank` is this process's rank within the group and `job` a key no
+    other group of the job shares (the shared-memory files are named by it)."""
     from functools import partial
 
     import torch.distributed as dist
@@ -58,10 +61,10 @@ def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: An
     if transport.name == "shm":
         for name, spec in specs.items():
             lamport.shm_create(job, name, rank, spec.slots, spec.rows, spec.width)
-        dist.barrier()  # every file exists before anyone maps its peers
+        dist.barrier(group=group)  # every file exists before anyone maps its peers
         boxes = {name: lamport.shm_open(job, name, rank, tp, spec.slots, spec.rows, spec.width)
                  for name, spec in specs.items()}
-        dist.barrier()
+        dist.barrier(group=group)
         return boxes
     if transport.name not in ("ipc", "unicast"):
         raise ValueError(f"processes take shm, ipc or unicast mailboxes, not {transport.name!r}")
@@ -72,7 +75,8 @@ def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: An
     device = torch.device("cuda", torch.cuda.current_device())
     group_of = (symmetric_device_group if transport.name == "unicast"
                 else partial(ipc_device_group, open_mode=transport.ipc_open))
-    return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device) for name, spec in specs.items()}
+    return {name: group_of(rank, tp, spec.slots, spec.rows, spec.width, device, group=group)
+            for name, spec in specs.items()}
 
 
 def reset(boxes: Mapping[str, Any]) -> None:
