@@ -15,7 +15,6 @@ Asking for cute where it cannot run is a ValueError, as for the tails.
 from __future__ import annotations
 
 import shlex
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

@@ -1,19 +1,28 @@
 """Launchers: `virtual` (every rank a thread of this process) and `torchrun` (a process per rank).
 
-`run_torchrun` starts `python -m torch.distributed.run --standalone` for one node itself, in a
-new session, and watches it: a rank that crashes ends the job (torchrun stops the others; the
-rank and exit code are reported); a rank that stops making progress ends it too. Every rank
-writes its progress record into the job folder (`musebench.harness.progress`: its phase of each
-case and each call it begins, with how long until its next record at the latest); when the
-records say the job has stalled (no rank keeps its promise, or peers timed out waiting for a
-rank still in the call they gave up in) the launcher kills the session and every rank it knows
-by pid, and names the rank that stopped making progress, e.g. "rank 1 stopped making progress
-in case 0 (call 1 of 4); ranks 0, 2, 3 timed out waiting for it". An overall deadline (startup,
-compile and every case's bound) backs the watch. The job's shared-memory mailboxes are removed. SIGTERM or
-SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the session the same way
-before it exits with 128 + the signal's number. The ranks
-(`musebench.harness.worker`) gather their outcomes to rank 0, which checks them and writes one
-JSON line per case to the job folder; the parent reads those lines.
+`run_torchrun` / `run_launch` start `python -m torch.distributed.run` on this node, in a new
+session, and watch it: `--standalone` with tp processes (one node, today's meaning of `--tp`), or
+this node's ranks of a job across nodes (`harness.nodes.Nodes`: `--nnodes N --node-rank R
+--nproc-per-node P --rdzv-endpoint HOST:PORT`, the same command on every node; the job's N*P ranks
+run every run's cases on groups of tp consecutive ranks, several runs in one launch). A rank that
+crashes ends the job (torchrun stops the others; the rank and exit code are reported); a rank
+that stops making progress ends it too. Every rank writes its progress record into the job folder
+(`musebench.harness.progress`: its phase of each case and each call it begins, with how long until
+its next record at the latest); when the records say the job has stalled (no rank keeps its
+promise, or peers timed out waiting for a rank still in the call they gave up in) the launcher
+kills the session and every rank it knows by pid, and names the rank that stopped making
+progress, e.g. "rank 1 stopped making progress in case 0 (call 1 of 4); ranks 0, 2, 3 timed out
+waiting for it". Across nodes the launchers share their ranks' records and a heartbeat through a
+store of their own (`harness.nodes.NodeLink`: every node's watch sees every rank; a node that
+dies ends the others within `nodes.NODE_SILENCE_S` and the kill, named). An overall deadline
+(startup, compile and every case's bound) backs the watch. The job's shared-memory mailboxes are
+removed. SIGTERM or SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the
+session the same way before it exits with 128 + the signal's number; SIGKILL takes torchrun with
+it (PR_SET_PDEATHSIG). The ranks (`musebench.harness.worker`) gather their outcomes to rank 0 over
+the process group, which checks them and writes one JSON line per row to its node's job folder;
+the lowest rank of every other node writes the rows rank 0 broadcast, so every node's launcher
+reads the verdict. `MUSEBENCH_LOG_DIR`: each node's launcher log (`launcher-nodeR.log`) and its
+ranks' logs (torchrun's `--log-dir`, `ranks-nodeR/`) go there.
 
 Inside an existing torchrun/srun job (RANK and WORLD_SIZE set, across nodes) `run_in_job` runs
 the same worker body in this process: rank 0 returns the rows, the other ranks return [].
