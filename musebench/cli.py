@@ -72,6 +72,77 @@ def _command_line() -> str:
     return shlex.join(["musebench", *sys.argv[1:]])
 
 
+def _node_options(command):
+    """--nnodes, --node-rank, --nproc-per-node, --rdzv-endpoint: a torchrun launch across nodes."""
+    for option in reversed([
+        click.option("--nnodes", type=int, default=None,
+                     help="Nodes of the torchrun launch (the same command runs on every node; SLURM_NNODES under SLURM)."),
+        click.option("--node-rank", type=int, default=None, help="This node, 0..N-1 (SLURM_NODEID under SLURM)."),
+        click.option("--nproc-per-node", type=int, default=None,
+                     help="Ranks per node: a job of nnodes x nproc ranks runs every tp on groups of tp ranks."),
+        click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="Node 0's host and port (SLURM: the first host of the job, port 29500); the launchers "
+                          "also use PORT+1."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _resolve_nodes(launcher: str, nnodes, node_rank, nproc_per_node, endpoint):
+    """The launch's nodes (`harness.nodes.resolve_nodes`) or None; exit 2 for options that cannot work."""
+    from musebench.harness.nodes import resolve_nodes
+
+    given = any(value is not None for value in (nnodes, node_rank, nproc_per_node, endpoint))
+    if given and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _usage_error("--nnodes, --node-rank, --nproc-per-node and --rdzv-endpoint start the ranks; inside a "
+                     "torchrun/srun job (RANK and WORLD_SIZE set) the ranks are already there")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return None
+    try:
+        return resolve_nodes(launcher=launcher, nnodes=nnodes, node_rank=node_rank, nproc_per_node=nproc_per_node,
+                             endpoint=endpoint)
+    except ValueError as error:
+        _usage_error(str(error))
+
+
+def _print_node_commands(jobs, nodes) -> None:
+    """--dry-run of a launch across nodes: the command every node runs and the torchrun it starts."""
+    import dataclasses
+
+    from musebench.harness.launch import launch_command
+
+    out = _stdout()
+    argv = [arg for arg in sys.argv[1:] if arg != "--dry-run"]
+    for node in range(nodes.nnodes):
+        here = dataclasses.replace(nodes, node_rank=node)
+        words = ["musebench", *argv]
+        if "--node-rank" not in argv and not any(arg.startswith("--node-rank=") for arg in argv):
+            words += ["--node-rank", str(node)]
+        else:
+            words = ["musebench", *_with_node_rank(argv, node)]
+        out.print(f"node {node}: {shlex.join(words)}", markup=False, soft_wrap=True)
+        out.print(f"  starts: {shlex.join(launch_command(here))}", markup=False, soft_wrap=True)
+    tps = sorted({job.cases[0].tp for job in jobs if job.nodes is not None and job.cases})
+    out.print(f"  {nodes.world} ranks ({nodes.nnodes} x {nodes.nproc_per_node}); tp {', '.join(map(str, tps))} on "
+              f"groups of consecutive ranks, one launch", markup=False)
+
+
+def _with_node_rank(argv, node: int) -> list[str]:
+    words, skip = [], False
+    for arg in argv:
+        if skip:
+            words.append(str(node))
+            skip = False
+        elif arg == "--node-rank":
+            words.append(arg)
+            skip = True
+        elif arg.startswith("--node-rank="):
+            words.append(f"--node-rank={node}")
+        else:
+            words.append(arg)
+    return words
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="musebench")
 def main() -> None:
@@ -104,12 +175,14 @@ def env(json_path: str | None) -> None:
             json.dump(info, out, indent=2, default=str)
 
 
-def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
+def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str, nodes=None) -> None:
     """Run tail and routing jobs with a progress bar and report them; a routing job this machine
-    cannot run is reported as skipped, never as passed."""
+    cannot run is reported as skipped, never as passed. Across nodes (`nodes`) node 0 reports (its
+    rank 0 gathered every rank's outcome); another node prints one line and exits like node 0."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from musebench.harness.jobs import build_report, run_job
+    from musebench.harness.jobs import build_report, run_jobs
+    from musebench.harness.nodes import LinkLost, NodesRefused
 
     def skips(job) -> bool:
         return job.skip_reason is not None
@@ -119,14 +192,29 @@ def _run_jobs_and_report(jobs, *, json_path, junit_path, title: str) -> None:
     rows = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=_stderr(), transient=True)
-    with progress:
-        task = progress.add_task("cases", total=sum(len(job.cases) for job in running))
-        for job in running:
-            progress.update(task, description=job.name)
-            rows.extend(run_job(job, on_case=lambda row: progress.advance(task)))
+    groups = {id(job): job.nodes.world // job.cases[0].tp if job.nodes is not None and job.cases else 1
+              for job in running}
+    try:
+        with progress:
+            task = progress.add_task("cases", total=sum(len(job.cases) * groups[id(job)] for job in running))
+            progress.update(task, description=", ".join(dict.fromkeys(job.name for job in running)) or "cases")
+            rows.extend(run_jobs(running, on_case=lambda row: progress.advance(task)))
+    except NodesRefused as refusal:
+        _usage_error(str(refusal))
+    except LinkLost as lost:
+        click.echo(f"musebench: {lost}", err=True)
+        sys.exit(EXIT_FAILED)
     notes = sorted({job.backend_note for job in running})  # no µs: the table points to musebench bench
     run = build_report(rows, command=_command_line(), backend_note="; ".join(notes),
                        skipped=[job.skipped() for job in skipped])
+    if nodes is not None and nodes.node_rank != 0:
+        failed = [row for row in run.cases if not row.passed]
+        click.echo(f"musebench: node {nodes.node_rank}: {len(run.cases)} rows, {len(failed)} failed"
+                   + (f" (first: {failed[0].error or 'mismatch'})" if failed else "")
+                   + "; node 0 writes the report")
+        if failed:
+            sys.exit(EXIT_FAILED)
+        return
     if _is_reporting_rank():
         _emit(run, title=title, json_path=json_path, junit_path=junit_path)
 
@@ -177,15 +265,22 @@ def _is_reporting_rank() -> bool:
 @click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent, raise, hang, exit).")
 @click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
               help="The implementation under test: a module providing the seeds' API.")
+@_node_options
+@click.option("--dry-run", is_flag=True, help="Print the cases and the command every node runs; launch nothing.")
 def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launcher, backend, iters, warmup,
-         timeout, nsm, transport, ep_launch, json_path, junit_path, inject, impl) -> None:
-    """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock."""
+         timeout, nsm, transport, ep_launch, json_path, junit_path, inject, impl, nnodes, node_rank, nproc_per_node,
+         rdzv_endpoint, dry_run) -> None:
+    """Run the MoE tails (EP and TP) on TP ranks and check them bitwise against the stock.
+
+    With --nproc-per-node (and --nnodes, --node-rank, --rdzv-endpoint across nodes) a torchrun
+    launch of nnodes x nproc ranks runs every case on groups of --tp consecutive ranks."""
     from musebench.harness.case import Faults
     from musebench.cases.tail_inputs import INPUT_FAMILIES, NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import make_tail_job
 
     token_list = _parse_ints(tokens, "--tokens")
     modes = ("ep", "tp") if mode == "both" else (mode,)
+    nodes = _resolve_nodes(launcher, nnodes, node_rank, nproc_per_node, rdzv_endpoint)
     try:
         if seeds < 1:
             raise ValueError("--seeds must be >= 1")
@@ -196,11 +291,15 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
             inputs=_parse_choices(inputs, INPUT_FAMILIES, "--inputs"),
             seeds=tuple(range(seed, seed + seeds)), launcher=launcher, backend=backend, iters=iters, warmup=warmup,
             timeout_s=timeout, nsm=nsm, transport=transport, faults=Faults.parse(inject),
-            ep_launch=ep_launch, impl=impl,
+            ep_launch=ep_launch, impl=impl, check_machine=not dry_run, nodes=nodes,
         )
     except ValueError as error:
         _usage_error(str(error))
-    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench tail --tp {tp}")
+    if dry_run:
+        _dry_run([job], nodes)
+        return
+    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench tail --tp {tp}",
+                         nodes=nodes)
 
 
 @main.command()
@@ -214,7 +313,9 @@ def tail(tp, mode, tokens, capacity, weights, norm, inputs, seed, seeds, launche
               help="Override the files' backend (routing: auto skips it without a GPU, cpu always, cute refuses).")
 @click.option("--transport", type=click.Choice(TRANSPORT_REQUESTS), default=None,
               help="Override the files' transport (tail runs).")
-def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport) -> None:
+@_node_options
+def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transport, nnodes, node_rank,
+           nproc_per_node, rdzv_endpoint) -> None:
     """Run scenario files (default scenarios/parity.toml): every case bitwise against the stock.
 
     Tail runs go first, then routing runs. A routing run needs a GPU with SM >= 90 and CuTe DSL;
@@ -226,8 +327,15 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
     paths = scenarios or (DEFAULT_SCENARIO,)
     overrides = {"launcher": launcher, "backend": backend, "transport": transport}
     try:
-        jobs = [job for path in paths
-                for job in jobs_from_scenario(load_scenario(path), overrides=overrides, check_machine=not dry_run)]
+        runs = [run for path in paths for run in load_scenario(path)]
+    except ValueError as error:
+        _usage_error(str(error))
+    # the node options serve the files' tail runs, which must all be torchrun ones
+    tail_launchers = {launcher or run.launcher for run in runs if run.kernel == "tail"}
+    nodes = _resolve_nodes("torchrun" if tail_launchers == {"torchrun"} else "virtual", nnodes, node_rank,
+                           nproc_per_node, rdzv_endpoint)
+    try:
+        jobs = jobs_from_scenario(runs, overrides=overrides, check_machine=not dry_run, nodes=nodes)
     except ValueError as error:
         _usage_error(str(error))
     asked = {name: value for name, value in (("--launcher", launcher), ("--transport", transport))
@@ -239,21 +347,30 @@ def parity(scenarios, json_path, junit_path, dry_run, launcher, backend, transpo
     # Routing last: inside a torchrun job only the reporting rank routes (virtual ranks on its own
     # GPU), so no rank may be left waiting at a tail barrier for a peer that is still routing.
     jobs.sort(key=lambda job: job.kernel == "routing")  # stable: file order within each kind
+    if nodes is not None and nodes.node_rank != 0:  # routing runs on node 0's launcher, after the tails
+        jobs = [job for job in jobs if job.kernel != "routing"]
     if dry_run:
-        out = _stdout()
-        for job in jobs:
-            if job.kernel == "routing":
-                how = f"backend {job.backend}, virtual ranks"
-            else:
-                how = f"backend {job.options.backend}, launcher {job.options.launcher}"
-            out.print(f"[bold]{job.name}[/bold]: {len(job.cases)} cases, {how}")
-            out.print(f"  launch: {job.launch_command()}")
-            for case in job.cases:
-                out.print(f"  {case.label()}")
+        _dry_run(jobs, nodes)
         return
     if not _is_reporting_rank():
         jobs = [job for job in jobs if job.kernel != "routing"]
-    _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity")
+    _run_jobs_and_report(jobs, json_path=json_path, junit_path=junit_path, title="musebench parity", nodes=nodes)
+
+
+def _dry_run(jobs, nodes) -> None:
+    """Print the jobs, their cases and launch commands (every node's, across nodes)."""
+    out = _stdout()
+    for job in jobs:
+        if job.kernel == "routing":
+            how = f"backend {job.backend}, virtual ranks"
+        else:
+            how = f"backend {job.options.backend}, launcher {job.options.launcher}"
+        out.print(f"[bold]{job.name}[/bold]: {len(job.cases)} cases, {how}")
+        out.print(f"  launch: {job.launch_command()}", markup=False, soft_wrap=True)
+        for case in job.cases:
+            out.print(f"  {case.label()}")
+    if nodes is not None:
+        _print_node_commands(jobs, nodes)
 
 
 @main.group()
@@ -278,14 +395,16 @@ def bench() -> None:
 @click.option("--timeout", type=float, default=2.0, show_default=True, help="Seconds any device wait may last.")
 @click.option("--nsm", type=int, default=None, help="SM count the TP stock dispatches for (default: this GPU's).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
-def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, replays, timeout, nsm,
-               json_path) -> None:
+@_node_options
+def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, replays, timeout, nsm, json_path,
+               nnodes, node_rank, nproc_per_node, rdzv_endpoint) -> None:
     """The cute tails, CUDA-graph timed against the stock finalize (and, per process, NCCL paths)."""
     from musebench.cases.tail_inputs import NORM_ORDERS, WEIGHT_DTYPES
     from musebench.harness.jobs import resolve_backend
     from musebench.harness.scenario import validate_tokens, validate_tp
 
     tps, token_list = _parse_ints(tp_list, "--tp"), _parse_ints(tokens, "--tokens")
+    nodes = _resolve_nodes(launcher, nnodes, node_rank, nproc_per_node, rdzv_endpoint)
     weight_list = _parse_choices(weights, tuple(WEIGHT_DTYPES), "--weights")
     norms = _parse_choices(norm, NORM_ORDERS, "--norm")
     modes = ("ep", "tp") if mode == "both" else (mode,)
@@ -308,7 +427,8 @@ def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, 
         jobs = [make_tail_job(name=f"bench tail tp={tp}", tp=tp, modes=modes, tokens=token_list, capacity=capacity,
                               weights=weight_list, norms=norms, inputs=("random",), seeds=(0,), launcher=launcher,
                               backend="cute", iters=1, warmup=0, timeout_s=timeout,
-                              nsm=nsm if nsm is not None else gpu_sm_count(), measurement="bench", bench=options)
+                              nsm=nsm if nsm is not None else gpu_sm_count(), measurement="bench", bench=options,
+                              nodes=nodes)
                 for tp in tps]
     except ValueError as error:
         _usage_error(str(error))
@@ -316,22 +436,36 @@ def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, 
         note = f"{note}; tp virtual ranks share the GPU: µs = one call of the whole group"
     else:
         note = f"{note}; a process per rank: µs per call, max over ranks"
-    _bench_and_report(jobs, options, note, title="musebench bench tail", json_path=json_path)
+    _bench_and_report(jobs, options, note, title="musebench bench tail", json_path=json_path, nodes=nodes)
 
 
-def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None) -> None:
-    """Run bench jobs after timing an empty launch (the floor every row sits on), and report."""
-    from musebench.harness.jobs import build_report, run_job
+def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None, nodes=None) -> None:
+    """Run bench jobs after timing an empty launch (the floor every row sits on), and report (node
+    0 across nodes; another node prints one line and exits like it)."""
+    from musebench.harness.jobs import build_report, run_jobs
     from musebench.harness.measure import bench_empty_kernel
+    from musebench.harness.nodes import LinkLost, NodesRefused
 
     rows = []
-    with _stderr().status("benchmarking") as status:
-        floor = bench_empty_kernel(options)
-        for job in jobs:
-            status.update(f"{job.name}: {len(job.cases)} cases")
-            rows.extend(run_job(job))
+    try:
+        with _stderr().status("benchmarking") as status:
+            floor = bench_empty_kernel(options)
+            status.update(", ".join(f"{job.name}: {len(job.cases)} cases" for job in jobs))
+            rows.extend(run_jobs(jobs))
+    except NodesRefused as refusal:
+        _usage_error(str(refusal))
+    except LinkLost as lost:
+        click.echo(f"musebench: {lost}", err=True)
+        sys.exit(EXIT_FAILED)
     run_report = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
     run_report.machine["empty_launch_us"] = floor
+    if nodes is not None and nodes.node_rank != 0:
+        failed = [row for row in run_report.cases if not row.passed]
+        click.echo(f"musebench: node {nodes.node_rank}: {len(run_report.cases)} rows, {len(failed)} failed; "
+                   "node 0 writes the report")
+        if failed:
+            sys.exit(EXIT_FAILED)
+        return
     if _is_reporting_rank():
         _emit(run_report, title=title, json_path=json_path)
 

@@ -127,7 +127,7 @@ def test_a_check_run_prints_no_us_and_points_to_the_bench(tmp_path):
     assert "µs" not in result.output and "ratio" not in result.output
     assert TIMING_POINTER in result.output and "musebench bench tail" in result.output
     data = json.loads(out.read_text())
-    assert data["schema_version"] == "1.3" and len(data["cases"]) == 8  # ep, tp x bf16, fp32 x before, after
+    assert data["schema_version"] == "1.4" and len(data["cases"]) == 8  # ep, tp x bf16, fp32 x before, after
     for row in data["cases"]:
         assert row["measurement"] == "check" and row["tail_us"] is None and row["stock_us"] is None
         assert row["ratio"] is None and all(rank["tail_us"] is None for rank in row["ranks"])
@@ -339,8 +339,8 @@ def test_gb200_nightly_scenario_runs_on_virtual_cpu_ranks(tmp_path, monkeypatch)
 
     real = jobs_module.make_tail_job
 
-    def trimmed(**kwargs):  # the rack's full matrix is hours on 2 cores: keep tp 4, one batch, one seed
-        kwargs.update(tokens=(2,), seeds=(0,), iters=1, warmup=0)
+    def trimmed(**kwargs):  # the rack's full matrix is hours on 2 cores: keep tp 4, one batch, one seed, one of each
+        kwargs.update(tokens=(2,), seeds=(0,), iters=1, warmup=0, weights=("bf16",), norms=("before",), inputs=("random",))
         return real(**kwargs) if kwargs["tp"] == 4 else real(**{**kwargs, "tp": 4})
 
     monkeypatch.setattr(jobs_module, "make_tail_job", trimmed)
@@ -349,7 +349,7 @@ def test_gb200_nightly_scenario_runs_on_virtual_cpu_ranks(tmp_path, monkeypatch)
                   "--transport", "auto", "--json", str(out))
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["passed"] and len(data["skipped"]) == 4  # routing: no CPU model
+    assert data["passed"] and len(data["skipped"]) == 5  # routing: no CPU model
 
 
 MULTICAST_VARIABLES = ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS")

@@ -18,3 +18,110 @@ def test_there_are_scripts_to_check():
 def test_a_script_loads_without_a_gpu(path):
     namespace = runpy.run_path(str(path), run_name="musebench_script_check")
     assert callable(namespace.get("main")), f"{path.name} has no main()"
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "gb200-nightly.sbatch"
+SMALL_NIGHTLY = """\
+[defaults]
+modes = ["ep"]
+launcher = "torchrun"
+backend = "cpu"
+tokens = [1]
+weights = ["bf16"]
+norm = ["before"]
+iters = 1
+warmup = 0
+timeout = 5.0
+
+[[run]]
+name = "tails on groups"
+tp = [2, 4]
+"""
+
+
+def _free_port_pair() -> int:
+    """A port whose successor is free too (the rendezvous and the launchers' store)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65534:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _nightly_env(tmp_path, extra_args: str = "") -> dict:
+    import os
+    import sys
+    import uuid
+
+    scenario = tmp_path / "nightly.toml"
+    scenario.write_text(SMALL_NIGHTLY)
+    return dict(os.environ, PATH=f"{REPO / 'tests' / 'stand_ins'}:{os.environ['PATH']}",
+                SLURM_JOB_ID="t" + uuid.uuid4().hex[:8], SLURM_NNODES="2", SLURM_JOB_NODELIST="127.0.0.1",
+                SLURM_SUBMIT_DIR=str(REPO), MUSEBENCH_PYTHON=sys.executable, MUSEBENCH_GPUS_PER_NODE="2",
+                MUSEBENCH_PORT=str(_free_port_pair()), MUSEBENCH_SCENARIO=str(scenario),
+                MUSEBENCH_PARITY_ARGS=extra_args, TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
+
+
+def test_the_nightly_dry_run_prints_every_nodes_command(tmp_path):
+    import subprocess
+
+    env = _nightly_env(tmp_path)
+    done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label" in done.stdout
+    port = env["MUSEBENCH_PORT"]
+    for node in (0, 1):
+        assert f"node {node}: musebench parity " in done.stdout and f"--node-rank {node}" in done.stdout
+        assert f"--nnodes=2 --node-rank={node} --nproc-per-node=2 --rdzv-backend=static " \
+               f"--rdzv-endpoint=127.0.0.1:{port}" in done.stdout
+    assert "4 ranks (2 x 2); tp 2, 4 on groups" in done.stdout
+
+
+@pytest.mark.slow
+def test_the_nightly_runs_two_nodes_through_srun(tmp_path):
+    """The sbatch script itself, on two nodes of this machine (a stand-in srun starts them): every
+    group passes, node 0 writes JSON and JUnit, every node's logs come back, nothing is left."""
+    import json
+    import subprocess
+
+    from tests.conftest import assert_no_strays
+
+    env = _nightly_env(tmp_path)
+    artifacts = tmp_path / "artifacts"
+    done = subprocess.run(["bash", str(SBATCH), str(artifacts)], env=env, capture_output=True, text=True, timeout=300)
+    log = (artifacts / "launchers.log").read_text() if (artifacts / "launchers.log").exists() else ""
+    assert done.returncode == 0, done.stdout + done.stderr + log
+    report = json.loads((artifacts / "parity.json").read_text())
+    assert report["passed"] and [(row["tp"], row["group"]) for row in report["cases"]] == [(2, 0), (2, 1), (4, None)]
+    assert all(rank["host"] for row in report["cases"] for rank in row["ranks"])
+    assert (artifacts / "parity.xml").exists() and (artifacts / "cases.txt").exists()
+    for node in (0, 1):
+        assert (artifacts / "logs" / f"node-{node}" / f"launcher-node{node}.log").exists()
+        assert list((artifacts / "logs" / f"node-{node}").glob(f"ranks-node{node}/**/stdout.log"))
+        assert (artifacts / "logs" / f"node-{node}" / "env.json").exists()
+    assert "1: musebench: node 1: 3 rows, 0 failed" in log
+    assert (artifacts / "leftovers.txt").read_text() == ""
+    assert_no_strays(f"nightly-{env['SLURM_JOB_ID']}")
+
+
+@pytest.mark.slow
+def test_the_nightly_fails_when_the_launch_is_refused(tmp_path):
+    """A refusal on every node (the CPU model has no unicast) fails the nightly, with the reason."""
+    import subprocess
+
+    env = _nightly_env(tmp_path, extra_args="--transport unicast")
+    artifacts = tmp_path / "artifacts"
+    done = subprocess.run(["bash", str(SBATCH), str(artifacts)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "transport unicast: the CPU model moves data through host memory" in (artifacts / "launchers.log").read_text()

@@ -53,9 +53,11 @@ def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[
 def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: Any, job: str,
                      group: Any = None) -> dict[str, Any]:
     """This process's set for `transport` (`comm.transport.Transport`: `shm`, `ipc` with its open
-    mode, `unicast` or `multicast`, the last only as `decide`'s verdict); collective over the
-    default group (`shm`), or over `group` for device mailboxes (`rank`: this process's rank in
-    it, of `tp`). `comm.device.PeerMappingRefused` on every rank where a pair cannot be mapped."""
+    mode, `unicast` or `multicast`, the last only as `decide`'s verdict); collective over `group`
+    (a torch.distributed group of `tp` processes; the default group when None). `rank` is this
+    process's rank within the group and `job` a key no other group of the job shares (the
+    shared-memory files are named by it). `comm.device.PeerMappingRefused` on every rank of the
+    group where a pair cannot be mapped."""
     from functools import partial
 
     import torch.distributed as dist
@@ -63,10 +65,10 @@ def allocate_process(specs: Mapping[str, Any], rank: int, tp: int, transport: An
     if transport.name == "shm":
         for name, spec in specs.items():
             lamport.shm_create(job, name, rank, spec.slots, spec.rows, spec.width)
-        dist.barrier()  # every file exists before anyone maps its peers
+        dist.barrier(group=group)  # every file exists before anyone maps its peers
         boxes = {name: lamport.shm_open(job, name, rank, tp, spec.slots, spec.rows, spec.width)
                  for name, spec in specs.items()}
-        dist.barrier()
+        dist.barrier(group=group)
         return boxes
     if transport.name not in ("ipc", "unicast", "multicast"):
         raise ValueError(f"processes take shm, ipc, unicast or multicast mailboxes, not {transport.name!r}")

@@ -471,24 +471,28 @@ def symmetric_memory_imports() -> bool:
         return False
 
 
-def layout_here(backend: str, launcher: str, tp: int, environ: Mapping[str, str] | None = None) -> Layout:
+def layout_here(backend: str, launcher: str, tp: int, environ: Mapping[str, str] | None = None,
+                hosts: int = 1, local_world: int | None = None) -> Layout:
     """This machine's layout for `tp` ranks of `backend` under `launcher`.
 
-    Virtual ranks: one process. torchrun: inside a job (RANK and WORLD_SIZE set: a rank, or a
-    launcher under srun/torchrun) LOCAL_WORLD_SIZE processes on this host and WORLD_SIZE /
-    LOCAL_WORLD_SIZE hosts; otherwise the standalone launch, tp processes on this host. The GPUs
-    are counted always (multicast's reason needs them); their peer access and SymmetricMemory are
-    probed for cute process launches on two GPUs or more (or across hosts), the fabric attribute
-    for cute process launches across hosts only.
+    Virtual ranks: one process. torchrun: `local_world` processes on this host when given (a
+    launcher of several nodes: its --nproc-per-node), else inside a job (RANK and WORLD_SIZE set:
+    a rank, or a launcher under srun/torchrun) LOCAL_WORLD_SIZE, otherwise the standalone launch,
+    tp processes on this host. `hosts` is how many distinct hosts the ranks of one group sit on:
+    the caller counts them from host names (the ranks gather theirs over the process group, the
+    launchers of several nodes exchange theirs before launching), never from LOCAL_WORLD_SIZE (two
+    launchers on one machine are two nodes of one host). The GPUs are counted always (multicast's
+    reason needs them); their peer access and SymmetricMemory are probed for cute process launches
+    on two GPUs or more (or across hosts), the fabric attribute for cute process launches across
+    hosts only.
     """
     environ = os.environ if environ is None else environ
-    local_world, hosts = 1, 1
-    if launcher == "torchrun":
+    if launcher == "virtual":
+        local_world = 1
+    elif local_world is None:
         local_world = tp
         if "RANK" in environ and "WORLD_SIZE" in environ:
-            world = int(environ["WORLD_SIZE"])
-            local_world = int(environ.get("LOCAL_WORLD_SIZE", world))
-            hosts = -(-world // local_world)
+            local_world = int(environ.get("LOCAL_WORLD_SIZE", environ["WORLD_SIZE"]))
     gpus = visible_gpus()
     probe = backend == "cute" and launcher == "torchrun"
     return Layout(backend=backend, launcher=launcher, tp=tp, local_world=local_world, gpus=gpus, hosts=hosts,

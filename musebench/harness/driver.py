@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -203,7 +204,7 @@ def _hang_here() -> None:
 
 
 def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
-                progress: Callable[[int, int], None] | None = None) -> RankOutcome:
+                progress: Callable[[int, int], None] | None = None, fault_rank: int | None = None) -> RankOutcome:
     """One rank's calls of a check; never raises (errors come back in the outcome).
 
     On a GPU every call runs on a stream of the rank's own (forked from the current one, so it
@@ -214,9 +215,11 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
     process; `flip` flips one bit of the host copy (a torch kernel's first launch on the device
     could wait behind a peer's spinning reduction). `progress(call, calls)` is called on this
     rank's thread before each call begins: a rank stuck in a call is the one whose last report
-    names it (`harness.progress`).
+    names it (`harness.progress`). `rank` is the rank within its case group (what the outcome and
+    its errors name); `fault_rank` the rank the faults name (the job's rank; `rank` when None).
     """
     outcome = RankOutcome(rank=rank)
+    me = rank if fault_rank is None else fault_rank
     calls = options.warmup + options.iters
     faults = options.faults
     device = options.backend == "cute"
@@ -231,15 +234,15 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for tensor in runner.outputs.values():  # on the rank's stream: before its call, in order
                     checks.poison(tensor)
-            if faults.raise_rank == rank:
+            if faults.raise_rank == me:
                 raise InjectedFault(f"injected fault: rank {rank} raised in call {call}")
             # a GPU rank hangs after its warm-up call (kernels loaded); a host stops at once
-            hang = faults.hang_rank == rank and call == (options.warmup if device else 0)
-            if faults.exit_rank == rank and call == options.warmup:
+            hang = faults.hang_rank == me and call == (options.warmup if device else 0)
+            if faults.exit_rank == me and call == options.warmup:
                 os._exit(17)
             if hang and not (device and options.launcher == "virtual"):
                 _hang_here()
-            if faults.silent_rank == rank:
+            if faults.silent_rank == me:
                 pass  # never launched: the check must find the poison, the peers' waits must report it
             elif device:
                 with torch.cuda.stream(stream):
@@ -254,7 +257,7 @@ def check_calls(case: Any, rank: int, runner: Any, options: RunOptions,
             runner.check_fault()
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 host = {name: tensor.detach().cpu().clone() for name, tensor in runner.outputs.items()}
-            if faults.flip_rank == rank:
+            if faults.flip_rank == me:
                 first = next(iter(host.values()))
                 if first.numel():
                     checks.flip_one_bit(first, index=first.numel() // 2)
@@ -511,9 +514,11 @@ def _fail_with_variant(row: CaseResult, checked: CaseResult, name: str) -> None:
 
 
 class _Collectives:
-    """The baselines' communication: an NCCL group and SymmetricMemory on it (one process per GPU)."""
+    """The baselines' communication: an NCCL group of this rank's case group (the whole job where
+    tp is WORLD_SIZE) and SymmetricMemory on it (one process per GPU). Collective: every rank of
+    the job makes every group, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, tp: int | None = None) -> None:
         import torch.distributed as dist
 
         from musebench.comm.device import enable_symmetric_memory
@@ -522,7 +527,13 @@ class _Collectives:
         # the baselines never ask for NVLink multicast: where the environment does not say
         # otherwise, neither NCCL nor SymmetricMemory may create a multicast object for them
         keep_multicast_off()
-        self.group = dist.new_group(backend="nccl")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        tp = tp or world
+        if tp == world:
+            self.group = dist.new_group(backend="nccl")
+        else:
+            groups = [dist.new_group(list(range(first, first + tp)), backend="nccl") for first in range(0, world, tp)]
+            self.group = groups[rank // tp]
         self.symmetric_memory = enable_symmetric_memory(self.group)
 
     def symmetric_buffer(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -557,52 +568,141 @@ class _BaselineComms:
         self.collectives.one_shot(source, out)
 
 
-def process_transport(options: RunOptions, tp: int) -> Any:
-    """The transport this host's processes get (`comm.transport.decide`, as every rank asks it)."""
-    return decide(layout_here(options.backend, "torchrun", tp), options.transport)
+def span(ranks: Sequence[int]) -> str:
+    """`ranks 4-7`, `rank 3`, `ranks 0, 2, 5`."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def process_transport(options: RunOptions, tp: int, hosts: int = 1, local_world: int | None = None) -> Any:
+    """The transport a group of `tp` processes on `hosts` distinct hosts gets
+    (`comm.transport.decide`, as every rank asks it); `local_world`: processes on this host where
+    the environment does not say (a launcher of several nodes: its --nproc-per-node)."""
+    return decide(layout_here(options.backend, "torchrun", tp, hosts=hosts, local_world=local_world),
+                  options.transport)
+
+
+def group_transports(options: RunOptions, tp: int, hosts: Sequence[str], local_world: int | None = None) -> list:
+    """The transport of every group of `tp` consecutive ranks, from every rank's host name (rank
+    order: len(hosts) is the job's WORLD_SIZE). TransportRefused names the first group that cannot
+    have one, and where its ranks sit when they span hosts (the CPU model's shared memory is one
+    host's). The same names give the same answer on every rank and every launcher node."""
+    decided: dict[int, Any] = {}
+    transports = []
+    for first in range(0, len(hosts), tp):
+        members = hosts[first:first + tp]
+        distinct = list(dict.fromkeys(members))
+        try:
+            if len(distinct) not in decided:
+                decided[len(distinct)] = process_transport(options, tp, len(distinct), local_world)
+        except TransportRefused as refusal:
+            if len(distinct) == 1:
+                raise
+            where = "; ".join(f"{host}: {span([first + i for i, h in enumerate(members) if h == host])}"
+                              for host in distinct)
+            group = f"group {first // tp} ({span(range(first, first + tp))})" if len(hosts) > tp else "the job"
+            raise TransportRefused(refusal.request, f"{refusal.reason}; {group} spans {len(distinct)} hosts "
+                                                    f"({where})") from None
+        transports.append(decided[len(distinct)])
+    return transports
+
+
+_RUNS = itertools.count()  # run_rank calls of this process: every rank makes them in one order
+
+
+def process_group_timeout_s(options: RunOptions, bench: BenchOptions | None = None, groups: int = 1) -> float:
+    """How long a collective of a process run may wait: a case on the slowest rank, its compile,
+    rank 0's evaluation of every group, and a margin."""
+    return case_bound_s(options, bench) + compile_bound_s(options) + EVALUATE_S * groups + 30.0
 
 
 def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None,
              on_case: Callable[[CaseResult], None] | None = None, *, measurement: str = "check",
              bench: BenchOptions | None = None, progress: Callable[[str], None] | None = None) -> list[CaseResult]:
-    """This process's rank of the run (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE set by torchrun); rank 0
-    returns the checked rows, the others []. Every row is also appended as a JSON line to
-    `results_path` by rank 0 (the launcher reads them as they come)."""
+    """This process's rank of the run (RANK, WORLD_SIZE, LOCAL_RANK set by torchrun).
+
+    A job of WORLD_SIZE ranks runs every case (one tp, WORLD_SIZE a multiple of it) on WORLD_SIZE
+    / tp groups of consecutive ranks at once: group g holds ranks g*tp .. g*tp + tp - 1, with a
+    process group (`torch.distributed.new_group`) and mailboxes of its own (allocated with the
+    rank's place in the group and a key no other group shares), and is checked into a row of its
+    own (`CaseResult.group`; None where one group is the whole job). A row numbers its ranks within
+    the group; faults (`options.faults`) name ranks of the job. The ranks' host names are gathered
+    first: the transport is decided per group from how many hosts it spans (the CPU model refuses
+    a group on several hosts), every rank alike: a refusal prints its reason and exits 2.
+
+    Rank 0 returns the checked rows, the others []. Rank 0 appends every row as a JSON line to
+    `results_path`; so does the lowest rank of every other node (LOCAL_RANK 0), from rank 0's
+    broadcast, so every node's launcher learns the verdict through the process group. The default
+    process group is used where one exists (the worker's, shared by several runs), else made and
+    ended here.
+    """
     import datetime
+    import socket
+    import sys
 
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp = cases[0].tp if cases else world
-    if world != tp:
-        raise SystemExit(f"musebench: WORLD_SIZE {world} differs from --tp {tp}")
-    try:  # before the process group: every rank refuses alike (the CPU model on several hosts, ...)
-        transport = process_transport(options, tp)
-    except TransportRefused as refusal:
-        raise SystemExit(f"musebench: {refusal}") from None
+    if world % tp:
+        raise SystemExit(f"musebench: WORLD_SIZE {world} is not a multiple of tp {tp}: ranks would be left "
+                         "without a group")
     if measurement == "bench" and options.backend != "cute":
         raise SystemExit("musebench: benches run the cute backend")
     say = progress or (lambda line: print(line, flush=True))
     bench = bench or BenchOptions()
+    groups, group, group_rank = world // tp, rank // tp, rank % tp
     record = ProgressFile.from_environment(rank)  # what the launcher watches (harness.progress)
-    record.update(phase="start", bound_s=STARTUP_S)
-    job = os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")
-    bound_s = case_bound_s(options, bench if measurement == "bench" else None) + compile_bound_s(options) + 30.0
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=bound_s))
-    if options.backend == "cute":
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
-    specs = mailbox_specs(cases, options.capacity, bench=measurement == "bench") if cases else {}
-    boxes = mailbox_sets.allocate_process(specs, rank, tp, transport, job) if specs else {}
-    transport = transport.name
+    record.update(phase="start", bound_s=STARTUP_S, group_base=group * tp)
+    owned = not dist.is_initialized()
+    if owned:
+        timeout = process_group_timeout_s(options, bench if measurement == "bench" else None, groups)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    host = socket.gethostname()
+    boxes: dict = {}
+    subgroups: list = []
     rows: list[CaseResult] = []
     try:
+        everyone = _gathered((host, os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")))
+        job = everyone[0][1]  # rank 0's: every rank names the mailboxes alike, whatever its launcher set
+        try:  # the same names on every rank: every rank refuses alike, before any mailbox is made
+            transport = group_transports(options, tp, [name for name, _ in everyone])[group]
+        except TransportRefused as refusal:
+            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {refusal}")
+            print(f"musebench: error: {refusal}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        if options.backend == "cute":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
+        if groups > 1:  # every rank makes every group, in order (new_group is collective)
+            subgroups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world, tp)]
+        specs = mailbox_specs(cases, options.capacity) if cases else {}
+        key = f"{job}-{next(_RUNS)}g{group}"  # unique per run and group; the launcher's cleanup matches `{job}-*`
+        from musebench.comm.device import PeerMappingRefused
+
+        mapping_error = None
+        if specs:
+            try:  # collective in the group; a pair that cannot be mapped refuses on every rank of it
+                boxes = mailbox_sets.allocate_process(specs, group_rank, tp, transport, key,
+                                                      group=subgroups[group] if subgroups else None)
+            except PeerMappingRefused as refusal:
+                mapping_error = f"group {group}: {refusal}" if groups > 1 else str(refusal)
+        refused = [error for error in _gathered(mapping_error) if error is not None]  # every group alike
+        if refused:  # before any kernel: no group may go on into collectives another group has left
+            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {refused[0]}")
+            print(f"musebench: error: {refused[0]}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        transport = transport.name
         impl = load_impl(options)
         collectives, unavailable = None, None
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         if measurement == "bench" and local_world <= torch.cuda.device_count():
             try:  # collective: every rank takes the same branch (same host, same GPU count)
-                collectives = _Collectives()
+                collectives = _Collectives(tp)
             except Exception as error:  # the case is still timed; the row says why the baselines are not
                 unavailable = f"NCCL / SymmetricMemory baselines unavailable: {type(error).__name__}: {error}"
         call_s = call_bound_s(options)
@@ -612,24 +712,27 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
             inputs, runner, bind_error = None, None, None
             try:  # compile before the agreement: no rank may spin on a peer that is still compiling
                 inputs = family.make_inputs(case)
-                runner = family.bind(case, impl, rank, boxes, inputs, options)
+                runner = family.bind(case, impl, group_rank, boxes, inputs, options)
             except Exception as error:
-                bind_error = f"rank {rank}: bind: {type(error).__name__}: {error}"
+                bind_error = f"rank {group_rank}: bind: {type(error).__name__}: {error}"
             record.update(phase="barrier", bound_s=None)
-            failed_binds = [failure for failure in _gathered(bind_error) if failure is not None]  # also the barrier
+            # also the barrier; a group skips the case where one of its ranks cannot bind it
+            failed_binds = [f for f in _gathered(bind_error)[group * tp:(group + 1) * tp] if f is not None]
             say(f"rank {rank} started case {index}")
-            if failed_binds:  # every rank skips the case alike: none waits on a rank that cannot run it
-                outcome = RankOutcome(rank=rank, error=bind_error or f"rank {rank}: not run: {failed_binds[0]}")
+            if failed_binds:  # every rank of the group skips the case alike: none waits on a rank that cannot run it
+                outcome = RankOutcome(rank=group_rank, error=bind_error or f"rank {group_rank}: not run: {failed_binds[0]}")
             elif measurement == "check":
-                outcome = check_calls(case, rank, runner, options, progress=lambda call, calls: record.update(
-                    phase="call", call=call, calls=calls, bound_s=call_s))
+                outcome = check_calls(case, group_rank, runner, options, progress=lambda call, calls: record.update(
+                    phase="call", call=call, calls=calls, bound_s=call_s), fault_rank=rank)
             else:
                 # one opaque phase: the case's paths are graph replays the bench bounds itself
                 # the forms it binds (the single launch) and the baselines' warm-ups compile inside it
                 record.update(phase="bench", bound_s=case_bound_s(options, bench) + compile_bound_s(options))
-                outcome = _process_bench(case, family, rank, runner, boxes, inputs, options, bench, collectives, impl)
+                outcome = _process_bench(case, family, group_rank, runner, boxes, inputs, options, bench, collectives,
+                                         impl)
                 if unavailable is not None:
                     outcome.notes.append(unavailable)
+            outcome.host = host
             say(f"rank {rank} done case {index}")
             record.update(phase="gather", bound_s=None, error=outcome.error)
             iters = options.iters if measurement == "check" else bench.calls * bench.replays
@@ -649,13 +752,15 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                     row.error, row.rank_identical = f"evaluate: {type(error).__name__}: {error}", False
                 return row
 
-            row = _finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, record, options)
-            if row is not None:
-                rows.append(row)
+            rows.extend(_finish_case(outcome, evaluate_gathered, boxes, results_path, on_case, record, options, tp=tp))
         record.update(phase="finished", bound_s=TEARDOWN_S)
     finally:
         mailbox_sets.close(boxes)
-        dist.destroy_process_group()
+        for made in subgroups:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(made)
+        if owned:
+            dist.destroy_process_group()
     return rows
 
 
@@ -670,38 +775,54 @@ def _gathered(value: Any) -> list:
 
 def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseResult], boxes: dict,
                  results_path: Any, on_case: Callable[[CaseResult], None] | None, record: ProgressFile,
-                 options: RunOptions) -> CaseResult | None:
-    """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates it into
-    the row (appended as a JSON line to `results_path`, passed to `on_case`, returned; other ranks
-    get None); if the row failed every rank re-arms its mailboxes between two barriers. Rank 0's
-    evaluation and every re-arm are reported to the launcher's watch (`record`)."""
+                 options: RunOptions, tp: int | None = None) -> list[CaseResult]:
+    """Collective end of one case: every rank's outcome gathered to rank 0, which evaluates each
+    group's (`tp` consecutive ranks; the whole job when None) into its row (appended as a JSON line
+    to `results_path`, passed to `on_case`, returned; other ranks get []). Rank 0 broadcasts the
+    rows: the lowest rank of every other node appends them to its node's `results_path`; if a
+    group's row failed every rank of it re-arms its mailboxes between two barriers of the job.
+    Rank 0's evaluation and every re-arm are reported to the launcher's watch (`record`)."""
+    import json
+
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp = tp or world
+    gathered = [None] * world if rank == 0 else None
     dist.gather_object(outcome, gathered, dst=0)
-    row, failed = None, [False]
+    rows: list[CaseResult] = []
+    shared: list = [None]
     if rank == 0:
-        import json
-
-        record.update(phase="evaluate", bound_s=EVALUATE_S)
-        row = evaluate_gathered(gathered)  # never raises: its errors are the row's
-        failed = [not row.passed]
-        if results_path is not None:
-            with open(results_path, "a") as out:
-                out.write(json.dumps(row.to_dict()) + "\n")
-        if on_case is not None:
-            on_case(row)
+        record.update(phase="evaluate", bound_s=EVALUATE_S * (world // tp))
+        for first in range(0, world, tp):
+            row = evaluate_gathered(gathered[first:first + tp])  # never raises: its errors are the row's
+            if world > tp:
+                row.group = first // tp
+                if row.error is not None:
+                    row.error = f"{row.group_label()}: {row.error}"
+            rows.append(row)
+            if results_path is not None:
+                with open(results_path, "a") as out:
+                    out.write(json.dumps(row.to_dict()) + "\n")
+            if on_case is not None:
+                on_case(row)
+        shared = [[(row.passed, json.dumps(row.to_dict())) for row in rows]]
         record.update(phase="gather", bound_s=None)
-    dist.broadcast_object_list(failed, src=0)
-    if failed[0]:
+    dist.broadcast_object_list(shared, src=0)
+    verdicts = shared[0]
+    if rank != 0 and results_path is not None and int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        with open(results_path, "a") as out:  # this node's launcher learns the rows through the process group
+            out.write("".join(line + "\n" for _, line in verdicts))
+    failed = [not passed for passed, _ in verdicts]
+    if any(failed):
         record.update(phase="reset", bound_s=None)
         if options.backend == "cute":
             torch.cuda.synchronize()  # this rank's calls (a stalled one included, bounded) are over
         dist.barrier()  # nobody is still reading before the words are re-armed
-        mailbox_sets.reset(boxes)
+        if failed[rank // tp]:
+            mailbox_sets.reset(boxes)
         dist.barrier()
-    return row
+    return rows
 
 
 def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, inputs: Any, options: RunOptions,

@@ -15,7 +15,6 @@ Asking for cute where it cannot run is a ValueError, as for the tails.
 from __future__ import annotations
 
 import shlex
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from musebench.comm.transport import REQUESTS, decide, layout_here
 from musebench.harness.case import DEFAULT_NSM, MEASUREMENTS, Faults, RunOptions
 from musebench.cases.tail_inputs import EP_LAUNCHES, tail_cases
 from musebench.harness.measure import BenchOptions
+from musebench.harness.nodes import Nodes, check_tp
 from musebench.harness.results import CaseResult, RunReport, SkippedRun
 from musebench.harness.scenario import (
     RoutingScenarioRun,
@@ -60,6 +60,7 @@ class Job:
     skip_reason: str | None = None
     resolved: bool = True
     kernel: str = "tail"  # what a skipped job's report names
+    nodes: Nodes | None = None  # a process launch of nodes.world ranks on groups of tp (None: tp processes, one node)
 
     @property
     def backend(self) -> str:
@@ -77,10 +78,13 @@ class Job:
                 where = f"; skipped: {self.skip_reason}"
             gpu = " on one GPU" if self.kernel == "routing" else ""
             return f"(in process) {tp} virtual ranks{gpu}, {len(self.cases)} cases{where}"
-        return shlex.join(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-             "--max-restarts=0", "-m", "musebench.harness.worker", "SPEC.json", "RESULTS.jsonl"]
-        )
+        from musebench.harness.launch import launch_command
+
+        nodes = self.nodes or Nodes(nproc_per_node=tp)
+        command = shlex.join(launch_command(nodes))
+        if self.nodes is not None and self.nodes.world > tp:
+            command += f"  # {self.nodes.world // tp} groups of {tp} ranks"
+        return command
 
     def skipped(self) -> SkippedRun:
         return SkippedRun(name=self.name, kernel=self.kernel, cases=len(self.cases), reason=self.skip_reason or "")
@@ -135,10 +139,12 @@ def resolve_backend(requested: str) -> tuple[str, str]:
     return "cute", CUTE_NOTE.format(gpu=gpu)
 
 
-def check_transport(transport: str, backend: str, launcher: str, tp: int) -> None:
+def check_transport(transport: str, backend: str, launcher: str, tp: int, nodes: Nodes | None = None) -> None:
     """Refuse a transport this run cannot have (musebench.comm.transport.decide: TransportRefused,
-    a ValueError); never creates a multicast object to find out."""
-    decide(layout_here(backend, launcher, tp), transport)
+    a ValueError); never creates a multicast object to find out. With `nodes`, this node's
+    --nproc-per-node processes; the hosts a group spans are checked at launch, from the nodes'
+    host names (`launch.check_hosts`)."""
+    decide(layout_here(backend, launcher, tp, local_world=nodes.nproc_per_node if nodes else None), transport)
 
 
 def check_impl(impl: str, backend: str, launcher: str) -> None:
@@ -179,11 +185,13 @@ def make_tail_job(
     impl: str = "musebench",
     measurement: str = "check",
     bench: BenchOptions | None = None,
+    nodes: Nodes | None = None,
 ) -> Job:
     """Validate everything and build the job; ValueError names the first bad value.
 
     `check_machine=False` (dry runs) validates the values but not what this machine can run: the
-    backend stays as requested.
+    backend stays as requested. `nodes` (the torchrun launcher only): the job's nodes.world ranks
+    run every case on groups of tp; faults then name ranks of the whole job.
     """
     validate_tp(tp)
     if transport not in REQUESTS:
@@ -199,8 +207,14 @@ def make_tail_job(
         raise ValueError("timeout must be positive")
     if measurement not in MEASUREMENTS:
         raise ValueError(f"measurement must be one of {', '.join(MEASUREMENTS)}, got {measurement!r}")
-    if faults.max_rank() >= tp:
-        raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}")
+    if nodes is not None:
+        if launcher != "torchrun":
+            raise ValueError("--nnodes / --nproc-per-node need --launcher torchrun")
+        check_tp(nodes, tp)
+    ranks = nodes.world if nodes is not None else tp
+    if faults.max_rank() >= ranks:
+        raise ValueError(f"fault rank {faults.max_rank()} does not exist at tp={tp}"
+                         + (f" on {ranks} ranks" if nodes is not None else ""))
     if faults.exit_rank is not None and launcher != "torchrun":
         raise ValueError("the exit fault needs --launcher torchrun")
     if ep_launch == "single" and backend == "cpu":  # a dry run refuses it too; auto is resolved below
@@ -208,7 +222,7 @@ def make_tail_job(
                          "(--ep-launch two)")
     if check_machine:
         resolved, note = resolve_backend(backend)
-        check_transport(transport, resolved, launcher, tp)
+        check_transport(transport, resolved, launcher, tp, nodes)
         if ep_launch == "single" and resolved != "cute":
             raise ValueError(f"the single-launch EP tail is a cute kernel; the {resolved} backend has only one EP tail "
                              "(--ep-launch two)")
@@ -225,7 +239,7 @@ def make_tail_job(
                          nsm=nsm, transport=transport, faults=faults, ep_launch=ep_launch, impl=impl,
                          capacity=capacity)
     return Job(name=name, cases=tuple(cases), options=options, backend_note=note, measurement=measurement,
-               bench=bench, resolved=check_machine)
+               bench=bench, resolved=check_machine, nodes=nodes)
 
 
 def resolve_routing_backend(requested: str) -> tuple[str, str, str | None]:
@@ -308,9 +322,11 @@ def make_routing_job(
 
 
 def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, overrides: dict[str, str] | None = None,
-                       check_machine: bool = True) -> list[Job]:
+                       check_machine: bool = True, nodes: Nodes | None = None) -> list[Job]:
     """One job per (run, tp), in file order; `overrides` (launcher, backend, transport) replace the
-    file's values (a routing run takes only backend: it always runs on virtual ranks of one GPU)."""
+    file's values (a routing run takes only backend: it always runs on virtual ranks of one GPU).
+    `nodes`: every tail run's launch (each must use the torchrun launcher; every tp divides the
+    job's ranks)."""
     overrides = overrides or {}
     jobs: list[Job] = []
     for run in runs:
@@ -329,6 +345,7 @@ def jobs_from_scenario(runs: Sequence[ScenarioRun | RoutingScenarioRun], *, over
                 launcher=overrides.get("launcher") or run.launcher, backend=backend,
                 transport=overrides.get("transport") or run.transport, iters=run.iters, warmup=run.warmup,
                 timeout_s=run.timeout, nsm=run.nsm, check_machine=check_machine, ep_launch=run.ep_launch,
+                nodes=nodes,
             ))
     return jobs
 
@@ -347,7 +364,35 @@ def run_job(job: Job, on_case: Callable[[CaseResult], None] | None = None) -> li
         return run_virtual(job.cases, job.options, on_case, measurement=job.measurement, bench=job.bench)
     if launch.in_torchrun_job():
         return launch.run_in_job(job.cases, job.options, on_case, bench=job.bench, measurement=job.measurement)
-    return launch.run_torchrun(job.cases, job.options, on_case, bench=job.bench, measurement=job.measurement)
+    return launch.run_torchrun(job.cases, job.options, on_case, bench=job.bench, measurement=job.measurement,
+                               nodes=job.nodes)
+
+
+def run_jobs(jobs: Sequence[Job], on_case: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
+    """Every job's rows, in order. Consecutive torchrun jobs with nodes (their tps differ) run in
+    one launch of the nodes' ranks, started once (`launch.run_launch`); the others as `run_job`.
+    Raises `nodes.NodesRefused` (exit 2) where a launch across nodes cannot serve a group."""
+    from musebench.harness import launch
+
+    rows: list[CaseResult] = []
+    index = 0
+    while index < len(jobs):
+        job = jobs[index]
+        batch = [job]
+        if (job.nodes is not None and job.skip_reason is None and job.options.launcher == "torchrun"
+                and not launch.in_torchrun_job()):
+            while (index + len(batch) < len(jobs) and jobs[index + len(batch)].nodes == job.nodes
+                   and jobs[index + len(batch)].skip_reason is None
+                   and jobs[index + len(batch)].options.launcher == "torchrun"):
+                batch.append(jobs[index + len(batch)])
+        if len(batch) > 1:
+            runs = [launch.Spec(b.cases, b.options, b.measurement, b.bench) for b in batch]
+            for part in launch.run_launch(runs, job.nodes, on_case):
+                rows.extend(part)
+        else:
+            rows.extend(run_job(job, on_case))
+        index += len(batch)
+    return rows
 
 
 def build_report(rows: Sequence[CaseResult], *, command: str, backend_note: str,

@@ -1,19 +1,28 @@
 """Launchers: `virtual` (every rank a thread of this process) and `torchrun` (a process per rank).
 
-`run_torchrun` starts `python -m torch.distributed.run --standalone` for one node itself, in a
-new session, and watches it: a rank that crashes ends the job (torchrun stops the others; the
-rank and exit code are reported); a rank that stops making progress ends it too. Every rank
-writes its progress record into the job folder (`musebench.harness.progress`: its phase of each
-case and each call it begins, with how long until its next record at the latest); when the
-records say the job has stalled (no rank keeps its promise, or peers timed out waiting for a
-rank still in the call they gave up in) the launcher kills the session and every rank it knows
-by pid, and names the rank that stopped making progress, e.g. "rank 1 stopped making progress
-in case 0 (call 1 of 4); ranks 0, 2, 3 timed out waiting for it". An overall deadline (startup,
-compile and every case's bound) backs the watch. The job's shared-memory mailboxes are removed. SIGTERM or
-SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the session the same way
-before it exits with 128 + the signal's number. The ranks
-(`musebench.harness.worker`) gather their outcomes to rank 0, which checks them and writes one
-JSON line per case to the job folder; the parent reads those lines.
+`run_torchrun` / `run_launch` start `python -m torch.distributed.run` on this node, in a new
+session, and watch it: `--standalone` with tp processes (one node, today's meaning of `--tp`), or
+this node's ranks of a job across nodes (`harness.nodes.Nodes`: `--nnodes N --node-rank R
+--nproc-per-node P --rdzv-endpoint HOST:PORT`, the same command on every node; the job's N*P ranks
+run every run's cases on groups of tp consecutive ranks, several runs in one launch). A rank that
+crashes ends the job (torchrun stops the others; the rank and exit code are reported); a rank
+that stops making progress ends it too. Every rank writes its progress record into the job folder
+(`musebench.harness.progress`: its phase of each case and each call it begins, with how long until
+its next record at the latest); when the records say the job has stalled (no rank keeps its
+promise, or peers timed out waiting for a rank still in the call they gave up in) the launcher
+kills the session and every rank it knows by pid, and names the rank that stopped making
+progress, e.g. "rank 1 stopped making progress in case 0 (call 1 of 4); ranks 0, 2, 3 timed out
+waiting for it". Across nodes the launchers share their ranks' records and a heartbeat through a
+store of their own (`harness.nodes.NodeLink`: every node's watch sees every rank; a node that
+dies ends the others within `nodes.NODE_SILENCE_S` and the kill, named). An overall deadline
+(startup, compile and every case's bound) backs the watch. The job's shared-memory mailboxes are
+removed. SIGTERM or SIGHUP to the launcher (`timeout`, a CI runner, a closed terminal) kills the
+session the same way before it exits with 128 + the signal's number; SIGKILL takes torchrun with
+it (PR_SET_PDEATHSIG). The ranks (`musebench.harness.worker`) gather their outcomes to rank 0 over
+the process group, which checks them and writes one JSON line per row to its node's job folder;
+the lowest rank of every other node writes the rows rank 0 broadcast, so every node's launcher
+reads the verdict. `MUSEBENCH_LOG_DIR`: each node's launcher log (`launcher-nodeR.log`) and its
+ranks' logs (torchrun's `--log-dir`, `ranks-nodeR/`) go there.
 
 Inside an existing torchrun/srun job (RANK and WORLD_SIZE set, across nodes) `run_in_job` runs
 the same worker body in this process: rank 0 returns the rows, the other ranks return [].
@@ -27,6 +36,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,8 +50,22 @@ from typing import Any
 from musebench.harness.case import Faults, RunOptions
 from musebench.harness.driver import STARTUP_S, case_bound_s, compile_bound_s  # noqa: F401  (the launch's deadline)
 from musebench.harness.measure import BenchOptions
-from musebench.harness.progress import PROGRESS_DIR_ENV, Watch, read_progress
+from musebench.harness.nodes import (
+    COLLECTIVE_FAILED_EXIT,
+    HEARTBEAT_S,
+    NODE_SILENCE_S,
+    LinkLost,
+    NodeLink,
+    Nodes,
+    NodesRefused,
+    check_tp,
+    describe,
+    die_with_parent,
+)
+from musebench.harness.progress import PROGRESS_DIR_ENV, Watch, read_progress, records_from_json
 from musebench.harness.results import CaseResult
+
+LOG_DIR_ENV = "MUSEBENCH_LOG_DIR"  # set: each node's launcher log and its ranks' logs go there
 
 
 
@@ -77,11 +101,17 @@ def spec_from_json(data: dict) -> Spec:
                 BenchOptions(**bench) if bench is not None else None)
 
 
+def specs_from_json(data: dict) -> list[Spec]:
+    """The runs of a launch's spec file: `{"runs": [...]}` (several runs of one launch, in order) or
+    one run (`spec_to_json`'s form)."""
+    return [spec_from_json(run) for run in data["runs"]] if "runs" in data else [spec_from_json(data)]
+
+
 def in_torchrun_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _failure_summary(log: str, tp: int) -> str:
+def _failure_summary(log: str, tp: int = 0) -> str:
     """The first failed rank and its exit code from torchrun's error report, else its last line."""
     ranks = re.findall(r"rank\s*:\s*(\d+)", log)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", log)
@@ -91,84 +121,228 @@ def _failure_summary(log: str, tp: int) -> str:
     return lines[-1] if lines else "torchrun failed without output"
 
 
+def _only_consequences(log: str) -> bool:
+    """Whether every rank torchrun reports failed exited because a collective failed (a peer went
+    away: `nodes.COLLECTIVE_FAILED_EXIT`), so the cause is elsewhere."""
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", log)
+    return bool(codes) and all(int(code) == COLLECTIVE_FAILED_EXIT for code in codes)
+
+
 def run_torchrun(
     cases: Sequence[Any],
     options: RunOptions,
     on_case: Callable[[CaseResult], None] | None = None,
     bench: BenchOptions | None = None,
     measurement: str = "check",
+    nodes: Nodes | None = None,
 ) -> list[CaseResult]:
-    """Run the cases with one process per rank on this host; returns rank 0's rows (the bench's
-    timed rows with `measurement="bench"`)."""
+    """Run the cases with one process per rank (this host's ranks of `nodes`; None: tp processes
+    on this host); returns the rows (the bench's timed rows with `measurement="bench"`)."""
     if not cases:
         return []
-    tp = cases[0].tp
+    return run_launch([Spec(tuple(cases), options, measurement, bench)], nodes, on_case)[0]
+
+
+def expected_rows(runs: Sequence[Spec], world: int) -> list[tuple[int, Any, int | None]]:
+    """(run index, case, group) of every row a launch of `world` ranks reports, in its order: per
+    case, one row per group of tp consecutive ranks (group None where tp is the world)."""
+    return [(index, case, group if world > case.tp else None)
+            for index, run in enumerate(runs) for case in run.cases for group in range(world // case.tp)]
+
+
+def launch_command(nodes: Nodes, spec: str = "SPEC.json", results: str = "RESULTS.jsonl",
+                   log_dir: str | None = None) -> list[str]:
+    """The torchrun command a node's launcher starts."""
+    logs = [f"--log-dir={log_dir}", "--tee=3"] if log_dir else []
+    return [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_arguments(), "--max-restarts=0",
+            "--monitor-interval=0.2", *logs, "-m", "musebench.harness.worker", spec, results]
+
+
+def check_hosts(runs: Sequence[Spec], nodes: Nodes, hosts: Sequence[str]) -> None:
+    """Refuse (NodesRefused) runs whose groups the transport cannot serve where they sit: the
+    nodes' host names (`NodeLink.exchange_hosts`), every rank on its node's host."""
+    from musebench.comm.transport import TransportRefused
+    from musebench.harness.driver import group_transports
+
+    per_rank = [hosts[rank // nodes.nproc_per_node] for rank in range(nodes.world)]
+    for run in runs:
+        try:
+            group_transports(run.options, run.cases[0].tp, per_rank, local_world=nodes.nproc_per_node)
+        except TransportRefused as refusal:
+            raise NodesRefused(str(refusal)) from None
+
+
+def run_launch(runs: Sequence[Spec], nodes: Nodes | None = None,
+               on_case: Callable[[CaseResult], None] | None = None) -> list[list[CaseResult]]:
+    """Run every run (in order) in one torchrun launch on this node: `nodes` None is today's one
+    node of tp processes (one run); else this node's ranks of a job of `nodes.world` ranks, every
+    run's cases on groups of tp ranks (`driver.run_rank`). Returns each run's rows: rank 0's on
+    node 0, and on the other nodes the same rows as rank 0 broadcast them (their verdict), error
+    rows for what never reported. Several nodes: `nodes.NodeLink` (the launchers' store) before
+    anything starts; NodesRefused (exit 2) where a group cannot have its transport on its hosts."""
+    runs = [run for run in runs if run.cases]
+    if not runs:
+        return []
+    if nodes is None:
+        if len(runs) > 1:
+            raise ValueError("one node of tp processes runs one run; several need nodes (--nproc-per-node)")
+        nodes = Nodes(nproc_per_node=runs[0].cases[0].tp)
+    for run in runs:
+        check_tp(nodes, run.cases[0].tp)
+    expected = expected_rows(runs, nodes.world)
+    options = [run.options for run in runs]
+    timeout_s = max(o.timeout_s for o in options)
     job = os.environ.get("MUSEBENCH_JOB_ID") or uuid.uuid4().hex[:12]
+    bound_s = STARTUP_S + sum(compile_bound_s(run.options) + len(run.cases) * case_bound_s(
+        run.options, run.bench if run.measurement == "bench" else None) for run in runs)
+    link = None
+    if nodes.nnodes > 1:
+        link = NodeLink(nodes, job, STARTUP_S)
+        job = link.job
+        try:
+            check_hosts(runs, nodes, link.exchange_hosts(STARTUP_S))
+        except NodesRefused as refusal:
+            link.finish("failed", str(refusal))
+            raise
+        except LinkLost:
+            link.finish("failed")
+            raise
+    log_dir = os.environ.get(LOG_DIR_ENV) or None
     with tempfile.TemporaryDirectory(prefix=f"musebench-{job}-") as folder:
         spec = Path(folder) / "spec.json"
-        spec.write_text(json.dumps(spec_to_json(cases, options, bench, measurement)))
+        spec.write_text(json.dumps({"runs": [spec_to_json(run.cases, run.options, run.bench, run.measurement)
+                                             for run in runs]}))
         results_path = Path(folder) / "results.jsonl"
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
-            "--max-restarts=0", "--monitor-interval=0.2",
-            "-m", "musebench.harness.worker", str(spec), str(results_path),
-        ]
+        rank_logs = None
+        if log_dir:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            rank_logs = str(Path(log_dir) / f"ranks-node{nodes.node_rank}")
+        command = launch_command(nodes, str(spec), str(results_path), rank_logs)
         progress_dir = Path(folder) / "progress"
         progress_dir.mkdir()
         env = dict(os.environ, MUSEBENCH_JOB_ID=job, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    **{PROGRESS_DIR_ENV: str(progress_dir)})
         env.pop("RANK", None)
         env.pop("WORLD_SIZE", None)
-        log_path = Path(folder) / "torchrun.log"
-        bound_s = STARTUP_S + compile_bound_s(options) + len(cases) * case_bound_s(
-            options, bench if measurement == "bench" else None)
+        log_path = Path(log_dir) / f"launcher-node{nodes.node_rank}.log" if log_dir else Path(folder) / "torchrun.log"
         deadline = time.monotonic() + bound_s
-        watch = Watch(tp, options.timeout_s, startup_s=STARTUP_S)
-        killed, stalled = False, None
+        watch = Watch(nodes.world, timeout_s, startup_s=STARTUP_S,
+                      place=(lambda ranks: link_place(link, ranks)) if link is not None else None)
+        killed, reason = False, None
         rows: list[CaseResult] = []
         seen = 0
         with open(log_path, "w") as log, _exit_on_termination():
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                       preexec_fn=die_with_parent_sigterm)
             try:  # at once: a signal between the start and this try would leave the session running
                 while True:
-                    seen = _drain(results_path, rows, seen, on_case)
+                    seen = _drain(results_path, rows, seen, on_case, nodes.node_rank == 0)
                     if process.poll() is not None:
                         break
-                    watch.observe(read_progress(progress_dir))
+                    records = read_progress(progress_dir)
+                    if link is not None:
+                        reason = _remote_reason(link, records, watch)
+                        if reason is not None:
+                            break
+                    else:
+                        watch.observe(records)
                     if watch.stalled():
-                        stalled = f"{watch.blame()}: killed with every rank"
-                        _kill_session(process, _rank_pids(watch, folder))
-                        killed = True
+                        reason = f"{watch.blame()}: killed with every rank"
                         break
                     if time.monotonic() > deadline:
-                        _kill_session(process, _rank_pids(watch, folder))
-                        killed = True
+                        reason = (f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank "
+                                  f"({watch.blame()})")
                         break
-                    time.sleep(0.1)
-            except BaseException:
+                    time.sleep(HEARTBEAT_S)
+                if reason is not None:
+                    if link is not None:
+                        link.fail(reason)
+                    _kill_session(process, _rank_pids(watch, folder))
+                    killed = True
+            except BaseException as error:
+                if link is not None:
+                    what = (f"its launcher ended ({signal.Signals(error.code - 128).name})"
+                            if isinstance(error, SystemExit) and isinstance(error.code, int) and error.code > 128
+                            else f"its launcher failed ({type(error).__name__}: {error})")
+                    link.fail(f"{describe(nodes, nodes.node_rank, socket.gethostname())}: {what}")
                 _kill_session(process, _rank_pids(watch, folder))
                 raise
             finally:
                 _cleanup_shm(job)
-        _drain(results_path, rows, seen, on_case)
+        _drain(results_path, rows, seen, on_case, nodes.node_rank == 0)
         code = process.returncode
-        if len(rows) == len(cases) and code not in (0, None) and rows and rows[-1].error is None:
+        torchrun_log = log_path.read_text(errors="replace")
+        if len(rows) >= len(expected) and code not in (0, None) and rows and rows[-1].error is None and not killed:
             # every case reported, then a rank died (teardown): the run did not end cleanly
-            rows[-1].error = f"torchrun exited with code {code} after the last case: " + _failure_summary(
-                log_path.read_text(errors="replace"), tp)
-        if len(rows) < len(cases):
-            if stalled is not None:
-                reason = stalled
-            elif killed:
-                reason = f"torchrun job did not finish within {bound_s:.0f}s: killed with every rank ({watch.blame()})"
-            else:
-                reason = _failure_summary(log_path.read_text(errors="replace"), tp)
-            for case in cases[len(rows):]:
-                row = _error_row(case, options, reason, measurement)
-                rows.append(row)
-                if on_case is not None:
-                    on_case(row)
-        return rows
+            rows[-1].error = f"torchrun exited with code {code} after the last case: " + _failure_summary(torchrun_log)
+        if len(rows) < len(expected) and reason is None:
+            reason = _failure_summary(torchrun_log)
+            if link is not None:
+                reason = _cause_elsewhere(link, watch, reason, _only_consequences(torchrun_log))
+        if link is not None:
+            failed = reason is not None or any(not row.passed for row in rows)
+            link.finish("failed" if failed else "done", reason)
+        for index, case, group in expected[len(rows):]:
+            row = _error_row(case, runs[index].options, reason or "not reported", runs[index].measurement, group,
+                             nodes.nproc_per_node)
+            rows.append(row)
+            if on_case is not None:
+                on_case(row)
+        per_run: list[list[CaseResult]] = [[] for _ in runs]
+        for (index, _, _), row in zip(expected, rows):
+            per_run[index].append(row)
+        return per_run
+
+
+def link_place(link: NodeLink, ranks: Sequence[int]) -> str:
+    """` on node 1 (host b)`: where `ranks` sit, for the watch's blame across nodes."""
+    nodes = sorted({rank // link.nodes.nproc_per_node for rank in ranks})
+    return " on " + ", ".join(f"node {node}" + (f" (host {link.hosts[node]})" if node in link.hosts else "")
+                              for node in nodes)
+
+
+def die_with_parent_sigterm() -> None:
+    """torchrun's preexec: it gets SIGTERM (and stops its ranks) when its launcher dies, even by SIGKILL."""
+    die_with_parent(signal.SIGTERM)
+
+
+def _remote_reason(link: NodeLink, records: dict, watch: Watch) -> str | None:
+    """One poll of the other nodes: share this node's records, read theirs into the watch; why this
+    node must stop (another node failed, went silent, or node 0 is gone), or None."""
+    try:
+        link.beat(records)
+        states = link.poll()
+        failure = link.first_failure()
+    except LinkLost as lost:
+        return str(lost)
+    merged = dict(records)
+    for state in states.values():
+        merged.update({rank: record for rank, record in records_from_json(state["records"]).items()
+                       if rank not in records})
+    watch.observe(merged)
+    if failure is not None:
+        return failure
+    return link.silent(states)
+
+
+def _cause_elsewhere(link: NodeLink, watch: Watch, local: str, consequence: bool) -> str:
+    """Why the job ended, where this node's torchrun failed: the earliest failure a node published,
+    and where this node's ranks only lost their peers, the other nodes' (waiting at most
+    NODE_SILENCE_S + 1 s for one to fail, fall silent or vanish); else this node's own, published."""
+    deadline = time.monotonic() + (NODE_SILENCE_S + 1.0 if consequence else 0.0)
+    while True:
+        reason = _remote_reason(link, {}, watch)
+        if reason is not None:
+            return reason
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(HEARTBEAT_S)
+    line = f"{describe(link.nodes, link.nodes.node_rank, link.host)}: {local}"
+    link.fail(line)
+    try:
+        return link.first_failure() or line
+    except LinkLost:
+        return line
 
 
 @contextlib.contextmanager
@@ -198,7 +372,8 @@ def _exit_on_termination():
             signal.signal(sig, handler)
 
 
-def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:
+def _drain(path: Path, rows: list[CaseResult], seen: int, on_case, report: bool = True) -> int:
+    """Rows appended to `path` since `seen` lines (to `on_case` where this node reports)."""
     if not path.exists():
         return seen
     lines = path.read_text().splitlines()
@@ -206,7 +381,7 @@ def _drain(path: Path, rows: list[CaseResult], seen: int, on_case) -> int:
     for line in complete[seen:]:
         row = CaseResult.from_dict(json.loads(line))
         rows.append(row)
-        if on_case is not None:
+        if on_case is not None and report:
             on_case(row)
     return len(complete)
 
@@ -254,17 +429,18 @@ def _cleanup_shm(job: str) -> None:
             pass
 
 
-def _error_row(case: Any, options: RunOptions, reason: str, measurement: str = "check") -> CaseResult:
-    """The row of a case the job never reported (its ranks died or were killed)."""
+def _error_row(case: Any, options: RunOptions, reason: str, measurement: str = "check", group: int | None = None,
+               local_world: int | None = None) -> CaseResult:
+    """The row of a case (of one group) the job never reported (its ranks died or were killed)."""
     from musebench.comm.transport import TransportRefused
     from musebench.harness.driver import new_row, process_transport
 
     try:
-        transport = process_transport(options, case.tp).name
+        transport = process_transport(options, case.tp, local_world=local_world).name
     except TransportRefused:  # the ranks' own errors say why; the row names what was asked
         transport = options.transport
     row = new_row(case, options, transport, 0, measurement)
-    row.error, row.rank_identical = reason, False
+    row.error, row.rank_identical, row.group = reason, False, group
     return row
 
 

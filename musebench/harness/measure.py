@@ -55,6 +55,7 @@ class RankOutcome:
     notes: list[str] = field(default_factory=list)
     error: str | None = None
     variant_outputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # bench: other forms
+    host: str | None = None  # a process rank's host name (its diagnostics reach rank 0 with it)
 
 
 def outputs_digest(outputs: dict[str, torch.Tensor]) -> str:
@@ -113,7 +114,7 @@ def evaluate(row: CaseResult, tp: int, outcomes: Sequence[RankOutcome], expected
     checked: dict[int, dict[str, torch.Tensor]] = {}
     for rank in range(tp):
         outcome = by_rank.get(rank)
-        result = RankResult(rank=rank)
+        result = RankResult(rank=rank, host=outcome.host if outcome is not None else None)
         row.ranks.append(result)
         if outcome is None:
             result.error = f"rank {rank} returned no result"

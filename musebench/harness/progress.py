@@ -34,7 +34,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -61,6 +61,7 @@ class RankProgress:
     error: str | None = None  # the outcome's error, once its calls are over
     pid: int = 0
     seq: int = 0  # grows by one per record
+    group_base: int = 0  # the first rank of the rank's group: its case's errors number ranks within the group
 
     def where(self) -> str:
         """`case 0 (call 2 of 4)`, `case 1 (bind)`, `startup`."""
@@ -78,8 +79,9 @@ class RankProgress:
         return (self.case, order, self.call)
 
     def waiting_for(self) -> set[int]:
-        """The peers its error says it timed out waiting for."""
-        return {int(rank) for rank in _WAITING_FOR.findall(self.error or "")}
+        """The peers its error says it timed out waiting for, as ranks of the job (an error numbers
+        the ranks of the rank's group, which begins at `group_base`)."""
+        return {self.group_base + int(rank) for rank in _WAITING_FOR.findall(self.error or "")}
 
 
 class ProgressFile:
@@ -118,6 +120,15 @@ def read_progress(folder: str | os.PathLike[str]) -> dict[int, RankProgress]:
     return records
 
 
+def records_to_json(records: Mapping[int, RankProgress]) -> dict:
+    """Records as JSON-ready dicts keyed by rank (what a node's launcher shares with the others)."""
+    return {str(rank): asdict(record) for rank, record in records.items()}
+
+
+def records_from_json(data: Mapping[str, dict]) -> dict[int, RankProgress]:
+    return {int(rank): RankProgress(**fields) for rank, fields in data.items()}
+
+
 def _ranks(ranks: Iterable[int]) -> str:
     ranks = sorted(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
@@ -127,8 +138,10 @@ class Watch:
     """When each of `tp` ranks last made progress, on this clock (`time.monotonic`), and whether
     the job has stalled (see the module docstring)."""
 
-    def __init__(self, tp: int, timeout_s: float, startup_s: float, now: float | None = None) -> None:
+    def __init__(self, tp: int, timeout_s: float, startup_s: float, now: float | None = None,
+                 place: Callable[[Sequence[int]], str] | None = None) -> None:
         self.tp, self.timeout_s, self.startup_s = tp, timeout_s, startup_s
+        self.place = place  # where ranks sit, e.g. " on node 1 (host b)" (a launch of several nodes)
         self.started = time.monotonic() if now is None else now
         self.records: dict[int, RankProgress] = {}
         self.seen: dict[int, float] = {}  # rank -> when its latest record was first observed
@@ -191,7 +204,7 @@ class Watch:
         if len(culprits) == self.tp:
             where = sorted({self.records[r].where() if r in self.records else "startup" for r in culprits})
             return f"every rank stopped making progress ({'; '.join(where)})"
-        line = f"{_ranks(culprits)} stopped making progress in " + "; ".join(
+        line = f"{_ranks(culprits)}{self.place(culprits) if self.place else ''} stopped making progress in " + "; ".join(
             (f"rank {r}: " if len(culprits) > 1 else "")
             + (f"{self.records[r].where()}, silent for {now - self.seen[r]:.1f}s" if r in self.records
                else f"startup (no progress reported in {now - self.started:.1f}s)")

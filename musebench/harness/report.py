@@ -101,7 +101,9 @@ def key_name(key: tuple) -> str:
 
 
 def case_name(case: CaseResult) -> str:
-    return key_name(case.key)
+    """The key's name; a row of one group of a larger job adds the group (`...[...] group 1`)."""
+    name = key_name(case.key)
+    return name if case.group is None else f"{name} group {case.group}"
 
 
 def short_stock_path(case: CaseResult) -> str:
@@ -238,7 +240,7 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
         cells = [
             case.kernel,
             case.mode,
-            str(case.tp),
+            str(case.tp) if case.group is None else f"{case.tp} g{case.group}",  # one group of a larger job
             str(case.tokens),
             case.weight_dtype,
             case.norm,

@@ -14,8 +14,12 @@ on rows, `kernels_us` (the tail's own kernels timed apart); 1.3 adds, on rows, `
 "bench" (µs are CUDA-graph medians). A file before 1.3 reads with its rows' measurement inferred
 (`infer_measurement`): "bench" where the row has `baselines_us` or `kernels_us` or the report's
 command is a `musebench bench ...`, else "check"; the host wall-clock µs that 1.2 check rows
-carry are read but mean nothing, and the report layer ignores them. Readers ignore row fields
-they do not know, so a file of a later minor reads with an earlier one.
+carry are read but mean nothing, and the report layer ignores them. 1.4 adds, on rows, `group`
+(a job of WORLD_SIZE ranks runs a case of tp < WORLD_SIZE on WORLD_SIZE / tp groups of
+consecutive ranks, one row per group: group g holds ranks g*tp .. g*tp + tp - 1, and the row's
+`ranks` are numbered within it; None where one group is the whole job) and, on rank results,
+`host` (the host name the rank ran on; None for virtual ranks). Readers ignore row fields they do
+not know, so a file of a later minor reads with an earlier one.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
 MEASUREMENTS = ("check", "bench")
 
 
@@ -49,6 +53,7 @@ class RankResult:
     tail_us: float | None = None  # benches: median per call
     stock_us: float | None = None
     error: str | None = None  # crash, timeout or fault record, as one line
+    host: str | None = None  # the host name a process rank ran on (gathered over the process group)
 
 
 @dataclass
@@ -86,6 +91,14 @@ class CaseResult:
     # "publisher" alone and "reduce (call - publisher)"; `tail_us` is the whole call
     kernels_us: dict[str, float] = field(default_factory=dict)
     measurement: str = "check"  # "check": bits only, untimed; "bench": µs are CUDA-graph medians
+    group: int | None = None  # which group of tp consecutive ranks of a larger job (None: the whole job)
+
+    def group_label(self) -> str:
+        """`group 1 (ranks 4-7)`, or "" where the row's ranks are the whole job."""
+        if self.group is None:
+            return ""
+        first = self.group * self.tp
+        return f"group {self.group} (ranks {first}-{first + self.tp - 1})"
 
     @property
     def passed(self) -> bool:

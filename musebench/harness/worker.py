@@ -1,26 +1,58 @@
 """One rank of a process-launched run: `python -m musebench.harness.worker SPEC RESULTS`.
 
-Started by torchrun (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set): reads the job
-spec the launcher wrote (`launch.spec_to_json`) and runs this rank's part through the one driver
-(`driver.run_rank`); rank 0 appends one JSON line per case to RESULTS. Progress lines ("rank R
-started/done case N") go to stdout for the launcher's diagnostics.
+Started by torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set):
+reads the launch's spec (`launch.spec_to_json`, or `{"runs": [...]}` for several runs of one
+launch) and runs this rank's part of each run, in order, through the one driver
+(`driver.run_rank`), over one process group; rank 0 (and the lowest rank of every other node)
+appends one JSON line per row to RESULTS. Progress lines ("rank R started/done case N") go to
+stdout for the launcher's diagnostics.
+
+The rank ends with its torchrun (PR_SET_PDEATHSIG: `nodes.die_with_parent`). An exception that
+escapes the driver (its cases' errors never do: a collective failed, e.g. a peer on another node
+went away) is printed and ends the rank with `nodes.COLLECTIVE_FAILED_EXIT`, which the launchers
+take for a consequence whose cause is elsewhere; a refusal (every rank alike) exits 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 
 def main(argv: Sequence[str]) -> int:
-    from musebench.harness.driver import run_rank
-    from musebench.harness.launch import spec_from_json
+    import datetime
 
+    import torch.distributed as dist
+
+    from musebench.harness.driver import process_group_timeout_s, run_rank
+    from musebench.harness.launch import specs_from_json
+    from musebench.harness.nodes import COLLECTIVE_FAILED_EXIT, die_with_parent
+
+    die_with_parent()
     spec, results = argv
-    job = spec_from_json(json.loads(Path(spec).read_text()))
-    run_rank(job.cases, job.options, Path(results), measurement=job.measurement, bench=job.bench)
+    runs = specs_from_json(json.loads(Path(spec).read_text()))
+    try:
+        if len(runs) > 1:  # one process group for every run (run_rank uses it, and makes its groups)
+            world = int(os.environ["WORLD_SIZE"])
+            timeout = max(process_group_timeout_s(run.options, run.bench if run.measurement == "bench" else None,
+                                                  groups=world // run.cases[0].tp) for run in runs)
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        for run in runs:
+            run_rank(run.cases, run.options, Path(results), measurement=run.measurement, bench=run.bench)
+    except SystemExit:
+        raise
+    except Exception:
+        traceback.print_exc()
+        print(f"musebench: a collective of the job failed (exit {COLLECTIVE_FAILED_EXIT}): a peer went away?",
+              file=sys.stderr, flush=True)
+        return COLLECTIVE_FAILED_EXIT
+    finally:
+        if len(runs) > 1 and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

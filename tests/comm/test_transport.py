@@ -315,9 +315,14 @@ def test_layout_here_reads_the_launch(monkeypatch):
     standalone = transport.layout_here("cute", "torchrun", 8, environ={})
     assert (standalone.local_world, standalone.hosts, standalone.peer_access) == (8, 1, False) and probed == [4]
     in_job = transport.layout_here("cpu", "torchrun", 8, environ={"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
-    assert (in_job.local_world, in_job.hosts, in_job.peer_access) == (4, 2, True) and probed == [4]
+    # hosts come from host names (the caller's count), never from WORLD_SIZE / LOCAL_WORLD_SIZE
+    assert (in_job.local_world, in_job.hosts, in_job.peer_access) == (4, 1, True) and probed == [4]
+    across = transport.layout_here("cpu", "torchrun", 8, environ={"RANK": "5", "WORLD_SIZE": "8"}, hosts=2,
+                                   local_world=4)
+    assert (across.local_world, across.hosts) == (4, 2)
+    assert decide(in_job, environ={}).name == "shm"  # two nodes of one host share its memory
     with pytest.raises(TransportRefused, match="every rank on one host"):
-        decide(in_job, environ={})
+        decide(across, environ={})
 
 
 def test_layout_here_reads_the_fabric_attribute_for_cute_processes_across_hosts_only(monkeypatch):

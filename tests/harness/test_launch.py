@@ -135,3 +135,126 @@ def test_a_terminated_launcher_kills_its_ranks(job_id, signal_name):
     assert launcher.returncode == 128 + getattr(signal, signal_name), stderr
     assert f"{signal_name}: killing the torchrun job" in stderr
     assert job_processes(job_id) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Several nodes on this machine: one launcher process per node, rendezvous on 127.0.0.1
+
+TAIL = ["tail", "--launcher", "torchrun", "--mode", "ep", "--tokens", "1", "--weights", "bf16", "--norm", "before",
+        "--backend", "cpu", "--iters", "1", "--warmup", "0"]
+
+
+def _start_nodes(arguments, nnodes, nproc, extra_env=None, json_path=None):
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_scripts import _free_port_pair
+
+    port = _free_port_pair()
+    env = dict(os.environ, **(extra_env or {}))
+    launchers = []
+    for node in range(nnodes):
+        command = [sys.executable, "-m", "musebench", *arguments, "--nnodes", str(nnodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(nproc), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        if json_path is not None and node == 0:
+            command += ["--json", str(json_path)]
+        launchers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return launchers
+
+
+@pytest.mark.parametrize("tp, nproc", [(4, 2), (8, 4)])
+def test_two_nodes_pass_a_tail_across_them(job_id, tmp_path, tp, nproc):
+    """`tail --tp 4` on 2 x 2 ranks and `--tp 8` on 2 x 4: one group across both nodes; node 0
+    reports with every rank's host, node 1 prints its verdict."""
+    import json
+
+    out = tmp_path / "run.json"
+    launchers = _start_nodes([*TAIL, "--tp", str(tp), "--timeout", "5"], 2, nproc, json_path=out)
+    results = [launcher.communicate(timeout=240) for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], results
+    report = json.loads(out.read_text())
+    assert report["passed"] and len(report["cases"]) == 1 and report["cases"][0]["group"] is None
+    assert len(report["cases"][0]["ranks"]) == tp and all(rank["host"] for rank in report["cases"][0]["ranks"])
+    assert "node 1: 1 rows, 0 failed; node 0 writes the report" in results[1][0]
+
+
+def test_one_job_of_eight_ranks_runs_tp_2_4_8_on_groups(job_id, tmp_path):
+    """A scenario of tp 2, 4 and 8 on one launch of 8 ranks: 4 + 2 + 1 rows, each group its own."""
+    import json
+    import subprocess
+    import sys
+
+    scenario = tmp_path / "groups.toml"
+    scenario.write_text('[defaults]\nmodes = ["ep"]\nlauncher = "torchrun"\nbackend = "cpu"\ntokens = [1]\n'
+                        'weights = ["bf16"]\nnorm = ["before"]\niters = 1\nwarmup = 0\ntimeout = 5.0\n\n'
+                        '[[run]]\nname = "groups"\ntp = [2, 4, 8]\n')
+    out = tmp_path / "run.json"
+    done = subprocess.run([sys.executable, "-m", "musebench", "parity", str(scenario), "--nproc-per-node", "8",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["cases"]
+    assert [(row["tp"], row["group"]) for row in rows] == [(2, 0), (2, 1), (2, 2), (2, 3), (4, 0), (4, 1), (8, None)]
+    assert all(row["passed"] for row in rows)
+
+
+def test_a_group_is_checked_on_its_own(job_id):
+    """A flipped bit on rank 5 of a job of 8 ranks fails group 1 of tp 4 (ranks 4-7) alone, naming it."""
+    options = RunOptions(**FAST, faults=Faults(flip_rank=5))
+    from musebench.harness.nodes import Nodes
+
+    rows = launch.run_torchrun(_cases(tp=4, tokens=(2,)), options, nodes=Nodes(1, 0, 8, None))
+    assert [(row.group, row.passed) for row in rows] == [(0, True), (1, False)]
+    assert rows[1].mismatches == 1 and rows[1].first_mismatch.rank == 1 and rows[1].group_label() == "group 1 (ranks 4-7)"
+
+
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_node_ends_the_other_naming_it(job_id, killed):
+    """SIGKILL to one node's launcher mid-run (rank 1 holds the job in a call): the other node ends
+    within the heartbeat's silence bound and the kill, naming the node and its ranks; no process
+    of the job is left on this machine."""
+    import signal
+
+    from musebench.harness.nodes import NODE_SILENCE_S
+    from tests._processes import job_processes
+
+    launchers = _start_nodes([*TAIL, "--tp", "4", "--timeout", "60", "--inject", "hang:1"], 2, 2)
+    deadline = time.monotonic() + 120
+    while len([p for p in job_processes(job_id) if "musebench.harness.worker" in p and "torch.distributed.run" not in p]) < 4:
+        assert time.monotonic() < deadline and all(launcher.poll() is None for launcher in launchers)
+        time.sleep(0.5)
+    time.sleep(3)  # the ranks are in case 0
+    launchers[killed].send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    other = launchers[1 - killed]
+    stdout, stderr = other.communicate(timeout=120)
+    elapsed = time.monotonic() - started
+    launchers[killed].wait(10)
+    assert other.returncode == 1, stdout + stderr
+    assert elapsed < NODE_SILENCE_S + 15, f"{elapsed:.1f}s"
+    named = (f"node {killed} (host " if killed else "node 0 (host ")
+    assert named in stdout + stderr and ("ranks 2-3)" if killed else "ranks 0-1)") in stdout + stderr, stdout + stderr
+    assert ("went silent" if killed else "is gone") in stdout + stderr
+    deadline = time.monotonic() + 15
+    while job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--tp", "4", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29999"],
+     "need --launcher torchrun"),
+    (["--tp", "4", "--launcher", "torchrun", "--nnodes", "2", "--node-rank", "5", "--nproc-per-node", "2",
+      "--rdzv-endpoint", "127.0.0.1:29999"], "--node-rank 5 is outside 0..1"),
+    (["--tp", "8", "--launcher", "torchrun", "--nnodes", "2", "--nproc-per-node", "3",
+      "--rdzv-endpoint", "127.0.0.1:29999"], "6 ranks cannot be split into groups of tp 8"),
+    (["--tp", "4", "--launcher", "torchrun", "--nnodes", "2", "--nproc-per-node", "2"], "needs --rdzv-endpoint"),
+    (["--tp", "2", "--launcher", "torchrun", "--nproc-per-node", "4", "--inject", "flip:5"],
+     "fault rank 5 does not exist at tp=2 on 4 ranks"),
+])
+def test_node_options_that_cannot_work_exit_2_before_launching(arguments, message):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "musebench", "tail", "--backend", "cpu", *arguments],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

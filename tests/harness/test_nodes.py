@@ -1,0 +1,78 @@
+"""Node options (resolved from flags and SLURM's environment, refused before launching), the host
+check of groups, and the launchers' link."""
+
+from __future__ import annotations
+
+import pytest
+
+from musebench.harness.nodes import Nodes, NodesRefused, check_tp, describe, first_slurm_host, resolve_nodes
+
+
+def test_no_node_option_keeps_the_one_node_launch():
+    assert resolve_nodes(launcher="torchrun", environ={}) is None
+    assert resolve_nodes(launcher="virtual", environ={"SLURM_JOB_ID": "1", "SLURM_NNODES": "8"}) is None
+
+
+def test_options_give_the_nodes_and_their_ranks():
+    nodes = resolve_nodes(launcher="torchrun", nnodes=2, node_rank=1, nproc_per_node=4, endpoint="10.0.0.1:29500",
+                          environ={})
+    assert nodes == Nodes(2, 1, 4, "10.0.0.1:29500") and nodes.world == 8 and list(nodes.ranks) == [4, 5, 6, 7]
+    assert nodes.torchrun_arguments() == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=4", "--rdzv-backend=static",
+                                          "--rdzv-endpoint=10.0.0.1:29500"]
+    assert describe(nodes, 1, "gb2") == "node 1 (host gb2, ranks 4-7)"
+
+
+def test_slurm_fills_what_is_not_given():
+    environ = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "8", "SLURM_NODEID": "3", "SLURM_JOB_NODELIST": "gb[003-010]",
+               "SLURM_GPUS_ON_NODE": "4"}
+    assert resolve_nodes(launcher="torchrun", environ=environ) == Nodes(8, 3, 4, "gb003:29500")
+    assert resolve_nodes(launcher="torchrun", endpoint="gb003:29571", environ=environ).endpoint == "gb003:29571"
+    assert first_slurm_host("node7,login[1-2]") == "node7" and first_slurm_host("a[10,12-14]") == "a10"
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(launcher="virtual", nnodes=2), "need --launcher torchrun"),
+    (dict(launcher="torchrun", nnodes=2, node_rank=2, nproc_per_node=2, endpoint="h:1"), "--node-rank 2 is outside 0..1"),
+    (dict(launcher="torchrun", nnodes=2, node_rank=-1, nproc_per_node=2, endpoint="h:1"), "outside 0..1"),
+    (dict(launcher="torchrun", nnodes=2, nproc_per_node=2), "needs --rdzv-endpoint"),
+    (dict(launcher="torchrun", nnodes=2, endpoint="h:1"), "need --nproc-per-node"),
+    (dict(launcher="torchrun", nnodes=2, nproc_per_node=2, endpoint="h"), "HOST:PORT"),
+    (dict(launcher="torchrun", nnodes=2, nproc_per_node=2, endpoint="h:65535"), "PORT in 1..65534"),
+    (dict(launcher="torchrun", nnodes=0, nproc_per_node=2), "--nnodes must be >= 1"),
+])
+def test_options_that_cannot_work_are_refused(options, message):
+    with pytest.raises(NodesRefused, match=message):
+        resolve_nodes(environ={}, **options)
+
+
+def test_tp_must_divide_the_ranks():
+    check_tp(Nodes(2, 0, 4, "h:1"), 8)
+    with pytest.raises(NodesRefused, match="8 ranks cannot be split into groups of tp 16"):
+        check_tp(Nodes(2, 0, 4, "h:1"), 16)
+
+
+def test_the_cpu_model_refuses_a_group_on_two_hosts_by_host_name():
+    """Host names decide, not LOCAL_WORLD_SIZE: two nodes of one host share its memory; a group that
+    spans two hosts is refused naming the group and where its ranks sit."""
+    from musebench.harness.case import RunOptions
+    from musebench.harness.driver import group_transports
+    from musebench.harness.launch import Spec, check_hosts
+    from musebench.cases.tail_inputs import TailCase
+
+    options = RunOptions(backend="cpu", launcher="torchrun")
+    assert [t.name for t in group_transports(options, 2, ["a", "a", "b", "b"], local_world=2)] == ["shm", "shm"]
+    assert [t.name for t in group_transports(options, 4, ["a"] * 4, local_world=2)] == ["shm"]
+    with pytest.raises(ValueError, match=r"every rank on one host.*group 0 \(ranks 0-3\) spans 2 hosts \(a: ranks "
+                                         r"0-1; b: ranks 2-3\)"):
+        group_transports(options, 4, ["a", "a", "b", "b"] * 2, local_world=2)
+    nodes = Nodes(2, 0, 2, "a:1")
+    check_hosts([Spec((TailCase(mode="ep", tp=2, tokens=1),), options)], nodes, ["a", "b"])
+    with pytest.raises(NodesRefused, match="the job spans 2 hosts"):
+        check_hosts([Spec((TailCase(mode="ep", tp=4, tokens=1),), options)], nodes, ["a", "b"])
+
+
+def test_a_rank_waiting_in_a_group_names_its_peer_by_job_rank():
+    from musebench.harness.progress import RankProgress
+
+    record = RankProgress(rank=4, phase="gather", error="rank 0: timed out waiting for rank 1", group_base=4)
+    assert record.waiting_for() == {5}
