@@ -333,13 +333,15 @@ def test_layout_here_reads_the_fabric_attribute_for_cute_processes_across_hosts_
     monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: asked.append(attribute) or [True] * count)
     one_host = transport.layout_here("cute", "torchrun", 4, environ={"RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"})
     assert one_host.fabric is False and asked == []
+    # hosts come from the ranks' gathered host names, never from LOCAL_WORLD_SIZE
     two_hosts = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}
-    assert transport.layout_here("cpu", "torchrun", 8, environ=two_hosts).fabric is False and asked == []
-    rack = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    assert transport.layout_here("cute", "torchrun", 8, environ=two_hosts).fabric is False and asked == []
+    assert transport.layout_here("cpu", "torchrun", 8, environ=two_hosts, hosts=2).fabric is False and asked == []
+    rack = transport.layout_here("cute", "torchrun", 8, environ=two_hosts, hosts=2)
     assert rack.fabric is True and asked == [transport.FABRIC_ATTRIBUTE]
     assert decide(rack, environ={}).name == "unicast"
     monkeypatch.setattr(transport, "query_device_attribute", lambda count, attribute: [True, False, True, True])
-    no_fabric = transport.layout_here("cute", "torchrun", 8, environ=two_hosts)
+    no_fabric = transport.layout_here("cute", "torchrun", 8, environ=two_hosts, hosts=2)
     assert no_fabric.fabric is False
     with pytest.raises(TransportRefused, match=f"unicast across hosts \\(2\\) {NO_FABRIC}"):
         decide(no_fabric, environ={})
