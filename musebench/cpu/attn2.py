@@ -20,7 +20,8 @@ behavior of NVIDIA tensor cores", PeerJ CS 2021). Q K^T is the chain of its four
 zero, as the kernel issues them. Modelling this matters: with round to nearest instead, the model
 missed the H200 by up to 653 BF16 ULPs at L = 2048 (scores near 4000 lose up to an FP32 ULP,
 2^-12, per truncation; a long chain of P V mmas into one accumulator drifts toward zero), while
-this emulation reproduced those runs' worst elements to the ULP.
+this emulation (of the kernel as it then was) reproduced the worst elements of its three failing
+`large` cases to the ULP (197, 653 and 68 ULPs).
 
 Not the same, by design: the exact sum inside a tensor core step (the hardware keeps a few guard
 bits, not all) and the GPU's ex2.approx (relative error about 2^-22); so the GPU agrees with this
