@@ -439,9 +439,11 @@ def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, 
     _bench_and_report(jobs, options, note, title="musebench bench tail", json_path=json_path, nodes=nodes)
 
 
-def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None, nodes=None) -> None:
+def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None, nodes=None,
+                      finish_row=None) -> None:
     """Run bench jobs after timing an empty launch (the floor every row sits on), and report (node
-    0 across nodes; another node prints one line and exits like it)."""
+    0 across nodes; another node prints one line and exits like it); `finish_row(row)` adds a
+    family's computed columns (attn2: the HBM roofline) to each row."""
     from musebench.harness.jobs import build_report, run_jobs
     from musebench.harness.measure import bench_empty_kernel
     from musebench.harness.nodes import LinkLost, NodesRefused
@@ -457,6 +459,9 @@ def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | 
     except LinkLost as lost:
         click.echo(f"musebench: {lost}", err=True)
         sys.exit(EXIT_FAILED)
+    if finish_row is not None:
+        for row in rows:
+            finish_row(row)
     run_report = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
     run_report.machine["empty_launch_us"] = floor
     if nodes is not None and nodes.node_rank != 0:
@@ -622,3 +627,96 @@ def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
         _usage_error(str(error))
     note = f"{jobs[0].backend_note}; roofline = N x 8192 x 2 B / 4.2 TB/s (N 1152: 4.5 µs, 2304: 9.0 µs, 4608: 18.0 µs)"
     _bench_and_report(jobs, options, note, title="musebench bench front", json_path=json_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# attn2: `musebench attn` and `musebench bench attn`.
+
+ATTN_INPUTS = ("random", "large", "equal", "tiny")
+
+
+def _attn_tp_error(tp: int) -> str | None:
+    from musebench.cases.attn2 import kv_heads_for
+
+    try:
+        kv_heads_for(tp)
+    except ValueError as error:
+        return f"--tp {tp}: {error}"
+    return None
+
+
+@main.command("attn")
+@click.option("--tp", type=int, default=8, show_default=True, help="Ranks: 2, 4, 8 or 16 (8 .. 1 KV heads a rank).")
+@click.option("--lengths", default="8,17,2047,2049,4000", show_default=True, help="Request lengths L (8..max-model-len).")
+@click.option("--max-model-len", type=int, default=4096, show_default=True, help="The deployment's (fixes the splits).")
+@click.option("--window", "windows", default="0,2048", show_default=True, help="Sliding windows (0: none).")
+@click.option("--inputs", default=",".join(ATTN_INPUTS), show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seeds", type=int, default=1, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+@click.option("--junit", "junit_path", type=click.Path(dir_okay=False), help="Write JUnit XML.")
+@click.option("--inject", multiple=True, hidden=True, help="Fault injection KIND:RANK (flip, silent).")
+@click.option("--impl", default="musebench", show_default=True, metavar="MODULE",
+              help="The implementation under test: a module providing cute_ops.launch_attn2.")
+def attn(tp, lengths, max_model_len, windows, inputs, seed, seeds, json_path, junit_path, inject, impl) -> None:
+    """GPU: attn2 (the verify step's attention, o-norm and gate) on every rank: bits repeatable and equal to
+    a 16-KV-head launch's, max and mean error vs FP64 each at most the stock's (SDPA flash + the gate)."""
+    from musebench.harness.case import Faults
+    from musebench.harness.jobs import make_attn2_job
+
+    refusal = _attn_tp_error(tp)
+    if refusal:
+        _usage_error(refusal)
+    try:
+        if seeds < 1:
+            raise ValueError("--seeds must be >= 1")
+        job = make_attn2_job(name=f"attn tp={tp}", tp=tp, lengths=_parse_ints(lengths, "--lengths"),
+                             max_model_len=max_model_len, windows=_parse_ints(windows, "--window"),
+                             inputs=_parse_choices(inputs, ATTN_INPUTS, "--inputs"),
+                             seeds=tuple(range(seed, seed + seeds)), faults=Faults.parse(inject), impl=impl,
+                             backend="auto")  # no GPU here: the run is reported skipped, with the reason
+    except ValueError as error:
+        _usage_error(str(error))
+    _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench attn --tp {tp}")
+
+
+def _attn_roofline(row) -> None:
+    from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S
+
+    row.baselines_us["HBM roofline (computed)"] = row.bytes_moved / ROOFLINE_BYTES_PER_S * 1e6
+
+
+@bench.command("attn")
+@click.option("--tp", "tp_list", default="8,16", show_default=True, help="tps 2, 4, 8, 16 (2 and 1 KV heads: 8, 16).")
+@click.option("--lengths", default="8,512,2048,8192,32768,131072", show_default=True, help="Request lengths L.")
+@click.option("--max-model-len", type=int, default=131072, show_default=True, help="The deployment's (fixes the splits).")
+@click.option("--window", "windows", default="0,2048", show_default=True, help="Sliding windows (0: none).")
+@click.option("--calls", type=int, default=20, show_default=True)
+@click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
+def bench_attn_command(tp_list, lengths, max_model_len, windows, calls, replays, json_path) -> None:
+    """GPU: attn2 on rank 0's KV heads vs torch SDPA (flash) on the same K/V gathered contiguous,
+    CUDA-graph medians, beside the HBM roofline (K + V bytes / 4.2 TB/s). Accuracy is reported,
+    not enforced (the row says so); the bits are checked as in `musebench attn`."""
+    from musebench.harness.jobs import make_attn2_job
+    from musebench.harness.measure import BenchOptions
+
+    tps = _parse_ints(tp_list, "--tp")
+    for tp in tps:
+        refusal = _attn_tp_error(tp)
+        if refusal:
+            _usage_error(refusal)
+    options = BenchOptions(calls=calls, replays=replays)
+    try:
+        if calls < 1 or replays < 1:
+            raise ValueError("--calls and --replays must be >= 1")
+        jobs = [make_attn2_job(name=f"bench attn tp={tp}", tp=tp, lengths=_parse_ints(lengths, "--lengths"),
+                               max_model_len=max_model_len, windows=_parse_ints(windows, "--window"),
+                               inputs=("random",), seeds=(0,), measurement="bench", bench=options,
+                               enforce_accuracy=False) for tp in tps]
+    except ValueError as error:
+        _usage_error(str(error))
+    note = (f"{jobs[0].backend_note}; SDPA flash: a KV head's 64 query rows over its visible keys, contiguous, "
+            "no mask; roofline = K + V bytes of the visible pages / 4.2 TB/s")
+    _bench_and_report(jobs, options, note, title="musebench bench attn", json_path=json_path,
+                      finish_row=_attn_roofline)

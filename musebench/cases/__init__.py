@@ -9,3 +9,6 @@ from musebench.cases import qkv_front
 
 FAMILIES = {ep_tail.name: ep_tail, tp_tail.name: tp_tail, routing.name: routing}
 FAMILIES[qkv_front.name] = qkv_front  # the QKV front (`musebench front`)
+from musebench.cases import attn2  # noqa: E402
+
+FAMILIES[attn2.name] = attn2  # attn2 (`musebench attn`)

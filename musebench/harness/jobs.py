@@ -460,3 +460,59 @@ def make_front_job(
                          warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
     return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,
                resolved=check_machine, kernel="qkv_front", measurement=measurement, bench=bench)
+
+
+# ---------------------------------------------------------------------------------------------
+# attn2 (`musebench attn`, `musebench bench attn`).
+
+
+def make_attn2_job(
+    *,
+    name: str,
+    tp: int,
+    lengths: Sequence[int],
+    max_model_len: int,
+    windows: Sequence[int],
+    inputs: Sequence[str],
+    seeds: Sequence[int],
+    backend: str = "cute",
+    check_machine: bool = True,
+    timeout_s: float = 10.0,
+    faults: Faults = Faults(),
+    impl: str = "musebench",
+    measurement: str = "check",
+    bench: BenchOptions | None = None,
+    enforce_accuracy: bool = True,
+) -> Job:
+    """Validate everything and build an attn2 job (virtual ranks of one GPU); ValueError names the
+    first bad value (`cases.attn2.check_case`: a tp that does not split 16 KV heads, tp 32 with its
+    reason, L outside [8, max_model_len], a window outside [0, max_model_len), unknown inputs), or
+    a fault the family cannot inject. Two calls per rank: repeatability."""
+    from musebench.cases.attn2 import Attn2Case, check_case, faults as attn2_faults
+
+    if not lengths or not windows or not inputs or not seeds:
+        raise ValueError("no lengths, windows, inputs or seeds given")
+    cases = tuple(Attn2Case(tp=tp, tokens=length, max_model_len=max_model_len, window=window, inputs=family,
+                            seed=seed, enforce_accuracy=enforce_accuracy)
+                  for window in windows for family in inputs for length in lengths for seed in seeds)
+    for case in cases:
+        check_case(case)
+    if timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    unsupported = [kind for kind in faults.kinds() if kind not in attn2_faults]
+    if unsupported:
+        raise ValueError(f"attn2 injects only {', '.join(attn2_faults)} faults, not {', '.join(unsupported)}")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
+    if check_machine:
+        try:
+            resolved, note, skip_reason = resolve_routing_backend(backend)  # the same need: one SM >= 90 GPU
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}".replace("routing", "attn2")) from None
+        skip_reason = skip_reason.replace("routing", "attn2") if skip_reason else None
+    else:
+        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
+                         warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
+    return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,
+               resolved=check_machine, kernel="attn2", measurement=measurement, bench=bench)

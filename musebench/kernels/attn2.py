@@ -17,7 +17,9 @@ code runs on Hopper and Blackwell (no wgmma / UMMA / TMEM):
 3. Per page: S = Q K^T (8 mma), scores times fp32(scale log2 e), the causal and window mask (the
    same for both rows of a thread), the online softmax with m_use = 0 while a row has seen
    nothing (a masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
-   order sum, O = O alpha, then O += p_hi V and O += p_lo V (16 mma). V's B fragments come from
+   order sum, then per n-tile P V = p_hi V + (p_lo V) in a fresh accumulator (16 mma: a page's
+   products are truncated at the page's scale, never into the running O) and O = O alpha + P V
+   with FP32 round-to-nearest. V's B fragments come from
    word loads joined by `prmt`: n-tile 2p carries the even dims of the word pairs, 2p + 1 the
    odd ones, so a thread ends with dims 16p + 4c .. 16p + 4c + 3 of its rows.
 4. With one split: the epilogue. Otherwise the partial (O, m, l) goes to the workspace and the
@@ -266,9 +268,6 @@ class _Attn2Kernel:
             # A fragments of P: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c.., a3 row g + 8.
             ah = [p_hi[0][0], p_hi[1][0], p_hi[0][1], p_hi[1][1]]
             al = [p_lo[0][0], p_lo[1][0], p_lo[0][1], p_lo[1][1]]
-            for t in cutlass.range_constexpr(8):
-                for j in cutlass.range_constexpr(4):
-                    o[4 * t + j] = ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2])
             for pp in cutlass.range_constexpr(V_TILE_PAIRS):
                 vword = V_WORD0 + 8 * pp + g
                 vx0 = self.slot_word(stage, 2 * c, vword)
@@ -280,12 +279,15 @@ class _Attn2Kernel:
                     vb0 = ptx.prmt_b32(vx0, vx1, sel)
                     vb1 = ptx.prmt_b32(vx2, vx3, sel)
                     t = 2 * pp + odd
-                    oacc = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        ah[0], ah[1], ah[2], ah[3], vb0, vb1, o[4 * t], o[4 * t + 1], o[4 * t + 2], o[4 * t + 3])
-                    oacc = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        al[0], al[1], al[2], al[3], vb0, vb1, oacc[0], oacc[1], oacc[2], oacc[3])
+                    # this page's P V in a fresh accumulator, p_lo first (the tensor cores truncate:
+                    # a long chain into O would drift toward zero), then O = O alpha + P V in FP32
+                    zero = Float32(0.0)
+                    pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                        al[0], al[1], al[2], al[3], vb0, vb1, zero, zero, zero, zero)
+                    pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                        ah[0], ah[1], ah[2], ah[3], vb0, vb1, pv[0], pv[1], pv[2], pv[3])
                     for j in cutlass.range_constexpr(4):
-                        o[4 * t + j] = oacc[j]
+                        o[4 * t + j] = ptx.add_rn_f32(ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2]), pv[j])
             cute.arch.barrier()  # the stage is refilled next iteration
 
         cute.arch.cp_async_wait_group(0)

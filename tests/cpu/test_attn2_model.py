@@ -9,7 +9,9 @@ import torch
 
 from musebench import attn2_layout as lay
 from musebench.cases.attn2_inputs import INPUT_FAMILIES, for_rank, make_problem
-from musebench.cpu.attn2 import attn2_model, merge_tree
+from musebench import config
+from musebench.cpu import attn2 as model_module
+from musebench.cpu.attn2 import agreement, attn2_model, merge_tree, tc_mma
 from musebench.stock.attn2 import Attn2Problem, attn2_reference, stock_attn2, ulp_error
 
 
@@ -103,3 +105,57 @@ def test_empty_partials_are_exact_no_ops():
     for tree in ([empty, (o, m, lsum)], [(o, m, lsum), empty, empty, empty]):
         got = merge_tree(tree)
         assert torch.equal(got[0], o) and torch.equal(got[1], m) and torch.equal(got[2], lsum)
+
+
+def test_tc_mma_truncates_toward_zero():
+    """The tensor cores' step as modelled: exact products and sum, one truncation toward zero
+    (round to nearest would give the other neighbour in both cases)."""
+    a = torch.zeros(1, 16)
+    b = torch.zeros(16, 1)
+    a[0, 0], b[0, 0] = 3 * 2.0**-13, 2.0**-12  # + 3 2^-25: nearest rounds 1 up to 1 + 2^-23
+    assert tc_mma(a, b, torch.ones(1, 1)).item() == 1.0
+    a[0, 0], b[0, 0] = -(2.0**-15), 2.0**-15  # - 2^-30: nearest keeps 1, toward zero gives 1 - 2^-24
+    assert tc_mma(a, b, torch.ones(1, 1)).item() == 1.0 - 2.0**-24
+    a[0, 0], b[0, 0] = 1.0, 1.0
+    assert tc_mma(a, b, torch.full((1, 1), 2.0**24)).item() == 2.0**24  # 2^24 + 1 truncates down
+
+
+def test_agreement_tolerates_tensor_core_rounding(monkeypatch):
+    """The discrepancy the first H200 run showed: the model with round-to-nearest dot products
+    (its old form) against the truncating one misses by hundreds of element-wise ULPs at L = 2048
+    (scores near 4000, elements that are small differences), so an element-wise bound cannot
+    judge the GPU; the row-scaled agreement the GPU test uses does not flag it."""
+    p = make_problem("large", 2048, 2048, num_kv_heads=2)
+    truncating = attn2_model(p)
+    monkeypatch.setattr(model_module, "round_toward_zero_f32", lambda x: x.float())
+    nearest = attn2_model(p)
+    assert ulp_error(nearest, truncating.double()).max > 100
+    agree = agreement(nearest, truncating)
+    assert agree.ok, agree.describe()
+
+
+def _row_max_flipped(out: torch.Tensor, bit: int) -> torch.Tensor:
+    bits = out.clone().view(torch.int16)
+    row = bits[3, 64:128]
+    col = int(out[3, 64:128].float().abs().argmax())
+    row[col] ^= 1 << bit
+    return bits.view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("seq_len", [17, 2047])
+def test_agreement_fails_on_faults(seq_len):
+    """Fault injection for `agreement`: a flipped mantissa bit of a row's largest element, a NaN,
+    a scale off by 2^-9 and (at short L, where one key weighs) a changed key all fail it."""
+    p = make_problem("random", seq_len, 2048, num_kv_heads=2)
+    want = attn2_model(p)
+    assert agreement(want, want).ok
+    faults = {"flipped bit": _row_max_flipped(want, 4), "scale": attn2_model(p, scale=config.ATTN_SCALE * (1 + 2**-9))}
+    nan = want.clone()
+    nan[5, 7] = float("nan")
+    faults["nan"] = nan
+    if seq_len < 100:
+        cache = p.kv_cache.clone()
+        cache[int(p.page_table[0, 0]), :, 3, 64:] += 0.5
+        faults["a key's value"] = attn2_model(Attn2Problem(p.q, p.gate, cache, p.page_table, p.seq_lens, 2048))
+    for name, got in faults.items():
+        assert not agreement(got, want).ok, name

@@ -1,0 +1,137 @@
+"""The attn2 family on CPU: refusals before launch, the rank-identity expectation (a rank's columns
+of a 16-KV-head output, what the CPU model gives a rank), the accuracy verdict, the roofline's
+bytes, and fault injection proving the checks fail: a flipped bit, a worse output, a NaN. The
+CLI: tp 32 refused with the reason (exit 2), a run without a GPU reported skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from musebench.cases import FAMILIES
+from musebench.cases import attn2 as fam
+from musebench.cases.attn2_inputs import for_rank, make_problem
+from musebench.cli import main
+from musebench.cpu.attn2 import attn2_model
+from musebench.harness import checks
+from musebench.stock.attn2 import attn2_reference, stock_attn2
+
+
+def test_registered():
+    assert FAMILIES["attn2"] is fam
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=32), "16 KV heads cannot be split 32 ways"),
+    (dict(tp=3), "tp 2, 4, 8 or 16"),
+    (dict(tp=8, tokens=7), "outside \\[8, max_model_len"),
+    (dict(tp=8, tokens=5000), "outside \\[8, max_model_len"),
+    (dict(tp=8, window=4096), "window 4096 outside"),
+    (dict(tp=8, window=-1), "window -1 outside"),
+    (dict(tp=8, inputs="adversarial"), "inputs must be among"),
+])
+def test_refusals_before_launch(kw, message):
+    case = fam.Attn2Case(**{"tokens": 100, **kw})
+    with pytest.raises(ValueError, match=message):
+        fam.check_case(case)
+
+
+def test_rank_identity_expectation_is_what_a_rank_computes():
+    """The model of a rank's launch (its heads only) equals its columns of the 16-head launch, at
+    every tp: what `expected` asks of the GPU holds for the algorithm."""
+    case = fam.Attn2Case(tp=4, tokens=40, max_model_len=128)
+    whole_problem = make_problem("random", 40, 128)
+    whole = attn2_model(whole_problem, num_splits=2)
+    want = fam.expected_from_whole(case, whole)
+    for rank in range(case.tp):
+        got = attn2_model(for_rank(whole_problem, rank, case.tp), num_splits=2)
+        assert checks.compare_bits(got, want[rank][fam.OUT])[0] == 0
+
+
+def test_a_flipped_bit_fails_rank_identity():
+    whole = attn2_model(make_problem("random", 24, 64), num_splits=1)
+    want = fam.expected_from_whole(fam.Attn2Case(tp=16, tokens=24, max_model_len=64), whole)[5][fam.OUT]
+    got = want.clone()
+    checks.flip_one_bit(got, index=17)
+    assert checks.compare_bits(got, want)[0] == 1
+
+
+def test_accuracy_verdict_passes_the_model_and_fails_faults():
+    problem = make_problem("random", 40, 128, num_kv_heads=1)
+    _, exact = attn2_reference(problem)
+    stock = stock_attn2(problem)
+    mine = exact.to(torch.bfloat16)  # correctly rounded: as accurate as anything can be
+    line, ok = fam.accuracy_verdict(mine, stock, exact)
+    assert ok and "attn2 max" in line and "stock max" in line
+    worse = (stock.double() * (1 + 2.0**-6)).to(torch.bfloat16)  # every element off by ~2 ULP more
+    assert not fam.accuracy_verdict(worse, stock, exact)[1]
+    nan = mine.clone()
+    nan[3, 5] = float("nan")
+    line, ok = fam.accuracy_verdict(nan, stock, exact)
+    assert not ok and "non-finite 1" in line
+    one_bad = mine.clone()
+    one_bad[0, 0] = one_bad[0, 0] * 2 + 1  # the max alone worse
+    assert not fam.accuracy_verdict(one_bad, stock, exact)[1]
+
+
+def test_roofline_bytes():
+    case = fam.Attn2Case(tp=8, tokens=131072, max_model_len=131072)
+    assert fam.bytes_moved(case) == 131072 * 2 * 128 * 2  # 67 MB: K + V of 2 KV heads
+    assert fam.roofline_us(case) == pytest.approx(16.0, rel=0.01)
+    windowed = fam.Attn2Case(tp=16, tokens=131072, max_model_len=131072, window=2048)
+    assert fam.bytes_moved(windowed) == 129 * 4096  # the window's 2055 keys straddle 129 pages
+
+
+def _run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["attn", "--tp", "32"], "16 KV heads cannot be split 32 ways"),
+    (["attn", "--tp", "6"], "tp 2, 4, 8 or 16"),
+    (["attn", "--lengths", "5"], "outside [8, max_model_len"),
+    (["attn", "--window", "4096"], "window 4096 outside"),
+    (["attn", "--inputs", "adversarial"], "choose from"),
+    (["bench", "attn", "--tp", "32"], "16 KV heads cannot be split 32 ways"),
+    (["bench", "attn", "--lengths", "200000"], "outside [8, max_model_len"),
+])
+def test_cli_refusals_exit_2(args, message):
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_cli_without_a_gpu_reports_skipped(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the run would run")
+    path = tmp_path / "attn.json"
+    result = _run("attn", "--tp", "16", "--lengths", "8", "--window", "0", "--inputs", "random", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    report = json.loads(path.read_text())
+    assert report["skipped"][0]["kernel"] == "attn2" and "GPU" in report["skipped"][0]["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inject", [None, "flip:1"])
+def test_job_on_the_gpu_passes_and_a_flipped_bit_fails(inject):
+    """The whole family through the one driver at tp 16 (1 KV head a rank), the split kernel and
+    the window; a flipped bit of rank 1's output must fail its row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from musebench.harness.case import Faults
+    from musebench.harness.jobs import make_attn2_job, run_job
+
+    faults = Faults.parse([inject]) if inject else Faults()
+    job = make_attn2_job(name="attn2 gpu test", tp=16, lengths=(17, 2049), max_model_len=4096, windows=(0, 2048),
+                         inputs=("random",), seeds=(0,), faults=faults)
+    rows = run_job(job)
+    for row in rows:
+        print(f"\n{row.tokens} {row.norm}: passed={row.passed} error={row.error} {row.stock_path}")
+    assert len(rows) == 4
+    if inject:
+        assert not any(row.passed for row in rows)
+    else:
+        assert all(row.passed for row in rows), [row.error for row in rows]
