@@ -37,7 +37,9 @@ from musebench.harness.case import Expected, MailboxSpec, RunOptions
 name = "qkv_front"
 faults = ("flip", "silent")
 PARTS = ("no tap",)
-VIRTUAL_STOCK = PROCESS_STOCK = "torch matmul"  # cuBLAS alone: the epilogue baseline is not timed yet
+VIRTUAL_STOCK = PROCESS_STOCK = "unfused"  # torch matmul (cuBLAS), then the Triton stock epilogue
+MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
+ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
 OUT, TAP, CACHE = "out", "tap", "kv_cache"
 INPUT_FAMILIES = ("random", "adversarial")
 TP_KV_HEADS = {4: 4, 8: 2, 16: 1}  # tp -> KV heads per rank (Muse Spark: 16 KV heads)
@@ -281,15 +283,29 @@ def variants(case: FrontCase, options: RunOptions) -> dict[str, RunOptions]:
     return {}
 
 
+def roofline_us(case: FrontCase) -> float:
+    """The weight-read roofline of a call: bytes_moved / 4.2 TB/s, in µs (4.5, 9.0, 18.0 µs for
+    N = 1152, 2304, 4608)."""
+    return bytes_moved(case) / (ROOFLINE_TB_PER_S * 1e6)
+
+
 def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunner, comms: Any) -> dict:
-    """torch.matmul (cuBLAS) alone into its own buffer: the unfused path's GEMM. The stock epilogue
-    after it is not timed: the torch reference reads the slots on the host (not capturable), and no
-    Triton epilogue exists here yet; the row's roofline is bytes_moved / 4.2 TB/s."""
+    """The unfused path (`unfused`): torch.matmul (cuBLAS) into its own qkv buffer, then
+    `stock.triton_qkv_epilogue` (the stock epilogue's arithmetic, in place, and the cache
+    insert into a cache of its own); and `torch matmul` alone. Both run once eagerly here (Triton
+    compiles before any capture). Not checked bitwise: cuBLAS's summation order is its own."""
     from musebench.cases.tail import Baseline
+    from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
     qkv = torch.empty_like(runner.outputs[OUT])
+    cache = torch.zeros_like(runner.outputs[CACHE])
 
     def matmul() -> None:
         torch.matmul(runner.x, runner.weight.t(), out=qkv)
 
-    return {VIRTUAL_STOCK: Baseline(matmul)}
+    def unfused() -> None:
+        matmul()
+        triton_qkv_epilogue(qkv, runner.positions, runner.cos_sin, runner.slots, cache, eps=EPS)
+
+    unfused()
+    return {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}

@@ -154,5 +154,16 @@ def test_projection_verdict_fails_injected_faults(projection_inputs):
         assert front.projection_verdict(stray, honest, inputs.x, inputs.weights[0])[1] is False
 
 
-def test_bytes_moved_is_the_weight():
+def test_bytes_moved_is_the_weight_and_the_roofline_reads_it_at_4_2_tb_per_s():
     assert front.bytes_moved(front.FrontCase(tp=8, tokens=1)) == 2304 * 8192 * 2
+    for tp, us in ((16, 4.49), (8, 8.99), (4, 17.98)):
+        assert round(front.roofline_us(front.FrontCase(tp=tp, tokens=1)), 2) == us
+
+
+def test_a_bench_row_carries_the_roofline():
+    from musebench.harness.case import RunOptions
+    from musebench.harness.driver import new_row
+
+    row = new_row(front.FrontCase(tp=8, tokens=4), RunOptions(), "local", 1, "bench")
+    assert row.roofline_us == front.roofline_us(front.FrontCase(tp=8, tokens=4))
+    assert front.VIRTUAL_STOCK == "unfused" and front.MATMUL == "torch matmul"
