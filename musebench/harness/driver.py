@@ -170,8 +170,10 @@ def expected_for(case: Any, inputs: Any, options: RunOptions) -> Any:
 def new_row(case: Any, options: RunOptions, transport: str, iters: int, measurement: str = "check") -> CaseResult:
     """A row with the case's key fields, its run's settings and no result yet."""
     family = family_of(case)
+    roofline = getattr(family, "roofline_us", None)  # optional: families with a bandwidth roofline
     fields = dict(backend=options.backend, launcher=options.launcher, transport=transport, stock="reference",
-                  iters=iters, bytes_moved=family.bytes_moved(case), measurement=measurement)
+                  iters=iters, bytes_moved=family.bytes_moved(case), measurement=measurement,
+                  roofline_us=roofline(case) if roofline is not None else None)
     return CaseResult(**{**fields, **family.row_fields(case, options)})
 
 

@@ -233,6 +233,10 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     parts = list(dict.fromkeys(name for case in benches for name in case.kernels_us))
     for name in parts:
         table.add_column(f"{name} µs", justify="right")
+    rooflines = any(case.roofline_us is not None for case in benches)
+    if rooflines:
+        table.add_column("roofline µs", justify="right")
+        table.add_column("/ roofline", justify="right")
 
     for case in report.cases:
         passed = case.passed
@@ -261,6 +265,10 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
             ]
             row += [Text(_baseline_cell(case, name) if bench else _MISSING) for name in baselines]
             row += [Text(_format_us(case.kernels_us.get(name) if bench else None)) for name in parts]
+            if rooflines:
+                roofline = case.roofline_us if bench else None
+                row += [Text(_format_us(roofline)),
+                        Text(_format_ratio(case.tail_us / roofline if roofline and case.tail_us is not None else None))]
         table.add_row(*row, style=None if passed else "red")
 
     if report.cases or not report.skipped:

@@ -81,6 +81,8 @@ class CaseResult:
     tail_us: float | None = None
     stock_us: float | None = None
     bytes_moved: int = 0  # per rank per call, payload bytes written to peers
+    # the family's roofline for the row's bytes (qkv_front: the weight at 4.2 TB/s), µs; None: none named
+    roofline_us: float | None = None
     iters: int = 0
     ranks: list[RankResult] = field(default_factory=list)
     # benches: other paths timed in the same run (name -> µs per call, max over ranks), e.g.

@@ -644,3 +644,25 @@ def sqrt_rn_f32(x: Float32, *, loc=None, ip=None) -> Float32:
     """`sqrt.rn.f32`: IEEE square root, correctly rounded."""
     return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "sqrt.rn.f32 $0, $1;", "=f,f", side_effects=False,
                         loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------------------------
+# qkv_front's cp.async ring: 16-byte reads of this CTA's shared memory.
+
+
+@dsl_user_op
+def ld_shared_v4_u32(shared_address: Int32, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ld.shared.v4.u32`: 16 bytes (16-byte aligned) of this CTA's shared memory. Side effects:
+    a ring slot is refilled between two reads of one address, so the reads must neither merge nor
+    cross a barrier."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_ir(Int32(shared_address), loc, ip)],
+                  "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", side_effects=True, loc=loc, ip=ip)
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ld_global_s64(address: Int64, *, loc=None, ip=None) -> Int64:
+    """`ld.global.s64`: one int64, weak. Side effects: the load stays where the kernel issues it
+    (early, so its latency hides behind later work), never sunk to its first use."""
+    return Int64(_asm(T.i64(), [_ir(Int64(address), loc, ip)], "ld.global.s64 $0, [$1];", "=l,l", side_effects=True,
+                      loc=loc, ip=ip))

@@ -9,30 +9,41 @@ accumulation, one BF16 rounding; then on every q and k head the stock's arithmet
 k and v of tokens with slot >= 0 go into kv_cache [pages, kv, 16, 128] (K | V); gate and v columns
 stay as projected.
 
-Geometry. One cluster of S CTAs per head of 64 output columns: grid (S, N / 64), clusters
-(S, 1, 1), 128 threads (4 warps) per CTA, S = SPLITS[kv] (8, 4, 2 for kv = 1, 2, 4: 144 CTAs
-for every N, about one per H200 SM). CTA r of the cluster reduces K slice [r 8192 / S, (r + 1)
-8192 / S); warp w of it the w-th quarter of that slice, in steps of 32 k. The tokens are padded to
-M = 16 (rows >= T read as zeros and are never stored).
+Geometry. One cluster of SPLIT = 8 CTAs per head of 64 output columns at every N: grid (8, N / 64),
+clusters (8, 1, 1), 128 threads (4 warps) per CTA: 144, 288, 576 CTAs for N = 1152, 2304, 4608,
+every one resident at once (STAGES[kv] ring stages keep the shared memory of 2, 3, 5 CTAs within
+one SM). CTA r of the cluster reduces the K slice [1024 r, 1024 (r + 1)); warp w of it the head's
+columns 16 w .. 16 w + 15 (n-tiles 2 w, 2 w + 1) over the whole slice. The tokens are padded to
+M = 16 (rows >= T are zero-filled in shared memory, never read from x, never stored).
 
-Projection, one warp-step (lane = 4 g + t): the lane loads 16 bytes of weight row 8j + g of the
-head at k + 8t .. k + 8t + 7 for each of the 8 n-tiles j (a warp reads 64 contiguous bytes of 8
-rows: whole sectors), and 16 bytes of x rows g and g + 8 at the same k. Two m16n8k16 MMAs per
-n-tile consume them: the MMA's logical k pair (2t, 2t+1) / (2t+8, 2t+9) is the physical pair
-(8t, 8t+1) / (8t+2, 8t+3) in the first and (8t+4, 8t+5) / (8t+6, 8t+7) in the second; A and B
-use the same permutation, so the product is x W^T over the step's 32 k. The weight loads run
-PREFETCH steps ahead of the MMAs.
+Streaming. The slice goes through a ring of STAGES stages of STAGE_K = 64 k in shared memory, filled
+by `cp.async.cg` (16 bytes, through L2 only): a stage is the head's 64 weight rows x 128 bytes
+(8 KB) and x's 16 rows x 128 bytes; each thread issues 4 + 1 copies per stage, a row's 8 chunks
+by 8 consecutive lanes (128 contiguous bytes). STAGES - 1 stages are in flight while one is
+consumed: 56 / 40 / 24 KB of weight per CTA, 112 / 120 / 120 KB per SM. Chunk c of row r lies at
+chunk c ^ 4 (r & 1) of its 128-byte line, so the fragment reads below (rows r, r + 1 in one phase
+of 8 lanes) hit disjoint banks.
+
+Projection, one warp-step of 32 k (lane = 4 g + t): the lane reads 16 bytes of weight rows
+16 w + g and 16 w + 8 + g at k + 8t .. k + 8t + 7, and of x rows g and g + 8 at the same k. Two
+m16n8k16 MMAs per n-tile consume them: the MMA's logical k pair (2t, 2t+1) / (2t+8, 2t+9) is the
+physical pair (8t, 8t+1) / (8t+2, 8t+3) in the first and (8t+4, 8t+5) / (8t+6, 8t+7) in the
+second; A and B use the same permutation, so the product is x W^T over the step's 32 k. Each
+accumulator is one chain of MMAs over the slice's k in increasing order.
 
 Reduction, fixed order (bitwise repeatable; an output element never depends on another token's
-row, so neither on T's padding nor on the rank): each warp's FP32 accumulator -> shared memory;
-per element the CTA sum warp 0 + warp 1 + warp 2 + warp 3 (add.rn, in that order); CTAs 1..S-1
-store theirs into CTA 0's shared memory (`mapa` + `st.shared::cluster`, between cluster
-barriers); CTA 0 adds rank 1, 2, .., S-1 to its own in rank order and rounds once to BF16
-(`cvt.rn.bf16x2.f32`). With TAP the BF16 projection is also written to `tap` before the epilogue.
+row, so neither on T's padding nor on the rank, and with SPLIT fixed not on N either: a head's
+bits are the same at tp 4, 8, 16): after a cluster barrier (every CTA done with its ring), CTAs
+1..7 store their FP32 accumulators into CTA 0's ring (`mapa` + `st.shared::cluster`, slot r - 1);
+after a second barrier CTA 0 adds rank 1, 2, .., 7 to its own in rank order (add.rn) and rounds
+once to BF16 (`cvt.rn.bf16x2.f32`). With TAP the BF16 projection is also written to `tap` before
+the epilogue.
 
 Epilogue (CTA 0, 16 rows x 8 lanes of 8 consecutive columns: the stock's thread program):
 q and k heads are normed and rotated and written back into `out`; a k head also into the cache's
-K of its slot, a v head its raw words into the cache's V; a negative slot writes nothing.
+K of its slot, a v head its raw words into the cache's V; a negative slot writes nothing. Every
+CTA reads its thread's position, slot and cos / sin words before the main loop, so their latency
+hides behind the stream.
 
 Memory: the host owns everything; pointers are passed as Int64 addresses (16-byte aligned,
 contiguous: `cute_ops.qkv_front_unsupported` checks before launch). No workspace, no counters:
@@ -58,17 +69,32 @@ HEAD_DIM = config.HEAD_DIM  # 64
 HEADS_PER_KV_HEAD = config.NUM_QUERY_HEADS // config.NUM_KV_HEADS  # 8
 COLUMNS_PER_KV_HEAD = 2 * (HEADS_PER_KV_HEAD + 1) * HEAD_DIM  # 1152
 KV_HEADS = (1, 2, 4)
-SPLITS = {1: 8, 2: 4, 4: 2}  # CTAs per head (cluster size): 144 CTAs at every N
+SPLIT = 8  # CTAs per head (cluster size) at every N: the summation order does not depend on N
+CTAS = {kv: SPLIT * COLUMNS_PER_KV_HEAD * kv // HEAD_DIM for kv in KV_HEADS}  # 144, 288, 576
+STAGES = {1: 8, 2: 6, 4: 4}  # ring stages: 2, 3, 5 CTAs per SM fit (every CTA resident at once)
+SM_SHARED_BYTES = 228 * 1024  # H200 / GB200 shared memory per SM, 1 KB of it reserved per CTA
+H200_SMS = 132
 MAX_TOKENS = 16  # M of one MMA tile
 WARPS = 4
 THREADS = WARPS * 32
 STEP_K = 32  # k per warp-step: 4 lanes x 8 elements
+STAGE_K = 64  # k per ring stage: two warp-steps
+K_CTA = HIDDEN // SPLIT  # 1024
+STAGES_PER_CTA = K_CTA // STAGE_K  # 16
 N_TILES = HEAD_DIM // 8  # 8 n-tiles of 8 columns per head
-PREFETCH = 2  # warp-steps of loads in flight ahead of the MMAs
+TILES_PER_WARP = N_TILES // WARPS  # 2
 BF16_BYTES = 2
 F32_BYTES = 4
+CHUNK_BYTES = 16
+LINE_BYTES = STAGE_K * BF16_BYTES  # 128: one row of a stage
+CHUNKS_PER_LINE = LINE_BYTES // CHUNK_BYTES  # 8
+WEIGHT_STAGE_BYTES = HEAD_DIM * LINE_BYTES  # 8192
+STAGE_BYTES = WEIGHT_STAGE_BYTES + MAX_TOKENS * LINE_BYTES  # 10240
+WEIGHT_COPIES = HEAD_DIM * CHUNKS_PER_LINE // THREADS  # 4 per thread and stage
+ROWS_PER_COPY = THREADS // CHUNKS_PER_LINE  # 16
 ELEMENTS = MAX_TOKENS * HEAD_DIM  # 1024 FP32 partials per CTA
-PAIRS_PER_THREAD = ELEMENTS // 2 // THREADS  # 4
+ACCUMULATORS = 4 * TILES_PER_WARP  # 8 per thread
+TILE_BYTES = ELEMENTS * BF16_BYTES
 LANES_PER_HEAD = 8  # the stock's threads per head
 CACHE_BLOCK = 16
 CACHE_WIDTH = 2 * HEAD_DIM
@@ -81,40 +107,41 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def smem_bytes(split: int) -> int:
-    """Shared memory of one CTA: the warps' partials, the peers' partials, the BF16 tile."""
-    return WARPS * ELEMENTS * F32_BYTES + max(split - 1, 1) * ELEMENTS * F32_BYTES + ELEMENTS * BF16_BYTES + 64
+def smem_bytes(num_kv_heads: int) -> int:
+    """Dynamic shared memory of one CTA: the ring (CTA 0 takes the peers' partials into it once
+    every CTA is done with its own) and the BF16 tile of the epilogue."""
+    _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
+    ring = STAGES[num_kv_heads] * STAGE_BYTES
+    assert ring >= (SPLIT - 1) * ELEMENTS * F32_BYTES
+    return ring + TILE_BYTES + 128
+
+
+def ctas_per_sm(num_kv_heads: int) -> int:
+    """CTAs one SM holds by shared memory (1 KB reserved per CTA): at least ceil(CTAS / 132)."""
+    return SM_SHARED_BYTES // (smem_bytes(num_kv_heads) + 1024)
 
 
 class _QkvFrontKernel:
-    """The QKV front of one layer shape: grid (S, N / 64), clusters (S, 1, 1), 128 threads."""
+    """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
-    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, split: int, eps: float) -> None:
+    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
-        _require(split in (1, 2, 4, 8), f"split must be 1, 2, 4 or 8, got {split!r}")
         check_eps(eps)
         self.kv = num_kv_heads
         self.rope = bool(rope)
         self.tap = bool(tap)
-        self.split = split
         self.eps = float(eps)
+        self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
-        self.k_cta = HIDDEN // split
-        self.k_warp = self.k_cta // WARPS
-        self.steps = self.k_warp // STEP_K
-        _require(self.steps * STEP_K * WARPS * split == HIDDEN, f"split {split} does not tile K = {HIDDEN}")
         self.q_heads = HEADS_PER_KV_HEAD * num_kv_heads
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
                  out: Int64, tap: Int64, tokens: Int32, stream: cuda.CUstream) -> None:
-        kernel = self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, tokens)
-        if cutlass.const_expr(self.split > 1):
-            kernel.launch(grid=(self.split, self.heads, 1), block=(THREADS, 1, 1), cluster=(self.split, 1, 1),
-                          smem=smem_bytes(self.split), stream=stream)
-        else:
-            kernel.launch(grid=(1, self.heads, 1), block=(THREADS, 1, 1), smem=smem_bytes(1), stream=stream)
+        self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, tokens).launch(
+            grid=(SPLIT, self.heads, 1), block=(THREADS, 1, 1), cluster=(SPLIT, 1, 1),
+            smem=smem_bytes(self.kv), stream=stream)
 
     @cute.kernel
     def kernel(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
@@ -127,112 +154,120 @@ class _QkvFrontKernel:
         t = lane & 3
 
         smem = cutlass.memory.SmemAllocator()
-        warp_partials = smem.allocate_tensor(Float32, cute.make_layout(WARPS * ELEMENTS), byte_alignment=16)
-        peer_partials = smem.allocate_tensor(Float32, cute.make_layout(max(self.split - 1, 1) * ELEMENTS),
-                                             byte_alignment=16)
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * STAGE_BYTES // 4), byte_alignment=128)
         tile = smem.allocate_tensor(Uint32, cute.make_layout(ELEMENTS // 2), byte_alignment=16)
+        ring_base = Int32(ring.iterator.toint())
 
-        if cutlass.const_expr(self.split > 1):
-            # Cluster peers must have started before their shared memory is written.
-            cute.arch.cluster_arrive_relaxed()
+        # The epilogue's row (tidx / 8, row 0 past the tokens): its slot and position now, its cos and
+        # sin words after the first copies are issued; their latency hides behind the stream.
+        epilogue_row = Int64(cutlass.select_((tidx >> 3) < tokens, tidx >> 3, Int32(0)))
+        slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
+        position = Int64(0)
+        if cutlass.const_expr(self.rope):
+            position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
 
-        # Projection: this warp's K range, 8 n-tiles, x rows g and g + 8 (zeros past the tokens).
-        k_first = Int64(rank * self.k_cta + warp * self.k_warp + t * 8)
-        weight_base = Int64(weight) + (Int64(head * HEAD_DIM + g) * HIDDEN + k_first) * BF16_BYTES
-        low_ok = g < tokens
-        high_ok = g + 8 < tokens
-        x_low = Int64(x) + (Int64(cutlass.select_(low_ok, g, Int32(0))) * HIDDEN + k_first) * BF16_BYTES
-        x_high = Int64(x) + (Int64(cutlass.select_(high_ok, g + 8, Int32(0))) * HIDDEN + k_first) * BF16_BYTES
-        zero = Uint32(0)
+        # Copies: thread tidx moves chunk tidx % 8 of rows tidx / 8 + 16 i (weight) and tidx / 8 (x).
+        copy_row = tidx >> 3
+        copy_chunk = tidx & 7
+        swizzled = copy_chunk ^ ((copy_row & 1) << 2)
+        k_first = Int64(rank * K_CTA + copy_chunk * 8)
+        weight_source = Int64(weight) + (Int64(head * HEAD_DIM + copy_row) * HIDDEN + k_first) * BF16_BYTES
+        x_live = copy_row < tokens  # rows past the tokens: zero-filled, x's row 0 named but not read
+        x_source = Int64(x) + (Int64(cutlass.select_(x_live, copy_row, Int32(0))) * HIDDEN + k_first) * BF16_BYTES
+        x_bytes = cutlass.select_(x_live, Int32(CHUNK_BYTES), Int32(0))
+        copy_target = ring_base + copy_row * LINE_BYTES + swizzled * CHUNK_BYTES
 
-        acc = [Float32(0.0) for _ in range(4 * N_TILES)]
-        loaded = []
-        for s in cutlass.range_constexpr(min(PREFETCH, self.steps)):
-            loaded.append(self.load_step(weight_base, x_low, x_high, low_ok, high_ok, zero, s))
-        for s in cutlass.range_constexpr(self.steps):
-            if cutlass.const_expr(s + PREFETCH < self.steps):
-                loaded.append(self.load_step(weight_base, x_low, x_high, low_ok, high_ok, zero, s + PREFETCH))
-            w_words, a_low, a_high = loaded[s]
-            for j in cutlass.range_constexpr(N_TILES):
-                for half in cutlass.range_constexpr(2):
-                    d = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        a_low[2 * half], a_high[2 * half], a_low[2 * half + 1], a_high[2 * half + 1],
-                        w_words[4 * j + 2 * half], w_words[4 * j + 2 * half + 1],
-                        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3],
-                    )
-                    for i in cutlass.range_constexpr(4):
-                        acc[4 * j + i] = d[i]
+        # Fragment reads: weight rows 16 w + 8 jj + g, x rows g and g + 8, chunk 4 s + t (swizzled).
+        g_odd = g & 1
+        chunk_offset = [((4 * s + t) ^ (g_odd << 2)) * CHUNK_BYTES for s in range(STAGE_K // STEP_K)]
+        weight_read = ring_base + (warp * (TILES_PER_WARP * 8) + g) * LINE_BYTES
+        x_read = ring_base + WEIGHT_STAGE_BYTES + g * LINE_BYTES
 
-        # The warp's partials [16, 64] into shared memory (fragment c: rows g, g + 8; columns 2t, 2t + 1).
-        warp_base = warp * ELEMENTS
-        for j in cutlass.range_constexpr(N_TILES):
-            column = j * 8 + t * 2
-            warp_partials[warp_base + g * HEAD_DIM + column] = acc[4 * j]
-            warp_partials[warp_base + g * HEAD_DIM + column + 1] = acc[4 * j + 1]
-            warp_partials[warp_base + (g + 8) * HEAD_DIM + column] = acc[4 * j + 2]
-            warp_partials[warp_base + (g + 8) * HEAD_DIM + column + 1] = acc[4 * j + 3]
-        cute.arch.barrier()
+        for st in cutlass.range_constexpr(self.stages - 1):
+            self.issue_stage(st, st, weight_source, x_source, x_bytes, copy_target)
+            cute.arch.cp_async_commit_group()
+        cos_words = [Uint32(0)] * 4
+        sin_words = [Uint32(0)] * 4
+        if cutlass.const_expr(self.rope):
+            table = Int64(cos_sin) + (position * HEAD_DIM + (tidx & 7) * 4) * F32_BYTES
+            cos_words = list(ptx.ld_global_v4_u32(table))
+            sin_words = list(ptx.ld_global_v4_u32(table + ROTARY_PAIRS * F32_BYTES))
+        epilogue_inputs = (slot, cos_words, sin_words)
 
-        # The CTA's sum, warps in order 0..3; element pairs 2p, 2p + 1 for p = tidx + 128 q.
-        sums = []
-        for q in cutlass.range_constexpr(PAIRS_PER_THREAD):
-            for e in cutlass.range_constexpr(2):
-                element = (tidx + q * THREADS) * 2 + e
-                v = warp_partials[element]
-                for w in cutlass.range_constexpr(1, WARPS):
-                    v = ptx.add_rn_f32(v, warp_partials[w * ELEMENTS + element])
-                sums.append(v)
+        acc = [Float32(0.0) for _ in range(ACCUMULATORS)]
+        for st in cutlass.range_constexpr(STAGES_PER_CTA):
+            cute.arch.cp_async_wait_group(self.stages - 2)
+            cute.arch.barrier()  # stage st landed for every thread; stage st - 1 is consumed
+            ahead = st + self.stages - 1
+            if cutlass.const_expr(ahead < STAGES_PER_CTA):
+                self.issue_stage(ahead, ahead % self.stages, weight_source, x_source, x_bytes, copy_target)
+            cute.arch.cp_async_commit_group()
+            stage = (st % self.stages) * STAGE_BYTES
+            for s in cutlass.range_constexpr(STAGE_K // STEP_K):
+                a_low = ptx.ld_shared_v4_u32(x_read + stage + chunk_offset[s])
+                a_high = ptx.ld_shared_v4_u32(x_read + stage + 8 * LINE_BYTES + chunk_offset[s])
+                for jj in cutlass.range_constexpr(TILES_PER_WARP):
+                    b = ptx.ld_shared_v4_u32(weight_read + stage + jj * 8 * LINE_BYTES + chunk_offset[s])
+                    for half in cutlass.range_constexpr(2):
+                        d = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                            a_low[2 * half], a_high[2 * half], a_low[2 * half + 1], a_high[2 * half + 1],
+                            b[2 * half], b[2 * half + 1],
+                            acc[4 * jj], acc[4 * jj + 1], acc[4 * jj + 2], acc[4 * jj + 3],
+                        )
+                        for i in cutlass.range_constexpr(4):
+                            acc[4 * jj + i] = d[i]
+        cute.arch.cp_async_wait_group(0)
 
-        if cutlass.const_expr(self.split > 1):
-            cute.arch.cluster_wait()
-            if rank > 0:
-                peers_base = Int32(peer_partials.iterator.toint())
-                for q in cutlass.range_constexpr(PAIRS_PER_THREAD):
-                    for e in cutlass.range_constexpr(2):
-                        element = (tidx + q * THREADS) * 2 + e
-                        remote = ptx.mapa_shared_cluster_u32(
-                            peers_base + ((rank - 1) * ELEMENTS + element) * F32_BYTES, Int32(0))
-                        ptx.st_shared_cluster_f32(remote, sums[2 * q + e])
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
+        # Every CTA of the cluster is done with its ring (and has started): CTA 0's takes the peers'.
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if rank > 0:
+            for i in cutlass.range_constexpr(ACCUMULATORS):
+                remote = ptx.mapa_shared_cluster_u32(
+                    ring_base + ((rank - 1) * ELEMENTS + i * THREADS + tidx) * F32_BYTES, Int32(0))
+                ptx.st_shared_cluster_f32(remote, acc[i])
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
         if rank == 0:
-            self.finish(sums, peer_partials, tile, head, tidx, tokens, positions, cos_sin, slots, kv_cache, out, tap)
+            self.finish(acc, ring_base, tile, head, warp, g, t, tidx, tokens, epilogue_inputs, kv_cache, out, tap)
 
     @cute.jit
-    def load_step(self, weight_base: Int64, x_low: Int64, x_high: Int64, low_ok, high_ok, zero, s: int):
-        """One warp-step's loads: 8 n-tiles x 4 weight words, 4 words of x rows g and g + 8."""
-        step_bytes = s * STEP_K * BF16_BYTES
-        w_words = []
-        for j in cutlass.range_constexpr(N_TILES):
-            words = ptx.ld_global_nc_L1_no_allocate_v4_u32(weight_base + (j * 8 * HIDDEN * BF16_BYTES + step_bytes))
-            w_words.extend(words)
-        low = ptx.ld_global_nc_v4_u32(x_low + step_bytes)
-        high = ptx.ld_global_nc_v4_u32(x_high + step_bytes)
-        a_low = [cutlass.select_(low_ok, w, zero) for w in low]
-        a_high = [cutlass.select_(high_ok, w, zero) for w in high]
-        return w_words, a_low, a_high
+    def issue_stage(self, st: int, slot: int, weight_source: Int64, x_source: Int64, x_bytes: Int32,
+                    copy_target: Int32) -> None:
+        """The cp.async copies of stage `st` (k 1024 r + 64 st ..) into ring slot `slot`."""
+        k_bytes = st * LINE_BYTES
+        target = copy_target + slot * STAGE_BYTES
+        for i in cutlass.range_constexpr(WEIGHT_COPIES):
+            ptx.cp_async_cg_shared_global_16(
+                target + i * ROWS_PER_COPY * LINE_BYTES,
+                weight_source + (i * ROWS_PER_COPY * HIDDEN * BF16_BYTES + k_bytes), Int32(CHUNK_BYTES))
+        ptx.cp_async_cg_shared_global_16(target + WEIGHT_STAGE_BYTES, x_source + k_bytes, x_bytes)
 
     @cute.jit
-    def finish(self, sums, peer_partials, tile, head, tidx, tokens: Int32, positions: Int64, cos_sin: Int64,
-               slots: Int64, kv_cache: Int64, out: Int64, tap: Int64) -> None:
+    def finish(self, acc, ring_base: Int32, tile, head, warp, g, t, tidx, tokens: Int32, epilogue_inputs,
+               kv_cache: Int64, out: Int64, tap: Int64) -> None:
         """CTA 0: the cluster's sum in rank order, one BF16 rounding, then the stock's epilogue."""
-        for q in cutlass.range_constexpr(PAIRS_PER_THREAD):
-            pair = tidx + q * THREADS
-            v = [sums[2 * q], sums[2 * q + 1]]
-            for e in cutlass.range_constexpr(2):
-                for r in cutlass.range_constexpr(1, self.split):
-                    v[e] = ptx.add_rn_f32(v[e], peer_partials[(r - 1) * ELEMENTS + pair * 2 + e])
-            word = ptx.cvt_rn_bf16x2_f32(v[1], v[0])
-            tile[pair] = word
-            if cutlass.const_expr(self.tap):
-                row = pair // (HEAD_DIM // 2)
-                column = (pair % (HEAD_DIM // 2)) * 2
-                if row < tokens:
-                    ptx.st_global_u32(Int64(tap) + (Int64(row) * self.n + head * HEAD_DIM + column) * BF16_BYTES, word)
+        v = list(acc)
+        for i in cutlass.range_constexpr(ACCUMULATORS):
+            for r in cutlass.range_constexpr(1, SPLIT):
+                peer = ptx.ld_shared_u32(ring_base + ((r - 1) * ELEMENTS + i * THREADS + tidx) * F32_BYTES)
+                v[i] = ptx.add_rn_f32(v[i], ptx.bitcast_u32_to_f32(peer))
+        # Fragment (jj, half): row g + 8 half, columns 16 w + 8 jj + 2t, + 1 -> one BF16 pair.
+        for jj in cutlass.range_constexpr(TILES_PER_WARP):
+            for half in cutlass.range_constexpr(2):
+                word = ptx.cvt_rn_bf16x2_f32(v[4 * jj + 2 * half + 1], v[4 * jj + 2 * half])
+                row = g + 8 * half
+                pair = (warp * TILES_PER_WARP + jj) * 4 + t  # column / 2
+                tile[row * (HEAD_DIM // 2) + pair] = word
+                if cutlass.const_expr(self.tap):
+                    if row < tokens:
+                        ptx.st_global_u32(Int64(tap) + (Int64(row) * self.n + head * HEAD_DIM + 2 * pair) * BF16_BYTES,
+                                          word)
         cute.arch.barrier()
 
         # The stock's thread program: row = tidx / 8, lane l8 owns columns 8 l8 .. 8 l8 + 7.
+        slot, cos_words, sin_words = epilogue_inputs
         row = tidx >> 3
         l8 = tidx & 7
         raw = [tile[row * (HEAD_DIM // 2) + l8 * 4 + i] for i in range(4)]
@@ -250,10 +285,6 @@ class _QkvFrontKernel:
         row_ok = row < tokens
         source_row = Int64(cutlass.select_(row_ok, row, Int32(0)))
         if cutlass.const_expr(self.rope):
-            position = ptx.ld_global_nc_s64(Int64(positions) + source_row * 8)
-            table = Int64(cos_sin) + (position * HEAD_DIM + l8 * 4) * F32_BYTES
-            cos_words = ptx.ld_global_nc_v4_u32(table)
-            sin_words = ptx.ld_global_nc_v4_u32(table + ROTARY_PAIRS * F32_BYTES)
             o = []
             for p in cutlass.range_constexpr(4):
                 c = ptx.bitcast_u32_to_f32(cos_words[p])
@@ -270,7 +301,6 @@ class _QkvFrontKernel:
             ptx.st_global_v4_u32(destination, words[0], words[1], words[2], words[3])
             is_kv = (head >= self.q_heads) & (head < self.q_heads + 2 * self.kv)
             if is_kv:
-                slot = ptx.ld_global_nc_s64(Int64(slots) + source_row * 8)
                 if slot >= Int64(0):
                     is_v = head >= self.q_heads + self.kv
                     kv_head = head - self.q_heads - cutlass.select_(is_v, Int32(self.kv), Int32(0))
@@ -282,21 +312,14 @@ class _QkvFrontKernel:
                     ptx.st_global_v4_u32(address, words[0], words[1], words[2], words[3])
 
 
-def split_for(num_kv_heads: int) -> int:
-    """The CTAs per head (cluster size) for a layer with `num_kv_heads`."""
-    _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
-    return SPLITS[num_kv_heads]
-
-
-def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, split: int | None = None,
-                      arch: str | None = None, ptx_dir: str | None = None) -> Any:
+def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, arch: str | None = None,
+                      ptx_dir: str | None = None) -> Any:
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
-    `split` defaults to `split_for(num_kv_heads)`; `arch` overrides the target (default:
-    CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the PTX there. All are in the cache key.
+    `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the
+    PTX there. All are in the cache key.
     """
-    split = split_for(num_kv_heads) if split is None else split
-    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), split=split, eps=float(eps))
+    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps))
 
     def build() -> Any:
         kernel = _QkvFrontKernel(**config_)

@@ -4,7 +4,8 @@ The unfused path the kernel replaces is the QKV + o-gate projection (a BF16 GEMM
 accumulation, rounded once to BF16: `qkv = x W^T`) followed by vLLM 0.33.0's
 `fused_muse_spark_qknorm_rope_kv_insert` on `qkv`. `qkv_epilogue_reference` is that second kernel,
 bit for bit, given the projection's BF16 output; `fp64_projection` and `projection_errors` are
-the yardstick of the projection (not bitwise: a GEMM's FP32 summation order is its own).
+the yardstick of the projection (not bitwise: a GEMM's FP32 summation order is its own), with
+`term_magnitudes` and `projection_error` (errors in BF16 epsilons of sum |x w|).
 
 Layout (Muse Spark, per rank, kv KV heads): qkv [T, N], N = 1152 kv, columns [q | k | v | gate]
 with 8 kv q heads, kv k heads, kv v heads and 8 kv gate heads of 64. cos_sin_cache fp32
@@ -47,6 +48,8 @@ imports the device code it checks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -152,11 +155,49 @@ def fp64_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.double() @ weight.double().t()
 
 
-def projection_errors(got: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
-    """(max, mean) absolute error of a BF16 projection [T, N] against the binary64 product."""
-    if got.shape != exact.shape:
-        raise ValueError(f"shapes differ: {tuple(got.shape)} vs {tuple(exact.shape)}")
-    error = (got.double() - exact.double()).abs()
-    if not bool(torch.isfinite(error).all()):
-        return float("inf"), float("inf")
-    return float(error.max()), float(error.mean())
+def term_magnitudes(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """sum_k |x[t, k] W[n, k]| in binary64: [T, N], the scale of each output's dot product."""
+    return x.double().abs() @ weight.double().abs().t()
+
+
+BF16_EPSILON = 2.0 ** -7  # the BF16 spacing at 1
+
+
+@dataclass(frozen=True)
+class ProjectionError:
+    """A BF16 projection's error against the FP64 product, element by element in units of
+    BF16_EPSILON x sum_k |x w| (the componentwise backward error of a dot product, in BF16
+    epsilons): max and mean over the bounded elements; `unbounded` counts the others (a NaN or
+    inf output where the product is finite, or a nonzero output where every term is zero),
+    never averaged.
+
+    Why this unit (not ULPs of the product, nor absolute): a correctly rounded output is at most
+    0.5 |p| / sum|x w| <= 0.5 in it, an FP32 accumulation adds about 2^-17 sqrt(K) of it, so the
+    statistics measure rounding plus accumulation and nothing else. Absolute errors are ruled by
+    the largest row (a 2^60 activation row made every other row invisible), and ULPs of the
+    product by cancellation (an output near 0 has a tiny ULP, so the max ULP error of two equally
+    good FP32 summation orders differs by up to 10x at random)."""
+
+    max: float
+    mean: float
+    unbounded: int
+
+    def __str__(self) -> str:
+        extra = f" unbounded {self.unbounded}" if self.unbounded else ""
+        return f"max {self.max:.4e} mean {self.mean:.6e}{extra}"
+
+
+def projection_error(got: torch.Tensor, exact: torch.Tensor, magnitudes: torch.Tensor) -> ProjectionError:
+    """`got` (a BF16 projection [T, N]) against `exact` (fp64_projection) scaled by
+    `magnitudes` (term_magnitudes of the same inputs)."""
+    if got.shape != exact.shape or magnitudes.shape != exact.shape:
+        raise ValueError(f"shapes differ: {tuple(got.shape)}, {tuple(exact.shape)}, {tuple(magnitudes.shape)}")
+    got64, exact64, scale = got.detach().cpu().double(), exact.detach().cpu().double(), magnitudes.detach().cpu().double()
+    difference = (got64 - exact64).abs()
+    unbounded = ~torch.isfinite(got64) | ((scale == 0) & (difference != 0))
+    bounded = ~unbounded
+    error = torch.where(scale > 0, difference / (scale.clamp_min(torch.finfo(torch.float64).tiny) * BF16_EPSILON),
+                        torch.zeros_like(difference))[bounded]
+    if error.numel() == 0:
+        return ProjectionError(0.0, 0.0, int(unbounded.sum()))
+    return ProjectionError(float(error.max()), float(error.mean()), int(unbounded.sum()))

@@ -88,5 +88,82 @@ def test_projection_verdict_fails_a_worse_projection():
     assert front.projection_verdict(worse, good, inputs.x, inputs.weights[0])[1] is False
 
 
-def test_bytes_moved_is_the_weight():
+def _fp32_sum(inputs, slices, order=None, bf16_partials=False):
+    """A model GEMM of rank 0's projection: exact products of 16 k summed to FP32, chained in FP32
+    over `slices` equal K slices, the slices added in `order` (BF16-rounded first if asked)."""
+    x, w = inputs.x.double(), inputs.weights[0].double()
+    tokens, n = x.shape[0], w.shape[0]
+    parts = torch.einsum("tck,nck->tnc", x.view(tokens, 512, 16), w.view(n, 512, 16)).float()
+    per = 512 // slices
+    sums = []
+    for s in range(slices):
+        acc = torch.zeros(tokens, n)
+        for c in range(s * per, (s + 1) * per):
+            acc = acc + parts[:, :, c]
+        sums.append(acc.bfloat16().float() if bf16_partials else acc)
+    order = order or list(range(slices))
+    total = sums[order[0]]
+    for s in order[1:]:
+        total = total + sums[s]
+    return total.bfloat16()
+
+
+@pytest.fixture(scope="module", params=["random", "adversarial"])
+def projection_inputs(request):
+    return front.make_inputs(front.FrontCase(tp=16, tokens=8, inputs=request.param))
+
+
+def test_projection_verdict_passes_equally_good_summation_orders(projection_inputs):
+    """Two honest FP32 orders (the kernel's 8 slices in rank order, others) pass against each
+    other both ways: the margins cover their rounding flips (the rule is not a coin toss)."""
+    inputs = projection_inputs
+    orders = {"8 slices": _fp32_sum(inputs, 8), "8 reversed": _fp32_sum(inputs, 8, list(range(7, -1, -1))),
+              "4 slices": _fp32_sum(inputs, 4), "16 slices": _fp32_sum(inputs, 16), "sequential": _fp32_sum(inputs, 1)}
+    assert not torch.equal(orders["8 slices"].view(torch.int16), orders["sequential"].view(torch.int16))
+    for mine_name, mine in orders.items():
+        for theirs_name, theirs in orders.items():
+            line, ok = front.projection_verdict(mine, theirs, inputs.x, inputs.weights[0])
+            assert ok, f"{mine_name} vs {theirs_name}: {line}"
+
+
+def test_projection_verdict_fails_injected_faults(projection_inputs):
+    """Faults a kernel could make fail against an honest FP32 order: BF16-rounded split-K
+    partials, one output 2 BF16 ULPs off at the element of the largest error, a NaN, a nonzero
+    output of the zero row (adversarial: row 0 is all zeros)."""
+    from musebench.stock.qkv_front import fp64_projection, term_magnitudes
+
+    inputs = projection_inputs
+    honest = _fp32_sum(inputs, 8)
+    assert front.projection_verdict(_fp32_sum(inputs, 8, bf16_partials=True), honest, inputs.x,
+                                    inputs.weights[0])[1] is False
+    exact = fp64_projection(inputs.x, inputs.weights[0])
+    error = (honest.double() - exact).abs() / term_magnitudes(inputs.x, inputs.weights[0]).clamp_min(1e-300)
+    t, n = divmod(int(error.argmax()), exact.shape[1])
+    off = honest.clone()
+    value = float(off[t, n])
+    ulp = max(2.0 ** (torch.tensor(abs(value)).log2().floor().item() - 7), 2.0 ** -133)  # subnormal rows too
+    off[t, n] = value + 2 * ulp * (1 if value >= exact[t, n] else -1)
+    assert front.projection_verdict(off, honest, inputs.x, inputs.weights[0])[1] is False
+    nan = honest.clone()
+    nan[1, 3] = float("nan")
+    line, ok = front.projection_verdict(nan, honest, inputs.x, inputs.weights[0])
+    assert not ok and "unbounded 1" in line
+    if inputs.x[0].abs().max() == 0:
+        stray = honest.clone()
+        stray[0, 5] = 2.0 ** -100
+        assert front.projection_verdict(stray, honest, inputs.x, inputs.weights[0])[1] is False
+
+
+def test_bytes_moved_is_the_weight_and_the_roofline_reads_it_at_4_2_tb_per_s():
     assert front.bytes_moved(front.FrontCase(tp=8, tokens=1)) == 2304 * 8192 * 2
+    for tp, us in ((16, 4.49), (8, 8.99), (4, 17.98)):
+        assert round(front.roofline_us(front.FrontCase(tp=tp, tokens=1)), 2) == us
+
+
+def test_a_bench_row_carries_the_roofline():
+    from musebench.harness.case import RunOptions
+    from musebench.harness.driver import new_row
+
+    row = new_row(front.FrontCase(tp=8, tokens=4), RunOptions(), "local", 1, "bench")
+    assert row.roofline_us == front.roofline_us(front.FrontCase(tp=8, tokens=4))
+    assert front.VIRTUAL_STOCK == "unfused" and front.MATMUL == "torch matmul"

@@ -207,6 +207,19 @@ def test_a_check_row_beside_bench_rows_shows_no_timing():
     assert TIMING_POINTER not in console.export_text()
 
 
+def test_a_roofline_column_only_where_a_bench_row_has_one(tmp_path):
+    console = Console(record=True, width=250)
+    render_table(make_report([make_case(tokens=1, roofline_us=4.5), check_case(tokens=2, roofline_us=4.5)]), console)
+    text = console.export_text()
+    assert "roofline µs" in text and "4.50" in text and "2.22×" in text  # 10.0 / 4.5
+    console = Console(record=True, width=250)
+    render_table(make_report([make_case()]), console)
+    assert "roofline" not in console.export_text()
+    path = tmp_path / "r.json"
+    write_json(make_report([make_case(roofline_us=9.0)]), path)
+    assert read_json(path).cases[0].roofline_us == 9.0
+
+
 def test_compare_ignores_the_host_timings_of_check_rows(tmp_path):
     """Old check files carry host µs: a slower host is no regression; a failure still is."""
     old = read_json(_a_1_2_check_file(tmp_path, 10.0))

@@ -76,3 +76,27 @@ def test_graph_capture_replays():
     torch.cuda.synchronize()
     for name in eager:
         assert torch.equal(o[name].cpu().view(torch.int16), eager[name].view(torch.int16)), name
+
+
+def test_a_heads_projection_does_not_depend_on_n():
+    """8 CTAs per head at every N: one head's weight rows give the same bits at tp 16, 8 and 4
+    (a kv = 2 / 4 weight made of copies of the kv = 1 weight's q, k, v and gate blocks)."""
+    case1 = front.FrontCase(tp=16, tokens=5)
+    inputs1 = front.make_inputs(case1)
+    _, one = run(case1, inputs1)
+    w1 = inputs1.weights[0]
+    blocks = {"q": w1[:512], "k": w1[512:576], "v": w1[576:640], "gate": w1[640:]}
+    for tp, kv in ((8, 2), (4, 4)):
+        wide = torch.cat([blocks[name].repeat(kv, 1) for name in ("q", "k", "v", "gate")]).contiguous()
+        case = front.FrontCase(tp=tp, tokens=5)
+        inputs = front.FrontInputs(inputs1.x, [wide], inputs1.positions, inputs1.cos_sin, inputs1.slots)
+        _, got = run(case, inputs)
+        tap = got[front.TAP].view(torch.int16)
+        want = one[front.TAP].view(torch.int16)
+        q, k = 512 * kv, 64 * kv
+        for copy in range(kv):
+            assert torch.equal(tap[:, 512 * copy: 512 * (copy + 1)], want[:, :512]), (tp, "q", copy)
+            assert torch.equal(tap[:, q + 64 * copy: q + 64 * (copy + 1)], want[:, 512:576]), (tp, "k", copy)
+            assert torch.equal(tap[:, q + k + 64 * copy: q + k + 64 * (copy + 1)], want[:, 576:640]), (tp, "v", copy)
+            gate = q + 2 * k
+            assert torch.equal(tap[:, gate + 512 * copy: gate + 512 * (copy + 1)], want[:, 640:]), (tp, "gate", copy)

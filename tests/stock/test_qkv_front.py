@@ -115,16 +115,24 @@ def test_the_sum_of_squares_is_the_butterfly_not_a_sequential_sum():
     assert float(got[0]) == partial[0]
 
 
-def test_projection_errors():
+def test_projection_error_is_in_bf16_epsilons_of_the_term_magnitudes():
     x = torch.randn(3, 64).bfloat16()
     w = torch.randn(8, 64).bfloat16()
+    x[2] = 0.0
     exact = ref.fp64_projection(x, w)
-    assert ref.projection_errors(exact.bfloat16(), exact)[0] <= float(exact.abs().max()) * 2 ** -8
-    assert ref.projection_errors(exact.to(torch.bfloat16), exact) < ref.projection_errors(
-        (exact * 1.01).bfloat16(), exact)
+    scale = ref.term_magnitudes(x, w)
+    assert torch.equal(scale, x.double().abs() @ w.double().abs().t())
+    rounded = ref.projection_error(exact.bfloat16(), exact, scale)
+    assert rounded.unbounded == 0 and 0 < rounded.mean < rounded.max <= 0.5  # a correct rounding
+    assert rounded.max < ref.projection_error((exact * 1.01).bfloat16(), exact, scale).max
+    # 2^60 times the inputs: the same errors (the unit scales with the row)
+    big = ref.projection_error((exact * 2.0 ** 60).bfloat16(), exact * 2.0 ** 60, scale * 2.0 ** 60)
+    assert (big.max, big.mean) == (rounded.max, rounded.mean)
     broken = exact.bfloat16()
     broken[0, 0] = float("nan")
-    assert ref.projection_errors(broken, exact) == (float("inf"), float("inf"))
+    broken[2, 1] = 1.0  # the zero row: nonzero where every term is zero
+    got = ref.projection_error(broken, exact, scale)
+    assert got.unbounded == 2 and "unbounded 2" in str(got)
 
 
 def test_refuses_other_widths():
