@@ -68,6 +68,11 @@ def _kernel() -> Any:
                                          pack=1)
 
     @triton.jit
+    def _neg(a):
+        # `-a` in Triton is 0 - a: +0.0 for a = +0.0, where the stock's negation gives -0.0
+        return tl.inline_asm_elementwise("neg.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+
+    @triton.jit
     def _rsqrt_approx(a):
         return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -80,7 +85,7 @@ def _kernel() -> Any:
     def _rope_pair(y_even, y_odd, table, lane, p: tl.constexpr, ROTARY: tl.constexpr, HEADS: tl.constexpr):
         c = tl.broadcast_to(tl.load(table + lane * 4 + p)[None, :], [HEADS, 8])
         s = tl.broadcast_to(tl.load(table + ROTARY + lane * 4 + p)[None, :], [HEADS, 8])
-        return _fma_rn(c, y_even, -_mul_rn(s, y_odd)), _fma_rn(s, y_even, _mul_rn(c, y_odd))
+        return _fma_rn(c, y_even, _neg(_mul_rn(s, y_odd))), _fma_rn(s, y_even, _mul_rn(c, y_odd))
 
     @triton.jit
     def _store(qkv_row, cache_cell, offsets, value, is_qk, to_cache, e: tl.constexpr):
