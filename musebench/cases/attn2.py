@@ -100,18 +100,11 @@ def mailboxes(case: Attn2Case, capacity: int) -> dict[str, MailboxSpec]:
 
 
 def _cute_ops(impl: Any) -> Any:
-    """The implementation's cute_ops module providing launch_attn2 (musebench: `musebench.cute_ops`)."""
-    import importlib
+    """The implementation's cute_ops module providing launch_attn2 and prepare_attn2 (musebench:
+    `musebench.cute_ops`; ImplError, a ValueError, where it has neither)."""
+    from musebench.harness.impl import cute_ops_with
 
-    path = getattr(impl, "path", impl)
-    for module in (f"{path}.cute_ops", f"{path}.runtime.cute_ops", path):
-        try:
-            found = importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        if hasattr(found, "launch_attn2") and hasattr(found, "prepare_attn2"):
-            return found
-    raise ValueError(f"--impl {path} provides no launch_attn2 / prepare_attn2 (cute_ops)")
+    return cute_ops_with(impl, "launch_attn2", "prepare_attn2")
 
 
 @dataclass

@@ -130,18 +130,11 @@ def mailboxes(case: FrontCase, capacity: int) -> dict[str, MailboxSpec]:
 
 
 def _launcher(impl: Any) -> Any:
-    """The implementation's `launch_qkv_front` (musebench: `musebench.cute_ops`)."""
-    import importlib
+    """The implementation's `launch_qkv_front` (musebench: `musebench.cute_ops`; ImplError, a
+    ValueError, where it has none)."""
+    from musebench.harness.impl import cute_ops_with
 
-    path = getattr(impl, "path", impl)
-    for module in (f"{path}.cute_ops", f"{path}.runtime.cute_ops", path):
-        try:
-            found = importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue
-        if hasattr(found, "launch_qkv_front"):
-            return found.launch_qkv_front
-    raise ValueError(f"--impl {path} provides no launch_qkv_front (cute_ops)")
+    return cute_ops_with(impl, "launch_qkv_front").launch_qkv_front
 
 
 @dataclass

@@ -191,3 +191,19 @@ def load_impl(path: str = DEFAULT_IMPL) -> Impl:
             return Impl(path, tail, routing)
     raise ImplError(f"--impl {path} provides none of the seeds' modules (tail / routing under kernels., "
                     "cutedsl.moe. or the module itself)")
+
+
+CUTE_OPS_LAYOUTS = ("cute_ops", "runtime.cute_ops", "")  # musebench's, vLLM's specialized_decode's, flat
+
+
+def cute_ops_with(impl: Any, *names: str) -> ModuleType:
+    """The implementation's runtime entry points (the seeds' `cute_ops`): the first of
+    `<path>.cute_ops`, `<path>.runtime.cute_ops` and `<path>` itself that has every one of `names`
+    (`impl`: an `Impl` or a module path). ImplError naming what is missing, before anything
+    launches (the attention families and their jobs ask it)."""
+    path = getattr(impl, "path", impl)
+    for layout in CUTE_OPS_LAYOUTS:
+        module = _import(f"{path}.{layout}" if layout else path)
+        if module is not None and all(hasattr(module, name) for name in names):
+            return module
+    raise ImplError(f"--impl {path} provides no {' / '.join(names)} (cute_ops)")

@@ -242,22 +242,50 @@ def make_tail_job(
                bench=bench, resolved=check_machine, nodes=nodes)
 
 
-def resolve_routing_backend(requested: str) -> tuple[str, str, str | None]:
-    """(backend, note, skip reason): cute where the kernel runs, else "skipped" and why.
+def resolve_one_gpu_backend(requested: str, kernel: str = "routing") -> tuple[str, str, str | None]:
+    """(backend, note, skip reason) of a family that runs on virtual ranks of one GPU and has no
+    CPU model (routing, qkv_front, attn2): cute where the kernel runs, else "skipped" and why.
 
     ValueError where cute is asked for and cannot run, or for an unknown backend.
     """
     if requested == "cpu":
-        return "skipped", "", f"routing has no CPU model (backend cpu); it {ROUTING_NEEDS}"
+        return "skipped", "", f"{kernel} has no CPU model (backend cpu); it {ROUTING_NEEDS}"
     if requested == "cute":
         try:
             return (*resolve_backend("cute"), None)
         except ValueError as error:
-            raise ValueError(f"routing {ROUTING_NEEDS}: {error}") from None
+            raise ValueError(f"{kernel} {ROUTING_NEEDS}: {error}") from None
     resolved, note = resolve_backend(requested)
     if resolved == "cute":
         return resolved, note, None
     return "skipped", "", f"{ROUTING_NEEDS} ({_ROUTING_WHY_NOT.get(note, note)})"
+
+
+def resolve_routing_backend(requested: str) -> tuple[str, str, str | None]:
+    """`resolve_one_gpu_backend` for the routing kernel."""
+    return resolve_one_gpu_backend(requested, "routing")
+
+
+def _one_gpu_backend(kernel: str, *, name: str, backend: str, check_machine: bool, faults: Faults,
+                     injectable: Sequence[str], tp: int, timeout_s: float) -> tuple[str, str, str | None]:
+    """What the one-GPU families' jobs refuse alike (ValueError, before anything launches): a
+    non-positive timeout, a fault the family cannot inject or on a rank past tp, an unknown
+    backend, cute where it cannot run. (backend, note, skip reason); a dry run resolves nothing."""
+    if timeout_s <= 0:
+        raise ValueError("timeout must be positive")
+    unsupported = [kind for kind in faults.kinds() if kind not in injectable]
+    if unsupported:
+        raise ValueError(f"{kernel} injects only {', '.join(injectable)} faults, not {', '.join(unsupported)}")
+    if faults.max_rank() >= tp:
+        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
+    if not check_machine:
+        if backend not in ("auto", "cpu", "cute"):
+            raise ValueError(f"unknown backend {backend!r}")
+        return backend, "not resolved (dry run)", None
+    try:
+        return resolve_one_gpu_backend(backend, kernel)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 def make_routing_job(
@@ -295,22 +323,8 @@ def make_routing_job(
         raise ValueError(f"inputs must be among {', '.join(ROUTING_INPUT_FAMILIES)}, got {list(inputs)}")
     if not seeds or not renormalize:
         raise ValueError("no seeds or no renormalize flags given")
-    if timeout_s <= 0:
-        raise ValueError("timeout must be positive")
-    unsupported = [kind for kind in faults.kinds() if kind not in routing_faults]
-    if unsupported:
-        raise ValueError(f"routing injects only {', '.join(routing_faults)} faults, not {', '.join(unsupported)}")
-    if faults.max_rank() >= tp:
-        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
-    if check_machine:
-        try:
-            resolved, note, skip_reason = resolve_routing_backend(backend)
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}") from None
-    else:
-        if backend not in ("auto", "cpu", "cute"):
-            raise ValueError(f"unknown backend {backend!r}")
-        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    resolved, note, skip_reason = _one_gpu_backend("routing", name=name, backend=backend, check_machine=check_machine,
+                                                   faults=faults, injectable=routing_faults, tp=tp, timeout_s=timeout_s)
     if check_machine and skip_reason is None:
         check_impl(impl, resolved, launcher)
     cases = tuple(RoutingCase(tp=tp, tokens=m, tile_n=tile, renormalize=renorm, inputs=family, seed=seed)
@@ -439,21 +453,13 @@ def make_front_job(
         raise ValueError(f"inputs must be among {', '.join(INPUT_FAMILIES)}, got {list(inputs)}")
     if not seeds or not rope:
         raise ValueError("no seeds or no rope flags given")
-    if timeout_s <= 0:
-        raise ValueError("timeout must be positive")
-    unsupported = [kind for kind in faults.kinds() if kind not in front_faults]
-    if unsupported:
-        raise ValueError(f"qkv_front injects only {', '.join(front_faults)} faults, not {', '.join(unsupported)}")
-    if faults.max_rank() >= tp:
-        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
-    if check_machine:
-        try:
-            resolved, note, skip_reason = resolve_routing_backend(backend)  # the same need: one SM >= 90 GPU
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}".replace("routing", "qkv_front")) from None
-        skip_reason = skip_reason.replace("routing", "qkv_front") if skip_reason else None
-    else:
-        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    resolved, note, skip_reason = _one_gpu_backend("qkv_front", name=name, backend=backend,
+                                                   check_machine=check_machine, faults=faults,
+                                                   injectable=front_faults, tp=tp, timeout_s=timeout_s)
+    if check_machine and skip_reason is None:
+        from musebench.harness.impl import cute_ops_with
+
+        cute_ops_with(impl, "launch_qkv_front")  # ImplError (exit 2) before anything launches
     cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed)
                   for r in rope for family in inputs for m in tokens for seed in seeds)
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
@@ -497,21 +503,12 @@ def make_attn2_job(
                   for window in windows for family in inputs for length in lengths for seed in seeds)
     for case in cases:
         check_case(case)
-    if timeout_s <= 0:
-        raise ValueError("timeout must be positive")
-    unsupported = [kind for kind in faults.kinds() if kind not in attn2_faults]
-    if unsupported:
-        raise ValueError(f"attn2 injects only {', '.join(attn2_faults)} faults, not {', '.join(unsupported)}")
-    if faults.max_rank() >= tp:
-        raise ValueError(f"a fault names rank {faults.max_rank()}, but tp is {tp}")
-    if check_machine:
-        try:
-            resolved, note, skip_reason = resolve_routing_backend(backend)  # the same need: one SM >= 90 GPU
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}".replace("routing", "attn2")) from None
-        skip_reason = skip_reason.replace("routing", "attn2") if skip_reason else None
-    else:
-        resolved, note, skip_reason = backend, "not resolved (dry run)", None
+    resolved, note, skip_reason = _one_gpu_backend("attn2", name=name, backend=backend, check_machine=check_machine,
+                                                   faults=faults, injectable=attn2_faults, tp=tp, timeout_s=timeout_s)
+    if check_machine and skip_reason is None:
+        from musebench.harness.impl import cute_ops_with
+
+        cute_ops_with(impl, "launch_attn2", "prepare_attn2")  # ImplError (exit 2) before anything launches
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
                          warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
     return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,

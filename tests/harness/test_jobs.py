@@ -156,3 +156,27 @@ def test_single_launch_rows_are_told_apart():
     assert [new_row(case, single, "local", 1).kernel for case in cases] == ["ep_tail_single", "tp_tail"]
     assert [new_row(case, RunOptions(backend="cute"), "local", 1).kernel for case in cases] == ["ep_tail", "tp_tail"]
     assert [launch._error_row(case, single, "x").kernel for case in cases] == ["ep_tail_single", "tp_tail"]
+
+
+@pytest.mark.parametrize("make, names", [
+    (lambda impl: jobs.make_front_job(name="front", tp=8, tokens=(1,), rope=(True,), inputs=("random",), seeds=(0,),
+                                      backend="auto", impl=impl), "launch_qkv_front"),
+    (lambda impl: jobs.make_attn2_job(name="attn", tp=8, lengths=(17,), max_model_len=4096, windows=(0,),
+                                      inputs=("random",), seeds=(0,), backend="auto", impl=impl),
+     "launch_attn2 / prepare_attn2"),
+])
+def test_the_attention_jobs_refuse_an_impl_without_their_entry_point_before_launch(gpu_with_dsl, make, names):
+    """--impl of a module without the family's cute_ops entry point: a ValueError (exit 2) when the
+    job is built, not a row that fails at bind; musebench's own passes."""
+    assert make("musebench").skip_reason is None
+    with pytest.raises(ValueError, match=f"--impl tests.impls.reexport provides no {names} \\(cute_ops\\)"):
+        make("tests.impls.reexport")
+
+
+def test_the_one_gpu_families_name_themselves_when_skipped(no_gpu):
+    job = jobs.make_front_job(name="front", tp=8, tokens=(1,), rope=(True,), inputs=("random",), seeds=(0,),
+                              backend="cpu")
+    assert job.skip_reason.startswith("qkv_front has no CPU model")
+    with pytest.raises(ValueError, match="^attn: attn2 needs a CUDA GPU"):
+        jobs.make_attn2_job(name="attn", tp=8, lengths=(17,), max_model_len=4096, windows=(0,), inputs=("random",),
+                            seeds=(0,), backend="cute")
