@@ -42,6 +42,10 @@ VIRTUAL_STOCK = PROCESS_STOCK = "torch SDPA flash"
 OUT = "out"
 TPS = (2, 4, 8, 16)  # 8, 4, 2, 1 KV heads a rank
 ROOFLINE_BYTES_PER_S = 4.2e12  # the HBM read bandwidth this H200 shows (issue 15)
+# The implementation's cute_ops entry points a runner calls (`runner_for`): the launch, its
+# compile, and the split plan and workspace size it sizes the launch with. A job asks for all of
+# them before anything launches (`harness.jobs.make_attn2_job`).
+ENTRY_POINTS = ("launch_attn2", "prepare_attn2", "attn2_splits", "attn2_workspace_bytes")
 
 
 def kv_heads_for(tp: int) -> int:
@@ -100,11 +104,11 @@ def mailboxes(case: Attn2Case, capacity: int) -> dict[str, MailboxSpec]:
 
 
 def _cute_ops(impl: Any) -> Any:
-    """The implementation's cute_ops module providing launch_attn2 and prepare_attn2 (musebench:
-    `musebench.cute_ops`; ImplError, a ValueError, where it has neither)."""
+    """The implementation's cute_ops module providing every one of ENTRY_POINTS (musebench:
+    `musebench.cute_ops`; ImplError, a ValueError naming them, where one is missing)."""
     from musebench.harness.impl import cute_ops_with
 
-    return cute_ops_with(impl, "launch_attn2", "prepare_attn2")
+    return cute_ops_with(impl, *ENTRY_POINTS)
 
 
 @dataclass

@@ -494,7 +494,7 @@ def make_attn2_job(
     first bad value (`cases.attn2.check_case`: a tp that does not split 16 KV heads, tp 32 with its
     reason, L outside [8, max_model_len], a window outside [0, max_model_len), unknown inputs), or
     a fault the family cannot inject. Two calls per rank: repeatability."""
-    from musebench.cases.attn2 import Attn2Case, check_case, faults as attn2_faults
+    from musebench.cases.attn2 import ENTRY_POINTS, Attn2Case, check_case, faults as attn2_faults
 
     if not lengths or not windows or not inputs or not seeds:
         raise ValueError("no lengths, windows, inputs or seeds given")
@@ -508,7 +508,7 @@ def make_attn2_job(
     if check_machine and skip_reason is None:
         from musebench.harness.impl import cute_ops_with
 
-        cute_ops_with(impl, "launch_attn2", "prepare_attn2")  # ImplError (exit 2) before anything launches
+        cute_ops_with(impl, *ENTRY_POINTS)  # ImplError (exit 2) before anything launches
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
                          warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)
     return Job(name=name, cases=cases, options=options, backend_note=note, skip_reason=skip_reason,

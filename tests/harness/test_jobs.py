@@ -163,7 +163,7 @@ def test_single_launch_rows_are_told_apart():
                                       backend="auto", impl=impl), "launch_qkv_front"),
     (lambda impl: jobs.make_attn2_job(name="attn", tp=8, lengths=(17,), max_model_len=4096, windows=(0,),
                                       inputs=("random",), seeds=(0,), backend="auto", impl=impl),
-     "launch_attn2 / prepare_attn2"),
+     "launch_attn2 / prepare_attn2 / attn2_splits / attn2_workspace_bytes"),
 ])
 def test_the_attention_jobs_refuse_an_impl_without_their_entry_point_before_launch(gpu_with_dsl, make, names):
     """--impl of a module without the family's cute_ops entry point: a ValueError (exit 2) when the
@@ -171,6 +171,16 @@ def test_the_attention_jobs_refuse_an_impl_without_their_entry_point_before_laun
     assert make("musebench").skip_reason is None
     with pytest.raises(ValueError, match=f"--impl tests.impls.reexport provides no {names} \\(cute_ops\\)"):
         make("tests.impls.reexport")
+
+
+def test_an_attn2_impl_without_the_split_plan_is_refused_before_launch(gpu_with_dsl):
+    """The runner sizes the launch with the implementation's attn2_splits and
+    attn2_workspace_bytes: a cute_ops with the launch and prepare_attn2 alone is refused when the
+    job is built (exit 2), not at bind with an AttributeError."""
+    with pytest.raises(ValueError, match="provides no launch_attn2 / prepare_attn2 / attn2_splits / "
+                                         "attn2_workspace_bytes"):
+        jobs.make_attn2_job(name="attn", tp=8, lengths=(17,), max_model_len=4096, windows=(0,), inputs=("random",),
+                            seeds=(0,), backend="auto", impl="tests.impls.attn2_launch_only")
 
 
 def test_the_one_gpu_families_name_themselves_when_skipped(no_gpu):
