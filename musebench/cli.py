@@ -439,11 +439,10 @@ def bench_tail(tp_list, mode, tokens, capacity, weights, norm, launcher, calls, 
     _bench_and_report(jobs, options, note, title="musebench bench tail", json_path=json_path, nodes=nodes)
 
 
-def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None, nodes=None,
-                      finish_row=None) -> None:
+def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | None, nodes=None) -> None:
     """Run bench jobs after timing an empty launch (the floor every row sits on), and report (node
-    0 across nodes; another node prints one line and exits like it); `finish_row(row)` adds a
-    family's computed columns (attn2: the HBM roofline) to each row."""
+    0 across nodes; another node prints one line and exits like it). Rows hold measured times only;
+    a family's roofline travels as the row's `roofline_us` (`driver.new_row`)."""
     from musebench.harness.jobs import build_report, run_jobs
     from musebench.harness.measure import bench_empty_kernel
     from musebench.harness.nodes import LinkLost, NodesRefused
@@ -459,9 +458,6 @@ def _bench_and_report(jobs, options, note: str, *, title: str, json_path: str | 
     except LinkLost as lost:
         click.echo(f"musebench: {lost}", err=True)
         sys.exit(EXIT_FAILED)
-    if finish_row is not None:
-        for row in rows:
-            finish_row(row)
     run_report = build_report(rows, command=_command_line(), backend_note=f"{note}; empty launch {floor:.2f} µs")
     run_report.machine["empty_launch_us"] = floor
     if nodes is not None and nodes.node_rank != 0:
@@ -681,12 +677,6 @@ def attn(tp, lengths, max_model_len, windows, inputs, seed, seeds, json_path, ju
     _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench attn --tp {tp}")
 
 
-def _attn_roofline(row) -> None:
-    from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S
-
-    row.baselines_us["HBM roofline (computed)"] = row.bytes_moved / ROOFLINE_BYTES_PER_S * 1e6
-
-
 @bench.command("attn")
 @click.option("--tp", "tp_list", default="8,16", show_default=True, help="tps 2, 4, 8, 16 (2 and 1 KV heads: 8, 16).")
 @click.option("--lengths", default="8,512,2048,8192,32768,131072", show_default=True, help="Request lengths L.")
@@ -697,7 +687,7 @@ def _attn_roofline(row) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_attn_command(tp_list, lengths, max_model_len, windows, calls, replays, json_path) -> None:
     """GPU: attn2 on rank 0's KV heads vs torch SDPA (flash) on the same K/V gathered contiguous,
-    CUDA-graph medians, beside the HBM roofline (K + V bytes / 4.2 TB/s). Accuracy is reported,
+    CUDA-graph medians, beside the HBM roofline (the roofline column: K + V bytes / 4.2 TB/s). Accuracy is reported,
     not enforced (the row says so); the bits are checked as in `musebench attn`."""
     from musebench.harness.jobs import make_attn2_job
     from musebench.harness.measure import BenchOptions
@@ -719,5 +709,4 @@ def bench_attn_command(tp_list, lengths, max_model_len, windows, calls, replays,
         _usage_error(str(error))
     note = (f"{jobs[0].backend_note}; SDPA flash: a KV head's 64 query rows over its visible keys, contiguous, "
             "no mask; roofline = K + V bytes of the visible pages / 4.2 TB/s")
-    _bench_and_report(jobs, options, note, title="musebench bench attn", json_path=json_path,
-                      finish_row=_attn_roofline)
+    _bench_and_report(jobs, options, note, title="musebench bench attn", json_path=json_path)

@@ -114,6 +114,31 @@ def test_cli_without_a_gpu_reports_skipped(tmp_path):
     assert report["skipped"][0]["kernel"] == "attn2" and "GPU" in report["skipped"][0]["reason"]
 
 
+def test_bench_rows_hold_measured_times_and_carry_the_roofline_apart(gpu_with_dsl, monkeypatch, tmp_path):
+    """`bench attn`'s timing columns are what was timed (attn2, SDPA flash); the computed HBM
+    roofline is the row's roofline_us, never a 'baseline' beside the measured ones."""
+    from musebench.harness import jobs, measure
+    from musebench.harness.driver import new_row
+
+    def fake_run_jobs(job_list):
+        rows = []
+        for job in job_list:
+            for case in job.cases:
+                row = new_row(case, job.options, "local", 1, "bench")
+                row.tail_us, row.stock_us, row.baselines_us = 20.0, 10.0, {fam.VIRTUAL_STOCK: 10.0}
+                rows.append(row)
+        return rows
+
+    monkeypatch.setattr(jobs, "run_jobs", fake_run_jobs)
+    monkeypatch.setattr(measure, "bench_empty_kernel", lambda options: 1.0)
+    path = tmp_path / "bench.json"
+    result = _run("bench", "attn", "--tp", "8", "--lengths", "512", "--window", "0", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(path.read_text())["cases"]
+    assert row["baselines_us"] == {fam.VIRTUAL_STOCK: 10.0}
+    assert row["roofline_us"] == pytest.approx(fam.roofline_us(fam.Attn2Case(tp=8, tokens=512, max_model_len=131072)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("inject", [None, "flip:1"])
 def test_job_on_the_gpu_passes_and_a_flipped_bit_fails(inject):
