@@ -4,13 +4,16 @@ KV-cache insert, on virtual ranks of one GPU (each rank its own weight shard, no
 Every rank projects the same x bf16 [T, 8192] through its own weight [N, 8192] (N = 1152 kv,
 kv = 16 / tp) with `cute_ops.launch_qkv_front` of the implementation under test, the tap variant
 (the kernel's BF16 projection before the epilogue). Outputs per rank: `out` [T, N], `tap` [T, N]
-and the whole `kv_cache` [pages, kv, 16, 128] (the driver poisons all three before each call).
+and `kv_cache`, the whole cache buffer [GUARD_PAGES + PAGES + GUARD_PAGES, kv, 16, 128] (the
+driver poisons all three before each call). The launch gets the PAGES pages between the guards
+(`pool`), so a write just outside the cache it was given (a negative slot taken as a slot, an
+index past the last page) lands in a guard page and fails the bitwise check like any stray write.
 
 Checks, raw bits (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
 rsqrt.approx (`approximations`), the cache's untouched cells the poison (nothing written outside
-the slots; negative slots skipped). The projection's max and mean error against the FP64
+the slots, guard pages included; negative slots skipped). The projection's max and mean error against the FP64
 product (in BF16 epsilons of sum |x w|: `stock.qkv_front.ProjectionError`) must each be at most
 cuBLAS's (torch bf16 matmul) on the same inputs, up to the margins of two summation orders
 (`projection_verdict`): both go into the row's stock path, side by side, and a worse projection
@@ -45,6 +48,7 @@ INPUT_FAMILIES = ("random", "adversarial")
 TP_KV_HEADS = {4: 4, 8: 2, 16: 1}  # tp -> KV heads per rank (Muse Spark: 16 KV heads)
 MAX_POS = 4096
 PAGES = 8  # 128 slots: every case's slots fit, other pages stay untouched
+GUARD_PAGES = 1  # poisoned pages on each side of the launch's cache (slot -1 of page 0 lies in the first)
 HIDDEN = config.HIDDEN_SIZE
 EPS = config.RMS_NORM_EPS
 MAX_TOKENS = 16
@@ -125,6 +129,17 @@ def make_inputs(case: FrontCase) -> FrontInputs:
     return FrontInputs(x.bfloat16().contiguous(), weights, positions, cos_sin, slots)
 
 
+def cache_buffer(kv: int, device: torch.device | str) -> torch.Tensor:
+    """An uninitialised cache buffer bf16 [GUARD_PAGES + PAGES + GUARD_PAGES, kv, 16, 128]."""
+    return torch.empty(PAGES + 2 * GUARD_PAGES, kv, 16, 128, dtype=torch.bfloat16, device=device)
+
+
+def pool(buffer: torch.Tensor) -> torch.Tensor:
+    """The cache a launch is given: the PAGES pages of `buffer` between its guard pages (a
+    contiguous view, 16-byte aligned: a page is kv x 4 KB)."""
+    return buffer[GUARD_PAGES: GUARD_PAGES + PAGES]
+
+
 def mailboxes(case: FrontCase, capacity: int) -> dict[str, MailboxSpec]:
     return {}
 
@@ -152,16 +167,16 @@ class FrontRunner:
 
     def call(self) -> None:
         o = self.outputs
-        self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, o[CACHE], o[CACHE].shape[1], o[OUT],
-                    tap=o[TAP])
+        self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, pool(o[CACHE]), o[CACHE].shape[1],
+                    o[OUT], tap=o[TAP])
 
     def check_fault(self) -> None:
         return None
 
     def parts(self) -> dict:
         o = self.outputs
-        return {"no tap": lambda: self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, o[CACHE],
-                                              o[CACHE].shape[1], o[OUT])}
+        return {"no tap": lambda: self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots,
+                                              pool(o[CACHE]), o[CACHE].shape[1], o[OUT])}
 
     def launch_demands(self) -> list:
         return []
@@ -175,7 +190,7 @@ def _device_copies(case: FrontCase, inputs: FrontInputs, rank: int, device: torc
         cos_sin=inputs.cos_sin.to(device) if inputs.cos_sin is not None else None, slots=inputs.slots.to(device),
         outputs={OUT: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
                  TAP: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
-                 CACHE: torch.empty(PAGES, kv, 16, 128, dtype=torch.bfloat16, device=device)},
+                 CACHE: cache_buffer(kv, device)},
     )
 
 
@@ -192,16 +207,18 @@ def bind(case: FrontCase, impl: Any, rank: int, boxes: dict[str, Any], inputs: F
 def expected_from_projection(case: FrontCase, inputs: FrontInputs, projection: torch.Tensor,
                              approximations: Any) -> dict[str, torch.Tensor]:
     """One rank's expected out and kv_cache (CPU) given its BF16 projection [T, N]: the stock
-    epilogue on it, the cache poisoned everywhere the slots do not reach."""
+    epilogue on it; the cache is the whole buffer (`cache_buffer`), poisoned everywhere the slots
+    do not reach, the guard pages included."""
     from musebench.stock.qkv_front import qkv_epilogue_reference
 
     kv = kv_heads_for(case.tp)
     device = projection.device
-    cache = checks.poison(torch.empty(PAGES, kv, 16, 128, dtype=torch.bfloat16, device=device))
+    buffer = checks.poison(cache_buffer(kv, device))
     cos_sin = inputs.cos_sin.to(device) if inputs.cos_sin is not None else None
     out, cache = qkv_epilogue_reference(projection, inputs.positions.to(device), cos_sin, inputs.slots.to(device),
-                                        cache, kv, eps=EPS, approximations=approximations)
-    return {OUT: out.cpu(), CACHE: cache.cpu()}
+                                        pool(buffer), kv, eps=EPS, approximations=approximations)
+    pool(buffer).copy_(cache)
+    return {OUT: out.cpu(), CACHE: buffer.cpu()}
 
 
 # The projection's rule: the kernel's max and mean error (stock.qkv_front.ProjectionError) each at
@@ -245,7 +262,7 @@ def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approxim
         copies = _device_copies(case, inputs, rank, device)
         o = copies["outputs"]
         checks.poison(o[CACHE])
-        launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"], o[CACHE],
+        launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"], pool(o[CACHE]),
                o[CACHE].shape[1], o[OUT], tap=o[TAP])
         torch.cuda.synchronize()
         projection = o[TAP].clone()
@@ -291,7 +308,7 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
     qkv = torch.empty_like(runner.outputs[OUT])
-    cache = torch.zeros_like(runner.outputs[CACHE])
+    cache = torch.zeros_like(pool(runner.outputs[CACHE]))
 
     def matmul() -> None:
         torch.matmul(runner.x, runner.weight.t(), out=qkv)

@@ -58,12 +58,52 @@ def test_a_correct_output_passes_and_faults_fail(rope):
     assert _mismatches(flipped, want) == 1
     stray = {k: v.clone() for k, v in want.items()}
     free_page = 7 if int(inputs.slots.max()) // 16 != 7 else 0
-    stray[front.CACHE][free_page, 0, 3, 0] = 1.0  # a write outside the slots
+    front.pool(stray[front.CACHE])[free_page, 0, 3, 0] = 1.0  # a write outside the slots
     assert _mismatches(stray, want) == 1
     # a write into a negative slot's would-be cell: row 2 is skipped, so nothing may land anywhere else
     cache = want[front.CACHE]
     written = ~checks.poison(torch.empty_like(cache)).view(torch.int16).eq(cache.view(torch.int16))
     assert int(written.any(dim=-1).sum()) == len({s for s in inputs.slots.tolist() if s >= 0})
+
+
+def _fake_launch(write_negative_slots: bool):
+    """A CPU stand-in for launch_qkv_front writing the reference's bits (out, tap, the slots'
+    K | V); with `write_negative_slots`, a kernel that takes slot -1 as page -1, row 15: a write
+    just before the cache it was given."""
+    from musebench.stock.qkv_front import qkv_epilogue_reference
+
+    def launch(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=None):
+        projection = (x.float() @ weight.float().t()).bfloat16()
+        got, cache = qkv_epilogue_reference(projection, positions, cos_sin, slots, kv_cache, kv, eps=front.EPS)
+        out.copy_(got)
+        kv_cache.copy_(cache)
+        if tap is not None:
+            tap.copy_(projection)
+        if write_negative_slots:
+            before = torch.as_strided(kv_cache, (1, *kv_cache.shape[1:]), kv_cache.stride(),
+                                      kv_cache.storage_offset() - kv_cache.stride(0))
+            for t in (slots < 0).nonzero().flatten().tolist():
+                page, row = divmod(int(slots[t]), 16)
+                assert page == -1
+                before[0, :, row, :64] = got[t, 512 * kv: 576 * kv].view(kv, 64)  # its k heads
+        return out
+
+    return launch
+
+
+@pytest.mark.parametrize("write_negative_slots", [False, True])
+def test_a_write_at_a_negative_slot_fails_the_cache_check(write_negative_slots):
+    """The runner's cache sits between poisoned guard pages that are part of the checked output:
+    a kernel writing slot -1 just before the cache it was given fails the bitwise check."""
+    case = small_case(inputs="adversarial", tokens=3)  # token 2's slot is -1
+    inputs = front.make_inputs(case)
+    runner = front.FrontRunner(_fake_launch(write_negative_slots), case,
+                               **front._device_copies(case, inputs, 0, torch.device("cpu")))
+    for t in runner.outputs.values():
+        checks.poison(t)
+    runner.call()
+    want = _got(case, inputs, _projection(inputs))
+    assert (_mismatches(runner.outputs, want) > 0) == write_negative_slots
 
 
 def test_v_written_unnormed_into_the_cache():
@@ -73,7 +113,8 @@ def test_v_written_unnormed_into_the_cache():
     want = _got(case, inputs, projection)
     slot = int(inputs.slots[0])
     v = projection[0, 9 * 64: 10 * 64]
-    assert torch.equal(want[front.CACHE][slot // 16, 0, slot % 16, 64:].view(torch.int16), v.view(torch.int16))
+    assert torch.equal(front.pool(want[front.CACHE])[slot // 16, 0, slot % 16, 64:].view(torch.int16),
+                       v.view(torch.int16))
 
 
 def test_projection_verdict_fails_a_worse_projection():

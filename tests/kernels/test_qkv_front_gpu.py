@@ -25,7 +25,8 @@ def run(case, inputs, rank=0):
     for t in o.values():
         checks.poison(t)
     cute_ops.launch_qkv_front(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"],
-                              copies["slots"], o[front.CACHE], o[front.CACHE].shape[1], o[front.OUT], tap=o[front.TAP])
+                              copies["slots"], front.pool(o[front.CACHE]), o[front.CACHE].shape[1], o[front.OUT],
+                              tap=o[front.TAP])
     torch.cuda.synchronize()
     return copies, {k: v.cpu() for k, v in o.items()}
 
@@ -69,7 +70,7 @@ def test_graph_capture_replays():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         cute_ops.launch_qkv_front(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"],
-                                  copies["slots"], o[front.CACHE], 2, o[front.OUT], tap=o[front.TAP])
+                                  copies["slots"], front.pool(o[front.CACHE]), 2, o[front.OUT], tap=o[front.TAP])
     for t in o.values():
         checks.poison(t)
     graph.replay()

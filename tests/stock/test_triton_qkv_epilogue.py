@@ -64,10 +64,10 @@ def test_bitwise_the_reference(tp, tokens, rope, family):
     projection = (inputs.x.float() @ inputs.weights[0].float().t()).bfloat16().to(device)
     want = front.expected_from_projection(case, inputs, projection, hardware_approximations())
     qkv = projection.clone()
-    cache = checks.poison(torch.empty(front.PAGES, front.kv_heads_for(tp), 16, 128, dtype=torch.bfloat16,
-                                      device=device))
+    cache = checks.poison(front.cache_buffer(front.kv_heads_for(tp), device))
     cos_sin = inputs.cos_sin.to(device) if inputs.cos_sin is not None else None
-    triton_qkv_epilogue(qkv, inputs.positions.to(device), cos_sin, inputs.slots.to(device), cache, eps=front.EPS)
+    triton_qkv_epilogue(qkv, inputs.positions.to(device), cos_sin, inputs.slots.to(device), front.pool(cache),
+                        eps=front.EPS)
     torch.cuda.synchronize()
     for name, got in ((front.OUT, qkv), (front.CACHE, cache)):
         count, ulp, first = checks.compare_bits(got.cpu(), want[name])
