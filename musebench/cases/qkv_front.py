@@ -9,7 +9,10 @@ driver poisons all three before each call). The launch gets the PAGES pages betw
 (`pool`), so a write just outside the cache it was given (a negative slot taken as a slot, an
 index past the last page) lands in a guard page and fails the bitwise check like any stray write.
 
-Checks, raw bits (`expected`): the tap equals the tap of an independent launch (the projection is
+Checks, raw bits: at bind, the launch without the tap (what a deployment runs: `parts()["no
+tap"]`, the bench's kernel column) writes the same out and cache bits as the tap launch
+(`check_variants_agree`), so what `expected` checks of the tap launch holds of it. Then
+(`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
 rsqrt.approx (`approximations`), the cache's untouched cells the poison (nothing written outside
@@ -194,13 +197,32 @@ def _device_copies(case: FrontCase, inputs: FrontInputs, rank: int, device: torc
     )
 
 
+def check_variants_agree(runner: FrontRunner, rank: int) -> None:
+    """One eager launch of each variant from poisoned outputs: the launch without the tap must
+    write the bits of out and of the whole cache buffer the tap launch writes (the tap variant is
+    the one the checks see). ValueError naming the rank, the output and the first mismatch."""
+    o = runner.outputs
+    for t in o.values():
+        checks.poison(t)
+    runner.call()
+    with_tap = {name: o[name].clone() for name in (OUT, CACHE)}
+    for t in o.values():
+        checks.poison(t)
+    runner.parts()["no tap"]()
+    for name, want in with_tap.items():
+        count, _, first = checks.compare_bits(o[name], want, rank=rank)
+        if count:
+            raise ValueError(f"rank {rank}: the launch without the tap wrote {count} elements of {name} other than "
+                             f"the launch with it (first: {first})")
+
+
 def bind(case: FrontCase, impl: Any, rank: int, boxes: dict[str, Any], inputs: FrontInputs,
          options: RunOptions) -> FrontRunner:
-    """This rank's runner; one eager call compiles both variants (before any capture)."""
+    """This rank's runner; one eager call of each variant compiles both (before any capture) and
+    checks that they agree (`check_variants_agree`)."""
     device = torch.device("cuda", torch.cuda.current_device())
     runner = FrontRunner(_launcher(impl), case, **_device_copies(case, inputs, rank, device))
-    runner.call()
-    runner.parts()["no tap"]()
+    check_variants_agree(runner, rank)
     return runner
 
 

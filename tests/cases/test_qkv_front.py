@@ -106,6 +106,39 @@ def test_a_write_at_a_negative_slot_fails_the_cache_check(write_negative_slots):
     assert (_mismatches(runner.outputs, want) > 0) == write_negative_slots
 
 
+def test_the_launch_without_the_tap_must_write_the_tap_launchs_bits():
+    """bind's check of the deployment's variant: a stand-in whose no-tap launch flips one bit of
+    out (or writes one cache cell more) is refused, naming the rank; an agreeing one passes."""
+    case = small_case(inputs="adversarial", tokens=3)
+    inputs = front.make_inputs(case)
+    copies = front._device_copies(case, inputs, 0, torch.device("cpu"))
+    front.check_variants_agree(front.FrontRunner(_fake_launch(False), case, **copies), rank=3)
+    faithful = _fake_launch(False)
+
+    def flips_out(*args, tap=None):
+        out = faithful(*args, tap=tap)
+        if tap is None:
+            checks.flip_one_bit(out, index=7)
+        return out
+
+    with pytest.raises(ValueError, match="rank 3: the launch without the tap wrote 1 elements of out"):
+        front.check_variants_agree(front.FrontRunner(flips_out, case, **copies), rank=3)
+    with pytest.raises(ValueError, match="rank 3: the launch without the tap wrote 1 elements of kv_cache"):
+        front.check_variants_agree(front.FrontRunner(_fake_launch_no_tap_writes_more(), case, **copies), rank=3)
+
+
+def _fake_launch_no_tap_writes_more():
+    faithful = _fake_launch(False)
+
+    def launch(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=None):
+        faithful(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=tap)
+        if tap is None:
+            kv_cache[-1, 0, 15, 127] = 0.0  # a cell no slot reaches
+        return out
+
+    return launch
+
+
 def test_v_written_unnormed_into_the_cache():
     case = small_case(tokens=2)
     inputs = front.make_inputs(case)
