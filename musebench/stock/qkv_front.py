@@ -3,7 +3,7 @@
 The unfused path the kernel replaces is the QKV + o-gate projection (a BF16 GEMM with FP32
 accumulation, rounded once to BF16: `qkv = x W^T`) followed by vLLM 0.33.0's
 `fused_muse_spark_qknorm_rope_kv_insert` on `qkv`. `qkv_epilogue_reference` is that second kernel,
-bit for bit, given the projection's BF16 output; `fp64_projection` and `projection_errors` are
+bit for bit, given the projection's BF16 output; `fp64_projection` and `projection_error` are
 the yardstick of the projection (not bitwise: a GEMM's FP32 summation order is its own), with
 `term_magnitudes` and `projection_error` (errors in BF16 epsilons of sum |x w|).
 
@@ -105,6 +105,30 @@ def norm_rope(heads: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch
     return nx.to_bf16(torch.stack([o_even, o_odd], dim=-1).reshape(x.shape))
 
 
+def _check_tables(tokens: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
+                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_kv_heads: int) -> None:
+    """ValueError unless the index tensors and the tables they index fit (module docstring)."""
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool or tuple(t.shape) != (tokens,):
+            raise ValueError(f"{name} must be an int tensor [{tokens}], got {t.dtype} {tuple(t.shape)}")
+    if kv_cache.dtype != torch.bfloat16 or kv_cache.dim() != 4 or tuple(kv_cache.shape[1:]) != (
+            num_kv_heads, CACHE_BLOCK, CACHE_WIDTH):
+        raise ValueError(f"kv_cache must be bf16 [pages, {num_kv_heads}, {CACHE_BLOCK}, {CACHE_WIDTH}], got "
+                         f"{kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if cos_sin_cache is not None:
+        if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != HEAD_DIM:
+            raise ValueError(f"cos_sin_cache must be fp32 [max_pos, {HEAD_DIM}], got {cos_sin_cache.dtype} "
+                             f"{tuple(cos_sin_cache.shape)}")
+        max_pos = cos_sin_cache.shape[0]
+        outside = [int(p) for p in positions.tolist() if not 0 <= p < max_pos]
+        if outside:
+            raise ValueError(f"positions {outside} outside the rotary table's [0, {max_pos})")
+    capacity = kv_cache.shape[0] * CACHE_BLOCK
+    past = [int(s) for s in slot_mapping.tolist() if s >= capacity]
+    if past:
+        raise ValueError(f"slots {past} past the cache's {capacity} slots")
+
+
 def qkv_epilogue_reference(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -124,6 +148,12 @@ def qkv_epilogue_reference(
     qkv'[t, k head h] and V = qkv[t, v head h] at [s // 16, h, s % 16]. Two tokens on one slot:
     the later token's bits (the stock's order is undefined; the harness gives such tokens equal
     rows, so both orders agree). Bitwise the stock's where `approximations` are the hardware's.
+
+    positions and slot_mapping: int [T]; cos_sin_cache fp32 [max_pos, 64] or None (NoPE);
+    kv_cache bf16 [pages, num_kv_heads, 16, 128]. ValueError (TypeError for qkv's dtype) on
+    anything else, and on values the stock would take out of its tables (it checks none): a
+    position outside [0, max_pos) with RoPE (torch indexing would wrap -1 to the last row), a slot
+    at or past pages * 16. Reads the index values (a device sync on a GPU).
     """
     tokens, n = qkv.shape
     cols = head_columns(num_kv_heads)
@@ -131,6 +161,7 @@ def qkv_epilogue_reference(
         raise ValueError(f"qkv must be [tokens, {cols['gate'][1]}] for {num_kv_heads} KV heads, got {tuple(qkv.shape)}")
     if qkv.dtype != torch.bfloat16:
         raise TypeError(f"qkv must be bf16, got {qkv.dtype}")
+    _check_tables(tokens, positions, cos_sin_cache, slot_mapping, kv_cache, num_kv_heads)
     out = qkv.clone()
     qk_stop = cols["k"][1]
     heads = qkv[:, :qk_stop].reshape(tokens, -1, HEAD_DIM)

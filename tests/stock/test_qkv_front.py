@@ -142,5 +142,23 @@ def test_refuses_other_widths():
                                    torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16), 1)
 
 
+@pytest.mark.parametrize("position, slot, message", [
+    (-1, 0, r"positions \[-1\] outside the rotary table's \[0, 64\)"),  # torch would wrap it to row 63
+    (64, 0, r"positions \[64\] outside the rotary table's \[0, 64\)"),
+    (3, 32, r"slots \[32\] past the cache's 32 slots"),
+])
+def test_refuses_indices_outside_the_tables(position, slot, message):
+    qkv, cs, _ = draw(1, 1, seed=4)
+    with pytest.raises(ValueError, match=message):
+        ref.qkv_epilogue_reference(qkv, torch.tensor([position]), cs, torch.tensor([slot]),
+                                   torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16), 1)
+
+
+def test_a_nope_layer_takes_any_position():
+    qkv, _, _ = draw(1, 1, seed=4)
+    ref.qkv_epilogue_reference(qkv, torch.tensor([-5]), None, torch.tensor([-1]),
+                               torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16), 1)
+
+
 def test_precise_is_the_cpu_default():
     assert nx.PRECISE.name == "precise"
