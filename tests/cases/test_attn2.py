@@ -85,6 +85,19 @@ def test_roofline_bytes():
     assert fam.bytes_moved(windowed) == 129 * 4096  # the window's 2055 keys straddle 129 pages
 
 
+def test_the_sdpa_baseline_times_the_attention_alone():
+    """The stock column times SDPA (flash) and nothing else: no copy of its output."""
+    from torch.profiler import profile
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    keys, values = (torch.randn(1, 2, 100, 64, dtype=torch.bfloat16) for _ in range(2))
+    call = fam.sdpa_call(q, keys, values)
+    with profile() as trace:
+        call()
+    names = {event.name for event in trace.events()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in names and "aten::copy_" not in names
+
+
 def _run(*args):
     return CliRunner().invoke(main, list(args), catch_exceptions=False)
 
