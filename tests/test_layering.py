@@ -1,10 +1,11 @@
 """musebench's import layering, read off the source (AST), plus one live import check.
 
-Layers, bottom up: config level (config, layout, numerics, routing_metadata, tp_dispatch) and the
-stock references (stock/*) import nothing from kernels/, harness/ or the CLI (the references must
-not depend on the device code they check: the GPU's approximate instructions are injected from
-above, `kernels.approx.hardware_approximations`); kernels/ imports nothing from stock/, harness/
-or the CLI; comm/ imports nothing from harness/ or kernels/; and no module-level import cycle.
+Layers, bottom up: config level (config, layout, numerics, routing_metadata, attn2_layout,
+tp_dispatch) and the stock references (stock/*) import nothing from kernels/, cpu/ (the kernels'
+models), cute_ops (the seeds' API, which launches them), cases/, harness/ or the CLI (the
+references must not depend on the device code they check: the GPU's approximate instructions are
+injected from above, `kernels.approx.hardware_approximations`); kernels/ imports nothing from
+stock/, cpu/, cases/, harness/ or the CLI; comm/ imports nothing from harness/ or kernels/; and no module-level import cycle.
 
 The graph keeps module-level imports (run at import time; `if TYPE_CHECKING:` blocks excluded)
 apart from imports inside functions (run at call time). The layer rules count both; the cycle
@@ -29,8 +30,11 @@ PACKAGE = ROOT / "musebench"
 CONFIG_LEVEL = ("musebench.config", "musebench.layout", "musebench.numerics", "musebench.routing_metadata",
                 "musebench.attn2_layout",
                 "musebench.tp_dispatch")
-ABOVE_CONFIG = ("musebench.kernels", "musebench.harness", "musebench.cli")
-ABOVE_KERNELS = ("musebench.stock", "musebench.harness", "musebench.cli")
+# What the references check (kernels/, their CPU models under cpu/, the seeds' API in cute_ops that
+# launches them) and what runs the checks (cases/, harness/, the CLI): a reference imports none of it.
+ABOVE_CONFIG = ("musebench.kernels", "musebench.cpu", "musebench.cute_ops", "musebench.cases", "musebench.harness",
+                "musebench.cli")
+ABOVE_KERNELS = ("musebench.stock", "musebench.cpu", "musebench.cases", "musebench.harness", "musebench.cli")
 ABOVE_COMM = ("musebench.harness", "musebench.kernels")
 # The case families sit under the driver: they take the protocol and the checks, never what runs them.
 ABOVE_CASES = ("musebench.harness.driver", "musebench.harness.launch", "musebench.harness.worker",
@@ -215,6 +219,20 @@ def test_the_checker_sees_imports_at_both_levels():
     top, _ = imports()["musebench.kernels.ep_tail"]
     assert "musebench.layout" not in top  # under `if TYPE_CHECKING:` only
     assert _under("musebench.kernels.approx", ABOVE_CONFIG) and not _under("musebench.kernelsx", ABOVE_CONFIG)
+
+
+def test_a_reference_may_not_reach_the_kernels_through_the_api_or_the_models():
+    """cute_ops imports the kernels inside its functions and cpu/ models them: a reference that
+    imported either would depend on what it checks, so the rule names them (and the families)."""
+    for above in ("musebench.cute_ops", "musebench.cpu.attn2", "musebench.cpu.tail", "musebench.cases.qkv_front"):
+        assert _under(above, ABOVE_CONFIG), above
+    for above in ("musebench.cpu.attn2", "musebench.cases.attn2", "musebench.stock.attn2"):
+        assert _under(above, ABOVE_KERNELS), above
+    assert "musebench.stock.attn2" in _modules_under("musebench.stock")  # the new references are ruled too
+    assert "musebench.stock.qkv_front" in _modules_under("musebench.stock")
+    assert "musebench.stock.triton_qkv_epilogue" in _modules_under("musebench.stock")
+    assert "musebench.stock.all_reduce" in _modules_under("musebench.stock")
+    assert "musebench.attn2_layout" in _modules_under("musebench.stock", *CONFIG_LEVEL)
 
 
 def test_importing_the_references_loads_no_kernel_code():
