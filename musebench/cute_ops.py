@@ -584,11 +584,13 @@ def launch_attn2(
 
     q, gate: bf16 [8 R, 512 K] (K = this rank's KV heads; rows may be strided views of the QKV
     front's output, `split_qkv`; last dim contiguous, rows 16-byte aligned); kv_cache: bf16
-    [pages, K, 16, 128] contiguous (K | V per slot); page_table: int32 [R, ceil(max_model_len /
-    16)] contiguous; seq_lens: int32 [R] on the device, each L in [8, max_model_len] (the kernel
-    clamps to that range to stay in bounds); out: bf16 [8 R, 512 K] contiguous; workspace: uint8
-    of at least attn2_workspace_bytes(R, K, attn2_splits(...)) bytes, zeroed before the first
-    launch (None with one split). Row t of request r sits at position L - 8 + t and sees keys
+    [pages, K, 16, 128] contiguous, 16-byte aligned (K | V per slot); page_table: int32 [R,
+    ceil(max_model_len / 16)] contiguous, whose first ceil(L / 16) entries of row r are pages of
+    kv_cache (not checked: that would read device memory; the entries past them are never read);
+    seq_lens: int32 [R] on the device, each L in [8, max_model_len] (the kernel clamps to that
+    range to stay in bounds); out: bf16 [8 R, 512 K] contiguous, 16-byte aligned; workspace: uint8
+    of at least attn2_workspace_bytes(R, K, attn2_splits(...)) bytes, contiguous, 16-byte aligned,
+    zeroed before the first launch (None with one split). Every tensor on one CUDA device. Row t of request r sits at position L - 8 + t and sees keys
     max(0, L - 8 + t - W + 1) .. L - 8 + t. Graph-capturable, allocates nothing (after
     `prepare_attn2`); bitwise deterministic: a row's bits depend only on its keys, its query and
     gate, whatever L, R or the rank's other KV heads. ValueError before launch on anything

@@ -116,3 +116,61 @@ def test_unsupported_attn2_names_the_reason(change, words):
 
 def test_unsupported_attn2_on_a_foreign_object():
     assert "attributes" in cute_ops.unsupported_attn2(object())
+
+
+# The launch's refusals: every one before anything launches. On this CPU host every tensor is on
+# the CPU, so a valid call stops at the device check, the last one: each refusal below names its
+# own reason instead (it is found before that).
+
+def _launch_args(**changes):
+    import torch
+
+    max_model_len, heads = 4096, 2
+    width = heads * 8 * 64
+    args = dict(
+        q=torch.zeros(8, width, dtype=torch.bfloat16), gate=torch.zeros(8, width, dtype=torch.bfloat16),
+        kv_cache=torch.zeros(3, heads, 16, 128, dtype=torch.bfloat16),
+        page_table=torch.zeros(1, attn2_layout.max_pages(max_model_len), dtype=torch.int32),
+        seq_lens=torch.tensor([40], dtype=torch.int32), out=torch.zeros(8, width, dtype=torch.bfloat16),
+        workspace=None, max_model_len=max_model_len, window=0)
+    args.update(changes)
+    return args
+
+
+def _misaligned(shape, dtype):
+    """A contiguous tensor whose data sits 2 bytes past a 16-byte boundary."""
+    import torch
+
+    flat = torch.zeros(math.prod(shape) + 8, dtype=dtype)
+    start = next(i for i in range(1, 8) if (flat.data_ptr() + i * flat.element_size()) % 16 == 2)
+    return flat[start: start + math.prod(shape)].view(shape)
+
+
+def _strided_columns(rows, width):
+    import torch
+
+    return torch.zeros(rows, width + 64, dtype=torch.bfloat16)[:, 64:]  # rows of 2 (width + 64) bytes
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda t: {}, "every tensor must be on one CUDA device"),
+    (lambda t: {"q": t.zeros(8, 1024, dtype=t.float16)}, "q must be bf16 \\[8, 1024\\]"),
+    (lambda t: {"gate": t.zeros(16, 1024, dtype=t.bfloat16)}, "gate must be bf16 \\[8, 1024\\]"),
+    (lambda t: {"q": t.zeros(8, 1024, dtype=t.bfloat16).t().contiguous().t()}, "contiguous last dim"),
+    (lambda t: {"q": _misaligned((8, 1024), t.bfloat16)}, "q's rows must be 16-byte aligned"),
+    (lambda t: {"out": _strided_columns(8, 1024)}, "out must be contiguous"),
+    (lambda t: {"kv_cache": t.zeros(3, 2, 16, 64, dtype=t.bfloat16)}, "kv_cache must be contiguous bf16"),
+    (lambda t: {"kv_cache": t.zeros(3, 2, 16, 128, dtype=t.float32)}, "kv_cache must be contiguous bf16"),
+    (lambda t: {"kv_cache": _misaligned((3, 2, 16, 128), t.bfloat16)}, "kv_cache must be 16-byte aligned"),
+    (lambda t: {"page_table": t.zeros(1, 255, dtype=t.int32)}, "page_table must be contiguous int32 \\[1, 256\\]"),
+    (lambda t: {"page_table": t.zeros(1, 256, dtype=t.int64)}, "page_table must be contiguous int32"),
+    (lambda t: {"seq_lens": t.tensor([40], dtype=t.int64)}, "seq_lens must be a contiguous int32"),
+    (lambda t: {"window": 4096}, "window must be 0 or an int in \\[1, max_model_len\\)"),
+    (lambda t: {"max_model_len": 7}, "max_model_len must be an int >= 8"),
+])
+def test_launch_refuses_before_anything_launches(change, reason):
+    import torch
+
+    pytest.importorskip("cutlass")
+    with pytest.raises(ValueError, match=reason):
+        cute_ops.launch_attn2(**_launch_args(**change(torch)))

@@ -455,6 +455,7 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
              lay.SLOT_WIDTH) and kv_cache.is_contiguous(),
              f"kv_cache must be contiguous bf16 [pages, K, 16, 128], got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    _require(kv_cache.data_ptr() % ALIGN == 0, "kv_cache must be 16-byte aligned (cp.async reads it in 16 bytes)")
     _require(seq_lens.dtype == torch.int32 and seq_lens.dim() == 1 and seq_lens.numel() >= 1 and seq_lens.is_contiguous(),
              "seq_lens must be a contiguous int32 [R] (R >= 1)")
     reqs = seq_lens.numel()
