@@ -477,6 +477,7 @@ def launch_qkv_front(
     from musebench.kernels import qkv_front  # CuTe DSL: imported at the first launch
 
     qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS)
+    return out
 
 
 # attn2: the verify step's attention with the o-norm and sigmoid gate (issue 15).

@@ -151,6 +151,24 @@ def test_launch_refuses_before_importing_the_kernel(monkeypatch):
     assert "musebench.kernels.qkv_front" not in sys.modules
 
 
+def test_launch_returns_out(monkeypatch):
+    """launch_qkv_front returns `out`, as its signature and docstring say (a stand-in kernel)."""
+    import sys
+    import types
+
+    launched = []
+    kernel = types.ModuleType("musebench.kernels.qkv_front")
+    kernel.launch = lambda *a, **k: launched.append(k)
+    monkeypatch.setitem(sys.modules, "musebench.kernels.qkv_front", kernel)
+    import musebench.kernels
+
+    monkeypatch.setattr(musebench.kernels, "qkv_front", kernel, raising=False)
+    monkeypatch.setattr(cute_ops, "qkv_front_unsupported", lambda *a, **k: None)  # as on a GPU
+    args = call_args()
+    assert cute_ops.launch_qkv_front(**args, num_kv_heads=1) is args["out"]
+    assert launched and launched[0]["eps"] == cute_ops.QKV_FRONT_EPS
+
+
 # ---------------------------------------------------------------------------------------------
 # unsupported_projection on fake layers (vLLM MuseSpark1xAttention's attributes).
 
