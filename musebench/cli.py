@@ -591,7 +591,8 @@ def front(tp, tokens, rope, inputs, seed, seeds, json_path, junit_path, inject, 
         job = make_front_job(name=f"front tp={tp}", tp=tp, tokens=_parse_ints(tokens, "--tokens"),
                              rope=tuple(flag == "rope" for flag in flags),
                              inputs=_parse_choices(inputs, ("random", "adversarial"), "--inputs"),
-                             seeds=tuple(range(seed, seed + seeds)), faults=Faults.parse(inject), impl=impl)
+                             seeds=tuple(range(seed, seed + seeds)), faults=Faults.parse(inject), impl=impl,
+                             backend="auto")  # no GPU here: the run is reported skipped, with the reason
     except ValueError as error:
         _usage_error(str(error))
     _run_jobs_and_report([job], json_path=json_path, junit_path=junit_path, title=f"musebench front --tp {tp}")

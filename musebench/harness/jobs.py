@@ -251,10 +251,10 @@ def resolve_one_gpu_backend(requested: str, kernel: str = "routing") -> tuple[st
     if requested == "cpu":
         return "skipped", "", f"{kernel} has no CPU model (backend cpu); it {ROUTING_NEEDS}"
     if requested == "cute":
-        try:
-            return (*resolve_backend("cute"), None)
-        except ValueError as error:
-            raise ValueError(f"{kernel} {ROUTING_NEEDS}: {error}") from None
+        resolved, note = resolve_backend("auto")  # why cute cannot run, without the tails' "use --backend cpu"
+        if resolved != "cute":
+            raise ValueError(f"{kernel} {ROUTING_NEEDS} ({_ROUTING_WHY_NOT.get(note, note)}); it has no CPU model")
+        return resolved, note, None
     resolved, note = resolve_backend(requested)
     if resolved == "cute":
         return resolved, note, None

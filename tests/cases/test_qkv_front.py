@@ -241,3 +241,33 @@ def test_a_bench_row_carries_the_roofline():
     row = new_row(front.FrontCase(tp=8, tokens=4), RunOptions(), "local", 1, "bench")
     assert row.roofline_us == front.roofline_us(front.FrontCase(tp=8, tokens=4))
     assert front.VIRTUAL_STOCK == "unfused" and front.MATMUL == "torch matmul"
+
+
+def test_cli_without_a_gpu_reports_skipped(tmp_path, no_gpu):
+    """`musebench front` where the kernel cannot run: the run is reported skipped with the reason
+    (as `attn` and `routing`), not refused with advice to pass a --backend it does not have."""
+    import json
+
+    from click.testing import CliRunner
+
+    from musebench.cli import main
+
+    path = tmp_path / "front.json"
+    result = CliRunner().invoke(main, ["front", "--tp", "16", "--tokens", "1", "--json", str(path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (skipped,) = json.loads(path.read_text())["skipped"]
+    assert skipped["kernel"] == "qkv_front" and "GPU" in skipped["reason"]
+
+
+@pytest.mark.parametrize("command", [["bench", "front"], ["bench", "attn"]])
+def test_bench_without_a_gpu_exits_2_without_advising_a_cpu_backend(no_gpu, command):
+    from click.testing import CliRunner
+
+    from musebench.cli import main
+
+    result = CliRunner().invoke(main, command, catch_exceptions=False)
+    assert result.exit_code == 2
+    assert "needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here); it has no CPU model" in result.output
+    assert "--backend" not in result.output
+
