@@ -1,15 +1,17 @@
 """Jobs: a list of cases of one family kind with their run options, resolved, launched and
 turned into a report.
 
-The CLI builds jobs (`make_tail_job`, `make_routing_job`: from options or scenario files; a
-measurement, check or bench, each) and runs them with `run_job`, which hands every job to the one
-driver (`harness.driver`) through its launcher; everything that can be refused is refused in
-`make_tail_job` / `make_routing_job` / `resolve_backend`, before any rank starts.
+The CLI builds jobs (`make_tail_job`, `make_routing_job`: from options or scenario files;
+`make_front_job`, `make_attn2_job`: the attention front's; a measurement, check or bench, each)
+and runs them with `run_job`, which hands every job to the one driver (`harness.driver`) through
+its launcher; everything that can be refused is refused in the `make_*_job` functions and
+`resolve_backend`, before any rank starts.
 
-A routing job runs only where `resolve_backend` picks cute (a GPU with SM >= 90 and CuTe DSL):
-routing has no CPU model, so where auto would fall back to the CPU model, or the backend is cpu,
-the job carries a `skip_reason`, runs nothing and is reported as a `SkippedRun`, never as a pass.
-Asking for cute where it cannot run is a ValueError, as for the tails.
+A routing, qkv_front or attn2 job runs only where `resolve_backend` picks cute (a GPU with SM >= 90
+and CuTe DSL): these kernels have no CPU model, so where auto would fall back to the CPU model, or
+the backend is cpu, the job carries a `skip_reason`, runs nothing and is reported as a
+`SkippedRun`, never as a pass. Asking for cute where it cannot run is a ValueError, as for the
+tails.
 """
 
 from __future__ import annotations
