@@ -25,12 +25,14 @@ DSL_COMPAT_PACKAGES := nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cu
 DSL_COMPAT_ENV = PYTHONPATH=$(abspath $(DSL_COMPAT_DIR)):$(abspath $(DSL_COMPAT_DIR))/nvidia_cutlass_dsl/dsl_packages \
 	CUTE_DSL_CACHE_DIR=$(abspath $(DSL_COMPAT_DIR))/jit-cache
 DSL_COMPAT_TESTS := tests/kernels/test_compile_dumps.py tests/kernels/test_ep_tail_compile.py \
-	tests/kernels/test_tp_tail_compile.py tests/kernels/test_routing_compile.py tests/kernels/test_ptx.py
+	tests/kernels/test_tp_tail_compile.py tests/kernels/test_routing_compile.py tests/kernels/test_ptx.py \
+	tests/kernels/test_attn2_compile.py tests/kernels/test_qkv_front_compile.py tests/kernels/test_oneshot_allreduce_compile.py
 DSL_COMPAT_SELECT := test_compile_dumps or test_approximation_kernels or test_without_pdl \
 	or (test_publisher_ptx and tp8-bf16-before) or (test_reduce_ptx and -2-pdl) \
 	or (test_single_launch_ptx and -2-unicast-pdl) or (test_core_variants and tp4-S8-owner) \
 	or (test_stock_decode_paths and tp8-m7-S16-owner-partials-ko1-exact-bf16-before) \
-	or (test_score_arithmetic and meta-renorm)
+	or (test_score_arithmetic and meta-renorm) \
+	or test_compiles_with_ptx_assertions or test_variant_compiles_with_the_contracts_instructions or test_one_shot_ptx
 
 test-dsl-compat: $(DSL_COMPAT_DIR)/.installed
 	$(DSL_COMPAT_ENV) $(PYTHON) -c "import importlib.metadata as m, cutlass; \

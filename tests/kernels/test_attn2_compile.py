@@ -45,6 +45,8 @@ def test_compiles_with_ptx_assertions(tmp_path, arch, heads, max_model_len, wind
         path.write_text(ptx)
         report = subprocess.run([ptxas, f"-arch={arch}", "-v", str(path), "-o", "/dev/null"], capture_output=True,
                                 text=True)
+        if "Unsupported .version" in report.stderr:  # an older ptxas than the DSL's PTX (the 4.8.0 compat run)
+            pytest.skip(f"ptxas on PATH is older than this CuTe DSL's PTX: {report.stderr.splitlines()[0]}")
         assert report.returncode == 0, report.stderr
         assert "0 bytes spill stores, 0 bytes spill loads" in report.stderr, report.stderr
 
