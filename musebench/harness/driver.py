@@ -143,6 +143,12 @@ def mailbox_specs(cases: Sequence[Any], capacity: int = 0, *, bench: bool = Fals
     return specs
 
 
+def run_mailbox_specs(cases: Sequence[Any], options: RunOptions, measurement: str) -> dict[str, MailboxSpec]:
+    """The mailboxes a process run allocates once: its cases' at `options.capacity`, and for a bench
+    their baselines' too (the one-shot all-reduce's); none without cases."""
+    return mailbox_specs(cases, options.capacity, bench=measurement == "bench") if cases else {}
+
+
 def load_impl(options: RunOptions) -> Any:
     """The implementation under test where the backend runs one (cute); None for the CPU model."""
     if options.backend != "cute":
@@ -682,7 +688,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
             torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
         if groups > 1:  # every rank makes every group, in order (new_group is collective)
             subgroups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world, tp)]
-        specs = mailbox_specs(cases, options.capacity) if cases else {}
+        specs = run_mailbox_specs(cases, options, measurement)
         key = f"{job}-{next(_RUNS)}g{group}"  # unique per run and group; the launcher's cleanup matches `{job}-*`
         from musebench.comm.device import PeerMappingRefused
 

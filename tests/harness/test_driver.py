@@ -130,3 +130,15 @@ def test_the_tail_job_carries_its_capacity():
                         inputs=("random",), seeds=(0,), launcher="virtual", backend="cpu", iters=1, warmup=0,
                         timeout_s=1.0)
     assert job.options.capacity == 8
+
+
+def test_a_process_bench_allocates_its_baselines_mailboxes():
+    """run_rank's mailboxes: a bench adds the one-shot all-reduce's (lost once in a merge, so the
+    process bench timed no one-shot row), a check does not."""
+    from musebench.cases.tail import ONE_SHOT_MAILBOX
+    from musebench.harness.driver import run_mailbox_specs
+
+    cases = _cases(mode="ep", tp=2, tokens=(1, 2))
+    assert ONE_SHOT_MAILBOX in run_mailbox_specs(cases, RunOptions(capacity=8), "bench")
+    assert ONE_SHOT_MAILBOX not in run_mailbox_specs(cases, RunOptions(capacity=8), "check")
+    assert run_mailbox_specs([], RunOptions(), "bench") == {}
