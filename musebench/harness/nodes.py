@@ -16,7 +16,8 @@ other node's key. So
   every node's launcher;
 - a node whose key stops changing for NODE_SILENCE_S (its launcher killed, the node down or cut
   off) is dead: "node 1 (host b, ranks 2-3) went silent: no heartbeat from its launcher for 5.0s";
-- a store that stops answering means node 0 (which hosts it) is gone;
+- a store that stops answering, or takes longer than NODE_SILENCE_S to answer (its timeout once
+  connected), means node 0 (which hosts it) is gone;
 - a node that fails publishes why (its watch's blame, a rank's exit, a signal) under a sequence
   number the store hands out; every node ends with the earliest failure, so all name the same one.
 A rank whose collective fails because a peer went away exits with COLLECTIVE_FAILED_EXIT: its
@@ -196,6 +197,10 @@ class NodeLink:
                                    f"within {startup_s:.0f}s")
                 time.sleep(0.2)
             self.store = dist.TCPStore(nodes.host, port, is_master=False, timeout=timeout)
+        # no question to the store waits longer than a node may be silent: a node 0 that hangs or
+        # is cut off keeps its connections open, and the store's client would wait for its answer
+        # without end, holding this launcher's watch (over its own ranks too)
+        self.store = BoundedStore(self.store, NODE_SILENCE_S)
         self.job = self.store.get("job").decode()  # node 0's: every node names the job's files alike
         self.beat({})
 
@@ -261,11 +266,13 @@ class NodeLink:
             pass
 
     def first_failure(self) -> str | None:
-        """The earliest failure any node published, or None."""
+        """The earliest failure any node published, or None (a failure numbered but not yet
+        written, its node killed between the two, is passed over: never waited for)."""
         try:
-            if self.store.add("failures", 0) < 1:
-                return None
-            return self.store.get("failure/1").decode()
+            for seq in range(1, self.store.add("failures", 0) + 1):
+                if self.store.check([f"failure/{seq}"]):
+                    return self.store.get(f"failure/{seq}").decode()
+            return None
         except Exception as error:
             raise self._lost(error) from None
 
@@ -308,6 +315,52 @@ class NodeLink:
                    for node in range(1, self.nodes.nnodes)):
                 return
             time.sleep(0.1)
+
+
+class BoundedStore:
+    """A store whose every call answers within `bound_s` or raises TimeoutError: the calls run, one
+    at a time, on a daemon thread of their own, and the caller waits at most `bound_s` for each.
+    After a call that did not answer in time the store is stuck (its thread may never return) and
+    every later call raises at once."""
+
+    def __init__(self, store, bound_s: float) -> None:
+        import queue
+        import threading
+
+        self._store, self._bound_s = store, bound_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stuck: str | None = None
+        threading.Thread(target=self._serve, name="musebench-node-link", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer, done = self._calls.get()
+            try:
+                answer.append((True, call()))
+            except BaseException as error:  # handed to the caller
+                answer.append((False, error))
+            done.set()
+
+    def _call(self, name: str, *args):
+        import threading
+
+        if self._stuck is not None:
+            raise TimeoutError(self._stuck)
+        answer: list = []
+        done = threading.Event()
+        self._calls.put((lambda: getattr(self._store, name)(*args), answer, done))
+        if not done.wait(self._bound_s):
+            self._stuck = f"no answer to {name} within {self._bound_s:.1f}s"
+            raise TimeoutError(self._stuck)
+        ok, value = answer[0]
+        if not ok:
+            raise value
+        return value
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args: self._call(name, *args)
 
 
 def _answers(host: str, port: int) -> bool:

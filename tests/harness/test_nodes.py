@@ -76,3 +76,37 @@ def test_a_rank_waiting_in_a_group_names_its_peer_by_job_rank():
 
     record = RankProgress(rank=4, phase="gather", error="rank 0: timed out waiting for rank 1", group_base=4)
     assert record.waiting_for() == {5}
+
+
+def test_a_store_call_that_does_not_answer_raises_within_the_bound():
+    """The launchers' store client waits for an answer without end where node 0 hangs: every call
+    is bounded; once one ran out the store is stuck and every later call raises at once."""
+    import threading
+    import time
+
+    from musebench.harness.nodes import BoundedStore
+
+    release = threading.Event()
+
+    class Store:
+        def get(self, key):
+            return key.encode()
+
+        def add(self, key, amount):
+            raise RuntimeError("refused")
+
+        def check(self, keys):
+            release.wait(30)
+            return True
+
+    store = BoundedStore(Store(), 0.3)
+    assert store.get("job") == b"job"
+    with pytest.raises(RuntimeError, match="refused"):
+        store.add("n", 1)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no answer to check within 0.3s"):
+        store.check(["job"])
+    assert time.monotonic() - started < 2
+    with pytest.raises(TimeoutError):
+        store.get("job")
+    release.set()
