@@ -29,9 +29,15 @@ its torchrun session (at most 10 s of SIGTERM, then SIGKILL, waits), whatever `-
 A launcher killed with SIGKILL takes its torchrun with it (PR_SET_PDEATHSIG, set on torchrun by
 the launcher), and each rank goes with its torchrun (the same, set by the worker).
 
-Before launching, the launchers exchange their host names through the store (`exchange_hosts`):
-a group of ranks that sits on several hosts and that its transport cannot serve (the CPU model's
-shared memory is one host's) is refused on every node alike, exit 2, before any torchrun starts.
+Joining, a launcher checks that the store is this launch's (node 0 wrote the same layout, and the
+same MUSEBENCH_JOB_ID where one is set) and claims its node rank: a store of another job on the
+port, two launchers given one --node-rank, or a node 0 that cannot listen on PORT+1 exit 2 (the
+others then end when node 0 does not answer, or a node does not join, within the startup bound).
+
+Before launching, the launchers exchange their host names through the store (`exchange_hosts`),
+then each node's verdict on its groups' transports (`exchange`): a group of ranks that sits on
+several hosts and that its transport cannot serve (the CPU model's shared memory is one host's),
+as any node judges it, is refused on every node alike, exit 2, before any torchrun starts.
 """
 
 from __future__ import annotations
@@ -186,8 +192,15 @@ class NodeLink:
         port = nodes.port + 1
         timeout = datetime.timedelta(seconds=max(startup_s, 30.0))
         if nodes.node_rank == 0:
-            self.store = dist.TCPStore(nodes.host if nodes.host not in ("localhost",) else "127.0.0.1", port,
-                                       is_master=True, wait_for_workers=False, timeout=timeout)
+            try:
+                self.store = dist.TCPStore(nodes.host if nodes.host not in ("localhost",) else "127.0.0.1", port,
+                                           is_master=True, wait_for_workers=False, timeout=timeout)
+            except RuntimeError as error:  # DistNetworkError: the port is taken, or the host is not this one
+                line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise NodesRefused(f"node 0 cannot host the launchers' store at {nodes.host}:{port} (the rendezvous "
+                                   f"port + 1: {line}); pick another --rdzv-endpoint port, the same on every node"
+                                   ) from None
+            self.store.set("layout", self._layout())
             self.store.set("job", job)
         else:
             deadline = time.monotonic() + startup_s
@@ -201,8 +214,39 @@ class NodeLink:
         # is cut off keeps its connections open, and the store's client would wait for its answer
         # without end, holding this launcher's watch (over its own ranks too)
         self.store = BoundedStore(self.store, NODE_SILENCE_S)
+        if nodes.node_rank != 0:
+            self._join(port)
         self.job = self.store.get("job").decode()  # node 0's: every node names the job's files alike
         self.beat({})
+
+    def _layout(self) -> str:
+        return f"nnodes={self.nodes.nnodes} nproc-per-node={self.nodes.nproc_per_node} rdzv={self.nodes.endpoint}"
+
+    def _join(self, port: int) -> None:
+        """NodesRefused unless the store is this launch's (node 0 wrote the same layout, and the job
+        id where MUSEBENCH_JOB_ID names one) and this node rank is not taken by another launcher:
+        a store of another job on the port, or two launchers given one --node-rank, never run."""
+        where = f"the launchers' store at {self.nodes.host}:{port}"
+        try:
+            deadline = time.monotonic() + NODE_SILENCE_S  # node 0 writes the layout, then the job, once listening
+            while not self.store.check(["job"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            layout = self.store.get("layout").decode() if self.store.check(["layout"]) else "no musebench layout"
+            if layout != self._layout():
+                raise NodesRefused(f"{where} serves another launch ({layout}; this node's: {self._layout()}): run "
+                                   "the same command on every node, or pick another --rdzv-endpoint port")
+            job, mine = self.store.get("job").decode(), os.environ.get("MUSEBENCH_JOB_ID")
+            if mine and job != mine:
+                raise NodesRefused(f"{where} serves job {job}, this node's is {mine} (MUSEBENCH_JOB_ID): another "
+                                   "job holds the port")
+            claims = self.store.add(f"claim/{self.nodes.node_rank}", 1)
+        except NodesRefused:
+            raise
+        except Exception as error:
+            raise self._lost(error) from None
+        if claims != 1:
+            raise NodesRefused(f"node {self.nodes.node_rank} has joined {where} already: two launchers were given "
+                               f"--node-rank {self.nodes.node_rank}")
 
     def _key(self, node: int) -> str:
         return f"node/{node}"
@@ -278,8 +322,15 @@ class NodeLink:
 
     def exchange_hosts(self, deadline_s: float) -> list[str]:
         """Every node's host name, by node (each node waits for all, at most `deadline_s`)."""
-        self.store.set(f"host/{self.nodes.node_rank}", self.host)
-        keys = [f"host/{node}" for node in range(self.nodes.nnodes)]
+        hosts = self.exchange("host", self.host, deadline_s)
+        self.hosts.update(enumerate(hosts))
+        return hosts
+
+    def exchange(self, name: str, value: str, deadline_s: float) -> list[str]:
+        """Every node's `value` of `name`, by node (each node waits for all, at most `deadline_s`;
+        LinkLost naming the nodes that never gave theirs)."""
+        self.store.set(f"{name}/{self.nodes.node_rank}", value)
+        keys = [f"{name}/{node}" for node in range(self.nodes.nnodes)]
         deadline = time.monotonic() + deadline_s
         try:
             while not self.store.check(keys):
@@ -288,13 +339,11 @@ class NodeLink:
                     raise LinkLost(f"{', '.join(describe(self.nodes, node) for node in missing)} did not join within "
                                    f"{deadline_s:.0f}s (is the same command running on every node?)")
                 time.sleep(0.1)
-            hosts = [self.store.get(key).decode() for key in keys]
+            return [self.store.get(key).decode() for key in keys]
         except LinkLost:
             raise
         except Exception as error:
             raise self._lost(error) from None
-        self.hosts.update(enumerate(hosts))
-        return hosts
 
     def finish(self, status: str, reason: str | None = None) -> None:
         """This node is over: publish it; node 0 keeps the store up until every other node is over
