@@ -677,11 +677,18 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     try:
         everyone = _gathered((host, os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")))
         job = everyone[0][1]  # rank 0's: every rank names the mailboxes alike, whatever its launcher set
-        try:  # the same names on every rank: every rank refuses alike, before any mailbox is made
+        transport, refusal = None, None
+        try:  # the same names on every rank, but each rank's own GPUs and environment
             transport = group_transports(options, tp, [name for name, _ in everyone])[group]
-        except TransportRefused as refusal:
-            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {refusal}")
-            print(f"musebench: error: {refusal}", file=sys.stderr, flush=True)
+        except TransportRefused as error:
+            refusal = str(error)
+        refusals = _gathered(refusal)  # every rank refuses alike, before any mailbox is made
+        if any(refusals):
+            first = next(index for index, line in enumerate(refusals) if line)
+            line = refusals[first] if len(set(refusals)) == 1 else f"rank {first} (host {everyone[first][0]}): " \
+                                                                     f"{refusals[first]}"
+            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {line}")
+            print(f"musebench: error: {line}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         if options.backend == "cute":
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -697,7 +704,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
             try:  # collective in the group; a pair that cannot be mapped refuses on every rank of it
                 boxes = mailbox_sets.allocate_process(specs, group_rank, tp, transport, key,
                                                       group=subgroups[group] if subgroups else None)
-            except PeerMappingRefused as refusal:
+            except (PeerMappingRefused, TransportRefused) as refusal:
                 mapping_error = f"group {group}: {refusal}" if groups > 1 else str(refusal)
         refused = [error for error in _gathered(mapping_error) if error is not None]  # every group alike
         if refused:  # before any kernel: no group may go on into collectives another group has left

@@ -142,3 +142,51 @@ def test_a_process_bench_allocates_its_baselines_mailboxes():
     assert ONE_SHOT_MAILBOX in run_mailbox_specs(cases, RunOptions(capacity=8), "bench")
     assert ONE_SHOT_MAILBOX not in run_mailbox_specs(cases, RunOptions(capacity=8), "check")
     assert run_mailbox_specs([], RunOptions(), "bench") == {}
+
+
+def _rank_of_a_job(rank: int, world: int, port: int, job: str, refusing: tuple, answers) -> None:
+    """One process rank of a CPU job (spawned): `refusing` ranks' transport decision refuses
+    (their GPUs or environment differ); puts (rank, exit code or the error's line)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MUSEBENCH_JOB_ID=job)
+    from musebench.comm.transport import TransportRefused
+    from musebench.harness import driver
+
+    if rank in refusing:
+        def refuse(*args, **kwargs):
+            raise TransportRefused("auto", f"this rank's machine says no (rank {rank})")
+
+        driver.group_transports = refuse
+    try:
+        driver.run_rank([TailCase(mode="ep", tp=2, tokens=1)], RunOptions(launcher="torchrun", **FAST))
+        answers.put((rank, 0))
+    except SystemExit as done:
+        answers.put((rank, done.code))
+    except BaseException as error:
+        answers.put((rank, f"{type(error).__name__}: {str(error)[:80]}"))
+
+
+@pytest.mark.slow
+def test_a_transport_refusal_on_some_ranks_exits_2_on_every_rank(job_id):
+    """Ranks decide the transport with their own GPUs and environment: where rank 3 (group 1)
+    refuses and the others do not, every rank exits 2 before any mailbox, none left in a collective."""
+    import multiprocessing
+
+    from tests.test_scripts import _free_port_pair
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    port = _free_port_pair()
+    ranks = [context.Process(target=_rank_of_a_job, args=(rank, 4, port, job_id, (3,), answers)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(answers.get(timeout=90) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert got == {0: 2, 1: 2, 2: 2, 3: 2}, got
