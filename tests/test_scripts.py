@@ -161,3 +161,17 @@ exec {sys.executable} "$@"
     assert not report["passed"] and len(report["cases"]) == 3
     assert "1: musebench: node 1: 3 rows, 3 failed" in log
     assert os.path.exists(artifacts / "leftovers.txt") and (artifacts / "leftovers.txt").read_text() == ""
+
+
+def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
+    """Before the setup step the node-local venv does not exist: the dry run exits 2 saying so (it
+    failed on a missing file), and with MUSEBENCH_PYTHON it prints the setup every node runs."""
+    import subprocess
+
+    env = _nightly_env(tmp_path)
+    env.pop("MUSEBENCH_PYTHON")
+    done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "set MUSEBENCH_PYTHON to a Python that has it" in done.stderr, done.stderr
+    done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=_nightly_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "setup, every node: srun --ntasks-per-node=1 --label bash -c" in done.stdout
