@@ -123,7 +123,8 @@ def resolve_nodes(*, launcher: str, nnodes: int | None = None, node_rank: int | 
     node, SLURM_GPUS_ON_NODE, for --nproc-per-node), or None: no node option and no SLURM job of
     several nodes, today's one-node launch (`--tp` processes). NodesRefused for options that
     cannot work: node options without the torchrun launcher, a node rank outside 0..N-1, several
-    nodes without a rendezvous endpoint or without --nproc-per-node, a malformed endpoint."""
+    nodes without a rendezvous endpoint or without --nproc-per-node, a malformed endpoint, an
+    --nnodes that disagrees with SLURM_NNODES where the node rank would come from SLURM_NODEID."""
     environ = os.environ if environ is None else environ
     given = {name: value for name, value in (("--nnodes", nnodes), ("--node-rank", node_rank),
                                              ("--nproc-per-node", nproc_per_node), ("--rdzv-endpoint", endpoint))
@@ -141,6 +142,10 @@ def resolve_nodes(*, launcher: str, nnodes: int | None = None, node_rank: int | 
     nnodes = 1 if nnodes is None else nnodes
     if nnodes < 1:
         raise NodesRefused(f"--nnodes must be >= 1, got {nnodes}")
+    if node_rank is None and slurm and "SLURM_NODEID" in environ and nnodes != int(environ["SLURM_NNODES"]):
+        raise NodesRefused(f"--nnodes {nnodes} disagrees with SLURM_NNODES={environ['SLURM_NNODES']}: this node's "
+                           "rank would be SLURM_NODEID of the allocation's nodes; give --node-rank too, or leave "
+                           "--nnodes to SLURM")
     if node_rank is None:
         node_rank = int(environ["SLURM_NODEID"]) if slurm and "SLURM_NODEID" in environ else 0
     if not 0 <= node_rank < nnodes:

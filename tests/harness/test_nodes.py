@@ -191,3 +191,14 @@ def test_a_refusal_on_one_node_is_every_nodes():
     assert all(isinstance(outcomes[node], NodesRefused) for node in (0, 1)), outcomes
     assert str(outcomes[0]) == str(outcomes[1])
     assert str(outcomes[0]).startswith("node 1 (host ") and "no multicast here" in str(outcomes[0])
+
+
+def test_an_nnodes_that_disagrees_with_slurm_is_refused_where_slurm_gives_the_node_rank():
+    """Under an allocation of 8 nodes, `--nnodes 2` took node ranks 0..7 from SLURM_NODEID (nodes
+    2..7 refused one by one, or a job of 2 on 8 launchers); now refused, unless --node-rank is given."""
+    environ = {"SLURM_JOB_ID": "7", "SLURM_NNODES": "8", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gb[003-010]",
+               "SLURM_GPUS_ON_NODE": "4"}
+    with pytest.raises(NodesRefused, match="--nnodes 2 disagrees with SLURM_NNODES=8"):
+        resolve_nodes(launcher="torchrun", nnodes=2, environ=environ)
+    assert resolve_nodes(launcher="torchrun", nnodes=2, node_rank=1, environ=environ) == Nodes(2, 1, 4, "gb003:29500")
+    assert resolve_nodes(launcher="torchrun", nnodes=8, environ=environ) == Nodes(8, 1, 4, "gb003:29500")
