@@ -642,7 +642,8 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     own (`CaseResult.group`; None where one group is the whole job). A row numbers its ranks within
     the group; faults (`options.faults`) name ranks of the job. The ranks' host names are gathered
     first: the transport is decided per group from how many hosts it spans (the CPU model refuses
-    a group on several hosts), every rank alike: a refusal prints its reason and exits 2.
+    a group on several hosts) and this rank's GPUs and environment; the refusals are gathered, so
+    one rank's refusal prints its reason and exits 2 on every rank alike.
 
     Rank 0 returns the checked rows, the others []. Rank 0 appends every row as a JSON line to
     `results_path`; so does the lowest rank of every other node (LOCAL_RANK 0), from rank 0's
