@@ -79,7 +79,7 @@ def test_the_nightly_dry_run_prints_every_nodes_command(tmp_path):
     env = _nightly_env(tmp_path)
     done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 --label" in done.stdout
+    assert "srun --ntasks-per-node=1 --label bash -c" in done.stdout and "kill-on-bad-exit" not in done.stdout
     port = env["MUSEBENCH_PORT"]
     for node in (0, 1):
         assert f"node {node}: musebench parity " in done.stdout and f"--node-rank {node}" in done.stdout
@@ -125,3 +125,53 @@ def test_the_nightly_fails_when_the_launch_is_refused(tmp_path):
     done = subprocess.run(["bash", str(SBATCH), str(artifacts)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "transport unicast: the CPU model moves data through host memory" in (artifacts / "launchers.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_failing_nightly_still_writes_node_0s_report(tmp_path):
+    """Every row fails (a wait bound no peer can meet): node 1 learns it and exits 1 at once, while
+    node 0 still writes the report (here slowed by 3 s): srun must not kill node 0 for node 1's exit
+    (--kill-on-bad-exit did, and the nightly lost parity.json and parity.xml on every mismatch);
+    the launchers end each other where a node dies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    slow = tmp_path / "python-slow-node-0-report"
+    slow.write_text(f"""#!/usr/bin/env bash
+if [[ "${{1:-}} ${{2:-}}" == "-m musebench" && "${{SLURM_NODEID:-}}" == "0" ]]; then
+  shift 2
+  exec {sys.executable} -c "import sys, time, runpy; import musebench.harness.report as r; write = r.write_json; \\
+r.write_json = lambda *a, **k: (time.sleep(3), write(*a, **k)); sys.argv = ['musebench'] + sys.argv[1:]; \\
+runpy.run_module('musebench', run_name='__main__')" "$@"
+fi
+exec {sys.executable} "$@"
+""")
+    slow.chmod(0o755)
+    env = _nightly_env(tmp_path)
+    (tmp_path / "nightly.toml").write_text(SMALL_NIGHTLY.replace("timeout = 5.0", "timeout = 0.000001"))
+    env["MUSEBENCH_PYTHON"] = str(slow)
+    artifacts = tmp_path / "artifacts"
+    done = subprocess.run(["bash", str(SBATCH), str(artifacts)], env=env, capture_output=True, text=True, timeout=300)
+    log = (artifacts / "launchers.log").read_text() if (artifacts / "launchers.log").exists() else ""
+    assert done.returncode == 1, done.stdout + done.stderr + log
+    assert (artifacts / "parity.json").exists() and (artifacts / "parity.xml").exists(), done.stdout + log
+    report = json.loads((artifacts / "parity.json").read_text())
+    assert not report["passed"] and len(report["cases"]) == 3
+    assert "1: musebench: node 1: 3 rows, 3 failed" in log
+    assert os.path.exists(artifacts / "leftovers.txt") and (artifacts / "leftovers.txt").read_text() == ""
+
+
+def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
+    """Before the setup step the node-local venv does not exist: the dry run exits 2 saying so (it
+    failed on a missing file), and with MUSEBENCH_PYTHON it prints the setup every node runs."""
+    import subprocess
+
+    env = _nightly_env(tmp_path)
+    env.pop("MUSEBENCH_PYTHON")
+    done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "set MUSEBENCH_PYTHON to a Python that has it" in done.stderr, done.stderr
+    done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=_nightly_env(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "setup, every node: srun --ntasks-per-node=1 --label bash -c" in done.stdout

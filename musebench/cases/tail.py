@@ -135,10 +135,11 @@ def baseline_mailboxes(case: TailCase, capacity: int) -> dict[str, MailboxSpec]:
                                           width=case.width)}
 
 
-def one_shot_check(all_reduce: Any, source: torch.Tensor, out: torch.Tensor) -> Callable[[], str | None]:
-    """Collective over the default process group: every rank's `source` gathered to every rank,
-    this rank's `out` compared bitwise with their rank-order sum (`stock.all_reduce`), and the
-    all-reduce's fault record read. Returns the first problem as a line, or None."""
+def one_shot_check(all_reduce: Any, source: torch.Tensor, out: torch.Tensor, group: Any = None) -> Callable[[], str | None]:
+    """Collective over `group` (the ranks the all-reduce sums: a case group of the job; the default
+    process group when None): every rank's `source` gathered to every rank of it, this rank's `out`
+    compared bitwise with their rank-order sum (`stock.all_reduce`), and the all-reduce's fault
+    record read. Returns the first problem as a line, or None."""
 
     def check() -> str | None:
         import torch.distributed as dist
@@ -151,8 +152,8 @@ def one_shot_check(all_reduce: Any, source: torch.Tensor, out: torch.Tensor) -> 
             mine, got = source.detach().cpu(), out.detach().cpu()
         except Exception as error:
             problem = f"{type(error).__name__}: {error}"
-        parts: list = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
         if problem is not None:
             return problem
         if any(part is None for part in parts):
@@ -194,7 +195,8 @@ def tail_baselines(case: TailCase, inputs: TailInputs, rank: int, runner: TailRu
         return paths
     box = comms.mailboxes.get(ONE_SHOT_MAILBOX)
     if box is not None:
-        paths.update(_one_shot_baselines(case, source, box, comms.timeout_ns, finalize, partial, reduce_first))
+        paths.update(_one_shot_baselines(case, source, box, comms.timeout_ns, finalize, partial, reduce_first,
+                                         group=getattr(comms, "host_group", None)))
     group = comms.group
     if group is None:
         return paths
@@ -237,7 +239,7 @@ def tail_baselines(case: TailCase, inputs: TailInputs, rank: int, runner: TailRu
 
 
 def _one_shot_baselines(case: TailCase, source: Any, box: Any, timeout_ns: int, finalize: Callable[[Any, torch.Tensor], None],
-                        partial: torch.Tensor, reduce_first: bool) -> dict[str, Baseline]:
+                        partial: torch.Tensor, reduce_first: bool, group: Any = None) -> dict[str, Baseline]:
     """EP: the finalize of this rank's rows, then the one-shot all-reduce of its [m, 4096] BF16
     result; TP: the one-shot all-reduce of the K-partial rows (their first 4096 columns), then
     the finalize of the summed rows."""
@@ -254,7 +256,7 @@ def _one_shot_baselines(case: TailCase, source: Any, box: Any, timeout_ns: int, 
             all_reduce.run(finalized, reduced)
 
         return {f"finalize+{ONE_SHOT}": Baseline(finalize_one_shot, collective=True, outputs={OUT: reduced},
-                                                  check=one_shot_check(all_reduce, finalized, reduced),
+                                                  check=one_shot_check(all_reduce, finalized, reduced, group),
                                                   note=ONE_SHOT_NOTE)}
     rows = source.gemm2_permuted[:, : case.width].contiguous()
     reduced_rows = torch.empty_like(rows)
@@ -265,4 +267,5 @@ def _one_shot_baselines(case: TailCase, source: Any, box: Any, timeout_ns: int, 
         finalize(summed, partial)
 
     return {f"{ONE_SHOT}+finalize": Baseline(one_shot_finalize, collective=True, outputs={OUT: reduced_rows},
-                                              check=one_shot_check(all_reduce, rows, reduced_rows), note=ONE_SHOT_NOTE)}
+                                              check=one_shot_check(all_reduce, rows, reduced_rows, group),
+                                              note=ONE_SHOT_NOTE)}

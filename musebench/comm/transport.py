@@ -94,13 +94,18 @@ MULTICAST_OFF = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0
 
 
 def keep_multicast_off(environ: dict | None = None) -> None:
-    """Set every multicast switch to its forbidding value where the environment leaves it unset
-    (a path that never asked for multicast must not create a multicast object as a side effect)."""
-    import os
-
+    """Keep NCCL, SymmetricMemory and NVSHMEM from creating a multicast object for a path that never
+    asked for one: every switch the environment leaves unset gets its forbidding value; where the
+    policy forbids multicast (any one switch does, `multicast_policy`), every switch is set to its
+    forbidding value, overriding one that allows it (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 with
+    NCCL_NVLS_ENABLE=1 must not let NCCL build NVLS multicast for a baseline's all-reduce)."""
     environ = os.environ if environ is None else environ
+    forbidden = bool(multicast_policy(environ))
     for name, value in MULTICAST_OFF.items():
-        environ.setdefault(name, value)
+        if forbidden:
+            environ[name] = value
+        else:
+            environ.setdefault(name, value)
 
 
 class TransportRefused(ValueError):

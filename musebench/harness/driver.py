@@ -143,6 +143,12 @@ def mailbox_specs(cases: Sequence[Any], capacity: int = 0, *, bench: bool = Fals
     return specs
 
 
+def run_mailbox_specs(cases: Sequence[Any], options: RunOptions, measurement: str) -> dict[str, MailboxSpec]:
+    """The mailboxes a process run allocates once: its cases' at `options.capacity`, and for a bench
+    their baselines' too (the one-shot all-reduce's); none without cases."""
+    return mailbox_specs(cases, options.capacity, bench=measurement == "bench") if cases else {}
+
+
 def load_impl(options: RunOptions) -> Any:
     """The implementation under test where the backend runs one (cute); None for the CPU model."""
     if options.backend != "cute":
@@ -553,11 +559,13 @@ class _BaselineComms:
     """What a process bench's baselines communicate through (`Family.baselines`' `comms`): the
     NCCL group with SymmetricMemory (`collectives`, one process per GPU; None where processes
     share GPUs or NCCL could not start), this rank's mailboxes (the cases' and their baselines'),
-    and the bound on a baseline's device waits."""
+    the bound on a baseline's device waits, and the case group's host process group (`host_group`,
+    what a baseline's check gathers over: a row's ranks are its group's, not the job's)."""
 
     collectives: _Collectives | None
     mailboxes: dict
     timeout_ns: int
+    host_group: Any = None  # the case group's gloo process group (None: the whole job): the baselines' checks gather over it
 
     @property
     def group(self) -> Any:
@@ -634,7 +642,8 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     own (`CaseResult.group`; None where one group is the whole job). A row numbers its ranks within
     the group; faults (`options.faults`) name ranks of the job. The ranks' host names are gathered
     first: the transport is decided per group from how many hosts it spans (the CPU model refuses
-    a group on several hosts), every rank alike: a refusal prints its reason and exits 2.
+    a group on several hosts) and this rank's GPUs and environment; the refusals are gathered, so
+    one rank's refusal prints its reason and exits 2 on every rank alike.
 
     Rank 0 returns the checked rows, the others []. Rank 0 appends every row as a JSON line to
     `results_path`; so does the lowest rank of every other node (LOCAL_RANK 0), from rank 0's
@@ -671,18 +680,25 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     try:
         everyone = _gathered((host, os.environ.get("MUSEBENCH_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID", "job")))
         job = everyone[0][1]  # rank 0's: every rank names the mailboxes alike, whatever its launcher set
-        try:  # the same names on every rank: every rank refuses alike, before any mailbox is made
+        transport, refusal = None, None
+        try:  # the same names on every rank, but each rank's own GPUs and environment
             transport = group_transports(options, tp, [name for name, _ in everyone])[group]
-        except TransportRefused as refusal:
-            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {refusal}")
-            print(f"musebench: error: {refusal}", file=sys.stderr, flush=True)
+        except TransportRefused as error:
+            refusal = str(error)
+        refusals = _gathered(refusal)  # every rank refuses alike, before any mailbox is made
+        if any(refusals):
+            first = next(index for index, line in enumerate(refusals) if line)
+            line = refusals[first] if len(set(refusals)) == 1 else f"rank {first} (host {everyone[first][0]}): " \
+                                                                     f"{refusals[first]}"
+            record.update(phase="finished", bound_s=TEARDOWN_S, error=f"musebench: {line}")
+            print(f"musebench: error: {line}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         if options.backend == "cute":
             local_rank = int(os.environ.get("LOCAL_RANK", rank))
             torch.cuda.set_device(torch.device("cuda", local_rank % torch.cuda.device_count()))
         if groups > 1:  # every rank makes every group, in order (new_group is collective)
             subgroups = [dist.new_group(list(range(first, first + tp))) for first in range(0, world, tp)]
-        specs = mailbox_specs(cases, options.capacity) if cases else {}
+        specs = run_mailbox_specs(cases, options, measurement)
         key = f"{job}-{next(_RUNS)}g{group}"  # unique per run and group; the launcher's cleanup matches `{job}-*`
         from musebench.comm.device import PeerMappingRefused
 
@@ -691,7 +707,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
             try:  # collective in the group; a pair that cannot be mapped refuses on every rank of it
                 boxes = mailbox_sets.allocate_process(specs, group_rank, tp, transport, key,
                                                       group=subgroups[group] if subgroups else None)
-            except PeerMappingRefused as refusal:
+            except (PeerMappingRefused, TransportRefused) as refusal:
                 mapping_error = f"group {group}: {refusal}" if groups > 1 else str(refusal)
         refused = [error for error in _gathered(mapping_error) if error is not None]  # every group alike
         if refused:  # before any kernel: no group may go on into collectives another group has left
@@ -701,12 +717,9 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
         transport = transport.name
         impl = load_impl(options)
         collectives, unavailable = None, None
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if measurement == "bench" and local_world <= torch.cuda.device_count():
-            try:  # collective: every rank takes the same branch (same host, same GPU count)
-                collectives = _Collectives(tp)
-            except Exception as error:  # the case is still timed; the row says why the baselines are not
-                unavailable = f"NCCL / SymmetricMemory baselines unavailable: {type(error).__name__}: {error}"
+        if measurement == "bench":
+            collectives, unavailable = _agreed_collectives(tp, host)
+        case_group = subgroups[group] if subgroups else None  # the bench's agreements and barriers
         call_s = call_bound_s(options)
         for index, case in enumerate(cases):
             record.update(phase="bind", case=index, call=-1, calls=0, bound_s=BIND_S + compile_bound_s(options))
@@ -731,7 +744,7 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
                 # the forms it binds (the single launch) and the baselines' warm-ups compile inside it
                 record.update(phase="bench", bound_s=case_bound_s(options, bench) + compile_bound_s(options))
                 outcome = _process_bench(case, family, group_rank, runner, boxes, inputs, options, bench, collectives,
-                                         impl)
+                                         impl, group=case_group)
                 if unavailable is not None:
                     outcome.notes.append(unavailable)
             outcome.host = host
@@ -766,13 +779,35 @@ def run_rank(cases: Sequence[Any], options: RunOptions, results_path: Any = None
     return rows
 
 
-def _gathered(value: Any) -> list:
-    """Every rank's `value`, in rank order (collective: a barrier too)."""
+def _gathered(value: Any, group: Any = None) -> list:
+    """Every rank's `value` (of `group`; the whole job when None), in rank order (collective: a
+    barrier too)."""
     import torch.distributed as dist
 
-    values: list = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
     return values
+
+
+def _agreed_collectives(tp: int, host: str) -> tuple[Any, str | None]:
+    """(the bench baselines' `_Collectives`, or None, and why not where the row should say):
+    collective over the job. Every rank first says whether its node runs one process per GPU
+    (nodes may differ in GPUs), and makes the NCCL groups only where every rank does (making them
+    is collective over the job: a rank that skipped it would leave the others in it); then every
+    rank says whether its groups came up, and all keep them or none does."""
+    wanted = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))) <= torch.cuda.device_count()
+    if not all(_gathered(wanted)):
+        return None, None  # processes share GPUs somewhere: the bench's note says why (shared_gpu_timing_note)
+    collectives, error = None, None
+    try:
+        collectives = _Collectives(tp)
+    except Exception as failure:  # the case is still timed; the row says why the baselines are not
+        error = f"{type(failure).__name__}: {failure}"
+    failed = [(rank, line) for rank, line in enumerate(_gathered(error and f"{error} (host {host})")) if line]
+    if failed:
+        rank, line = failed[0]
+        return None, f"NCCL / SymmetricMemory baselines unavailable: rank {rank}: {line}"
+    return collectives, None
 
 
 def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseResult], boxes: dict,
@@ -828,11 +863,14 @@ def _finish_case(outcome: RankOutcome, evaluate_gathered: Callable[[list], CaseR
 
 
 def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, inputs: Any, options: RunOptions,
-                   bench: BenchOptions, collectives: Any, impl: Any) -> RankOutcome:
+                   bench: BenchOptions, collectives: Any, impl: Any, group: Any = None) -> RankOutcome:
     """This rank's medians of the case's call, parts, variants and baselines, and its outputs
-    after the call's replays. Collective: every rank times the same paths in the same order, and
-    every path begins with an agreement (`graph_median_us`'s `agree`), so a rank that cannot time
-    a path makes every rank skip it instead of leaving its peers in a barrier it never reaches."""
+    after the call's replays. Collective over `group` (the rank's case group, a gloo process group;
+    the whole job when None): every rank of it times the same paths in the same order, and every
+    path begins with an agreement (`graph_median_us`'s `agree`), so a rank that cannot time a path
+    makes every rank of its group skip it instead of leaving its peers in a barrier it never
+    reaches. No collective here spans other groups: a group that skips a case (a rank could not
+    bind it) or a path never leaves another group waiting for it."""
     import torch.distributed as dist
 
     outcome = RankOutcome(rank=rank)
@@ -840,18 +878,21 @@ def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, 
     stream = torch.cuda.Stream(device)
 
     def agree(ready: bool) -> bool:
-        return all(_gathered(ready))
+        return all(_gathered(ready, group))
+
+    def barrier() -> None:
+        dist.barrier(group=group)
 
     def time_path(call: Callable[[], None], collective: bool, outputs: dict | None = None) -> float:
         poison = (lambda: [checks.poison(t) for t in outputs.values()]) if outputs else None
-        return graph_median_us(call, stream, bench, barrier=dist.barrier, sync=call if collective else None,
+        return graph_median_us(call, stream, bench, barrier=barrier, sync=call if collective else None,
                                agree=agree, before_replays=poison)
 
-    def rearm() -> None:  # a part or a form leaves slots published: every rank re-arms after it
+    def rearm() -> None:  # a part or a form leaves slots published: every rank of the group re-arms after it
         torch.cuda.synchronize()
-        dist.barrier()
+        barrier()
         mailbox_sets.reset(boxes)
-        dist.barrier()
+        barrier()
 
     try:
         outcome.times_us[family.name] = time_path(runner.call, collective=True, outputs=runner.outputs)
@@ -869,7 +910,7 @@ def _process_bench(case: Any, family: Any, rank: int, runner: Any, boxes: dict, 
     for name, variant in family.variants(case, options).items():
         _process_variant(case, family, name, variant, rank, boxes, inputs, time_path, outcome, impl, agree, rearm)
     try:
-        comms = _BaselineComms(collectives, boxes, int(options.timeout_s * 1e9))
+        comms = _BaselineComms(collectives, boxes, int(options.timeout_s * 1e9), host_group=group)
         paths = family.baselines(case, inputs, rank, runner, comms)
     except Exception as error:
         paths = {}

@@ -172,6 +172,24 @@ def check_hosts(runs: Sequence[Spec], nodes: Nodes, hosts: Sequence[str]) -> Non
             raise NodesRefused(str(refusal)) from None
 
 
+def agree_on_hosts(link: NodeLink, check: Callable[[list[str]], None]) -> None:
+    """Every node's host name exchanged, `check(hosts)` (NodesRefused where a group cannot have its
+    transport) run on every node, and the verdicts exchanged: where any node refuses, every node
+    raises NodesRefused with the first refusal by node, so the nodes never split into some that
+    exit 2 and some that launch (a node judges the transport by its own GPUs and environment)."""
+    hosts = link.exchange_hosts(STARTUP_S)
+    try:
+        check(hosts)
+        verdict = ""
+    except NodesRefused as refusal:
+        verdict = str(refusal) or "refused"
+    verdicts = link.exchange("hosts-verdict", verdict, STARTUP_S)
+    refused = [(node, line) for node, line in enumerate(verdicts) if line]
+    if refused:
+        node, line = refused[0]
+        raise NodesRefused(f"{describe(link.nodes, node, hosts[node])}: {line}")
+
+
 def run_launch(runs: Sequence[Spec], nodes: Nodes | None = None,
                on_case: Callable[[CaseResult], None] | None = None) -> list[list[CaseResult]]:
     """Run every run (in order) in one torchrun launch on this node: `nodes` None is today's one
@@ -200,7 +218,7 @@ def run_launch(runs: Sequence[Spec], nodes: Nodes | None = None,
         link = NodeLink(nodes, job, STARTUP_S)
         job = link.job
         try:
-            check_hosts(runs, nodes, link.exchange_hosts(STARTUP_S))
+            agree_on_hosts(link, lambda hosts: check_hosts(runs, nodes, hosts))
         except NodesRefused as refusal:
             link.finish("failed", str(refusal))
             raise

@@ -16,7 +16,8 @@ other node's key. So
   every node's launcher;
 - a node whose key stops changing for NODE_SILENCE_S (its launcher killed, the node down or cut
   off) is dead: "node 1 (host b, ranks 2-3) went silent: no heartbeat from its launcher for 5.0s";
-- a store that stops answering means node 0 (which hosts it) is gone;
+- a store that stops answering, or takes longer than NODE_SILENCE_S to answer (its timeout once
+  connected), means node 0 (which hosts it) is gone;
 - a node that fails publishes why (its watch's blame, a rank's exit, a signal) under a sequence
   number the store hands out; every node ends with the earliest failure, so all name the same one.
 A rank whose collective fails because a peer went away exits with COLLECTIVE_FAILED_EXIT: its
@@ -28,9 +29,15 @@ its torchrun session (at most 10 s of SIGTERM, then SIGKILL, waits), whatever `-
 A launcher killed with SIGKILL takes its torchrun with it (PR_SET_PDEATHSIG, set on torchrun by
 the launcher), and each rank goes with its torchrun (the same, set by the worker).
 
-Before launching, the launchers exchange their host names through the store (`exchange_hosts`):
-a group of ranks that sits on several hosts and that its transport cannot serve (the CPU model's
-shared memory is one host's) is refused on every node alike, exit 2, before any torchrun starts.
+Joining, a launcher checks that the store is this launch's (node 0 wrote the same layout, and the
+same MUSEBENCH_JOB_ID where one is set) and claims its node rank: a store of another job on the
+port, two launchers given one --node-rank, or a node 0 that cannot listen on PORT+1 exit 2 (the
+others then end when node 0 does not answer, or a node does not join, within the startup bound).
+
+Before launching, the launchers exchange their host names through the store (`exchange_hosts`),
+then each node's verdict on its groups' transports (`exchange`): a group of ranks that sits on
+several hosts and that its transport cannot serve (the CPU model's shared memory is one host's),
+as any node judges it, is refused on every node alike, exit 2, before any torchrun starts.
 """
 
 from __future__ import annotations
@@ -116,7 +123,8 @@ def resolve_nodes(*, launcher: str, nnodes: int | None = None, node_rank: int | 
     node, SLURM_GPUS_ON_NODE, for --nproc-per-node), or None: no node option and no SLURM job of
     several nodes, today's one-node launch (`--tp` processes). NodesRefused for options that
     cannot work: node options without the torchrun launcher, a node rank outside 0..N-1, several
-    nodes without a rendezvous endpoint or without --nproc-per-node, a malformed endpoint."""
+    nodes without a rendezvous endpoint or without --nproc-per-node, a malformed endpoint, an
+    --nnodes that disagrees with SLURM_NNODES where the node rank would come from SLURM_NODEID."""
     environ = os.environ if environ is None else environ
     given = {name: value for name, value in (("--nnodes", nnodes), ("--node-rank", node_rank),
                                              ("--nproc-per-node", nproc_per_node), ("--rdzv-endpoint", endpoint))
@@ -134,6 +142,10 @@ def resolve_nodes(*, launcher: str, nnodes: int | None = None, node_rank: int | 
     nnodes = 1 if nnodes is None else nnodes
     if nnodes < 1:
         raise NodesRefused(f"--nnodes must be >= 1, got {nnodes}")
+    if node_rank is None and slurm and "SLURM_NODEID" in environ and nnodes != int(environ["SLURM_NNODES"]):
+        raise NodesRefused(f"--nnodes {nnodes} disagrees with SLURM_NNODES={environ['SLURM_NNODES']}: this node's "
+                           "rank would be SLURM_NODEID of the allocation's nodes; give --node-rank too, or leave "
+                           "--nnodes to SLURM")
     if node_rank is None:
         node_rank = int(environ["SLURM_NODEID"]) if slurm and "SLURM_NODEID" in environ else 0
     if not 0 <= node_rank < nnodes:
@@ -185,8 +197,15 @@ class NodeLink:
         port = nodes.port + 1
         timeout = datetime.timedelta(seconds=max(startup_s, 30.0))
         if nodes.node_rank == 0:
-            self.store = dist.TCPStore(nodes.host if nodes.host not in ("localhost",) else "127.0.0.1", port,
-                                       is_master=True, wait_for_workers=False, timeout=timeout)
+            try:
+                self.store = dist.TCPStore(nodes.host if nodes.host not in ("localhost",) else "127.0.0.1", port,
+                                           is_master=True, wait_for_workers=False, timeout=timeout)
+            except RuntimeError as error:  # DistNetworkError: the port is taken, or the host is not this one
+                line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise NodesRefused(f"node 0 cannot host the launchers' store at {nodes.host}:{port} (the rendezvous "
+                                   f"port + 1: {line}); pick another --rdzv-endpoint port, the same on every node"
+                                   ) from None
+            self.store.set("layout", self._layout())
             self.store.set("job", job)
         else:
             deadline = time.monotonic() + startup_s
@@ -196,8 +215,43 @@ class NodeLink:
                                    f"within {startup_s:.0f}s")
                 time.sleep(0.2)
             self.store = dist.TCPStore(nodes.host, port, is_master=False, timeout=timeout)
+        # no question to the store waits longer than a node may be silent: a node 0 that hangs or
+        # is cut off keeps its connections open, and the store's client would wait for its answer
+        # without end, holding this launcher's watch (over its own ranks too)
+        self.store = BoundedStore(self.store, NODE_SILENCE_S)
+        if nodes.node_rank != 0:
+            self._join(port)
         self.job = self.store.get("job").decode()  # node 0's: every node names the job's files alike
         self.beat({})
+
+    def _layout(self) -> str:
+        return f"nnodes={self.nodes.nnodes} nproc-per-node={self.nodes.nproc_per_node} rdzv={self.nodes.endpoint}"
+
+    def _join(self, port: int) -> None:
+        """NodesRefused unless the store is this launch's (node 0 wrote the same layout, and the job
+        id where MUSEBENCH_JOB_ID names one) and this node rank is not taken by another launcher:
+        a store of another job on the port, or two launchers given one --node-rank, never run."""
+        where = f"the launchers' store at {self.nodes.host}:{port}"
+        try:
+            deadline = time.monotonic() + NODE_SILENCE_S  # node 0 writes the layout, then the job, once listening
+            while not self.store.check(["job"]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            layout = self.store.get("layout").decode() if self.store.check(["layout"]) else "no musebench layout"
+            if layout != self._layout():
+                raise NodesRefused(f"{where} serves another launch ({layout}; this node's: {self._layout()}): run "
+                                   "the same command on every node, or pick another --rdzv-endpoint port")
+            job, mine = self.store.get("job").decode(), os.environ.get("MUSEBENCH_JOB_ID")
+            if mine and job != mine:
+                raise NodesRefused(f"{where} serves job {job}, this node's is {mine} (MUSEBENCH_JOB_ID): another "
+                                   "job holds the port")
+            claims = self.store.add(f"claim/{self.nodes.node_rank}", 1)
+        except NodesRefused:
+            raise
+        except Exception as error:
+            raise self._lost(error) from None
+        if claims != 1:
+            raise NodesRefused(f"node {self.nodes.node_rank} has joined {where} already: two launchers were given "
+                               f"--node-rank {self.nodes.node_rank}")
 
     def _key(self, node: int) -> str:
         return f"node/{node}"
@@ -261,18 +315,27 @@ class NodeLink:
             pass
 
     def first_failure(self) -> str | None:
-        """The earliest failure any node published, or None."""
+        """The earliest failure any node published, or None (a failure numbered but not yet
+        written, its node killed between the two, is passed over: never waited for)."""
         try:
-            if self.store.add("failures", 0) < 1:
-                return None
-            return self.store.get("failure/1").decode()
+            for seq in range(1, self.store.add("failures", 0) + 1):
+                if self.store.check([f"failure/{seq}"]):
+                    return self.store.get(f"failure/{seq}").decode()
+            return None
         except Exception as error:
             raise self._lost(error) from None
 
     def exchange_hosts(self, deadline_s: float) -> list[str]:
         """Every node's host name, by node (each node waits for all, at most `deadline_s`)."""
-        self.store.set(f"host/{self.nodes.node_rank}", self.host)
-        keys = [f"host/{node}" for node in range(self.nodes.nnodes)]
+        hosts = self.exchange("host", self.host, deadline_s)
+        self.hosts.update(enumerate(hosts))
+        return hosts
+
+    def exchange(self, name: str, value: str, deadline_s: float) -> list[str]:
+        """Every node's `value` of `name`, by node (each node waits for all, at most `deadline_s`;
+        LinkLost naming the nodes that never gave theirs)."""
+        self.store.set(f"{name}/{self.nodes.node_rank}", value)
+        keys = [f"{name}/{node}" for node in range(self.nodes.nnodes)]
         deadline = time.monotonic() + deadline_s
         try:
             while not self.store.check(keys):
@@ -281,13 +344,11 @@ class NodeLink:
                     raise LinkLost(f"{', '.join(describe(self.nodes, node) for node in missing)} did not join within "
                                    f"{deadline_s:.0f}s (is the same command running on every node?)")
                 time.sleep(0.1)
-            hosts = [self.store.get(key).decode() for key in keys]
+            return [self.store.get(key).decode() for key in keys]
         except LinkLost:
             raise
         except Exception as error:
             raise self._lost(error) from None
-        self.hosts.update(enumerate(hosts))
-        return hosts
 
     def finish(self, status: str, reason: str | None = None) -> None:
         """This node is over: publish it; node 0 keeps the store up until every other node is over
@@ -308,6 +369,52 @@ class NodeLink:
                    for node in range(1, self.nodes.nnodes)):
                 return
             time.sleep(0.1)
+
+
+class BoundedStore:
+    """A store whose every call answers within `bound_s` or raises TimeoutError: the calls run, one
+    at a time, on a daemon thread of their own, and the caller waits at most `bound_s` for each.
+    After a call that did not answer in time the store is stuck (its thread may never return) and
+    every later call raises at once."""
+
+    def __init__(self, store, bound_s: float) -> None:
+        import queue
+        import threading
+
+        self._store, self._bound_s = store, bound_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._stuck: str | None = None
+        threading.Thread(target=self._serve, name="musebench-node-link", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, answer, done = self._calls.get()
+            try:
+                answer.append((True, call()))
+            except BaseException as error:  # handed to the caller
+                answer.append((False, error))
+            done.set()
+
+    def _call(self, name: str, *args):
+        import threading
+
+        if self._stuck is not None:
+            raise TimeoutError(self._stuck)
+        answer: list = []
+        done = threading.Event()
+        self._calls.put((lambda: getattr(self._store, name)(*args), answer, done))
+        if not done.wait(self._bound_s):
+            self._stuck = f"no answer to {name} within {self._bound_s:.1f}s"
+            raise TimeoutError(self._stuck)
+        ok, value = answer[0]
+        if not ok:
+            raise value
+        return value
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return lambda *args: self._call(name, *args)
 
 
 def _answers(host: str, port: int) -> bool:

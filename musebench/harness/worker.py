@@ -8,9 +8,10 @@ appends one JSON line per row to RESULTS. Progress lines ("rank R started/done c
 stdout for the launcher's diagnostics.
 
 The rank ends with its torchrun (PR_SET_PDEATHSIG: `nodes.die_with_parent`). An exception that
-escapes the driver (its cases' errors never do: a collective failed, e.g. a peer on another node
-went away) is printed and ends the rank with `nodes.COLLECTIVE_FAILED_EXIT`, which the launchers
-take for a consequence whose cause is elsewhere; a refusal (every rank alike) exits 2.
+escapes the driver (its cases' errors never do) is printed; a collective's failure (a peer on
+another node went away: `collective_failed`) ends the rank with `nodes.COLLECTIVE_FAILED_EXIT`,
+which the launchers take for a consequence whose cause is elsewhere, any other error with
+RANK_FAILED_EXIT (1: this rank is the cause); a refusal (every rank alike) exits 2.
 """
 
 from __future__ import annotations
@@ -21,6 +22,25 @@ import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+
+
+RANK_FAILED_EXIT = 1  # this rank's own error: the cause, named by its launcher at once
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether `error` is a collective's failure (torch.distributed's DistError, or gloo's
+    RuntimeError raised out of a collective of torch.distributed's c10d module: a peer went away
+    or timed out), as opposed to this rank's own error (a bad value, an allocation, a CUDA error
+    outside a collective), which its launcher must name as the cause instead of waiting for one
+    elsewhere."""
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and frames[-1].filename.replace("\\", "/").endswith("torch/distributed/distributed_c10d.py")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -45,11 +65,15 @@ def main(argv: Sequence[str]) -> int:
             run_rank(run.cases, run.options, Path(results), measurement=run.measurement, bench=run.bench)
     except SystemExit:
         raise
-    except Exception:
+    except Exception as error:
         traceback.print_exc()
-        print(f"musebench: a collective of the job failed (exit {COLLECTIVE_FAILED_EXIT}): a peer went away?",
+        if collective_failed(error):
+            print(f"musebench: a collective of the job failed (exit {COLLECTIVE_FAILED_EXIT}): a peer went away?",
+                  file=sys.stderr, flush=True)
+            return COLLECTIVE_FAILED_EXIT
+        print(f"musebench: this rank failed (exit {RANK_FAILED_EXIT}): {type(error).__name__}: {error}",
               file=sys.stderr, flush=True)
-        return COLLECTIVE_FAILED_EXIT
+        return RANK_FAILED_EXIT
     finally:
         if len(runs) > 1 and dist.is_initialized():
             dist.destroy_process_group()

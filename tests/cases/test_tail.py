@@ -161,3 +161,56 @@ def test_the_tp_one_shot_reduces_the_4096_columns_the_finalize_reads(fakes, one_
     assert rows.shape[1] == 4096 and rows.shape[0] <= tail.baseline_mailboxes(case, 8)[tail.ONE_SHOT_MAILBOX].rows
     path.call()
     assert path.check() is None
+
+
+def test_the_one_shot_check_gathers_over_the_comms_case_group(fakes, monkeypatch):
+    """A job of several case groups: the one-shot's check gathers over the rank's case group (the
+    comms' host_group), not the job (whose rank-order sum adds every group's inputs)."""
+    seen = []
+    real = tail.one_shot_check
+    monkeypatch.setattr(tail, "one_shot_check", lambda *args: seen.append(args[3:]) or real(*args))
+    comms = _BaselineComms(None, {tail.ONE_SHOT_MAILBOX: "box"}, 123, host_group="group 1's gloo group")
+    _baselines(EP, comms)
+    _baselines(TP, comms)
+    assert seen == [("group 1's gloo group",)] * 2
+
+
+def _rank_checking_its_group(rank: int, port: int, answers) -> None:
+    """Rank `rank` of 4 (spawned), groups {0, 1} and {2, 3}: its all-reduce summed its own group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    first = rank // 2 * 2
+    inputs = [torch.full((8,), float(r + 1), dtype=torch.bfloat16) for r in range(4)]
+    out = rank_order_sum(inputs[first:first + 2])
+    answers.put((rank, tail.one_shot_check(FakeAllReduce(None), inputs[rank], out, group)(),
+                 tail.one_shot_check(FakeAllReduce(None), inputs[rank], out)()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_groups_one_shot_passes_its_check_where_the_jobs_sum_would_fail_it():
+    import multiprocessing
+
+    from tests.test_scripts import _free_port_pair
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    port = _free_port_pair()
+    ranks = [context.Process(target=_rank_checking_its_group, args=(rank, port, answers)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        got = {rank: (grouped, whole) for rank, grouped, whole in (answers.get(timeout=90) for _ in ranks)}
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert all(grouped is None for grouped, _ in got.values()), got
+    assert all("differ from the rank-order sum" in whole for _, whole in got.values()), got

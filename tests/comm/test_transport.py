@@ -370,3 +370,21 @@ def test_importing_the_module_imports_neither_torch_nor_cuda_python():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert result.stdout.strip() == "False False"
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}),
+    # one forbidding switch forbids multicast for musebench as a whole: an allowing one is overridden
+    ({"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "1"},
+     {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}),
+    ({"NVSHMEM_DISABLE_NVLS": "yes", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"},
+     {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}),
+    # an environment that allows multicast explicitly keeps its word; the unset switches go off
+    ({"NCCL_NVLS_ENABLE": "1"}, {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "1",
+                                 "NVSHMEM_DISABLE_NVLS": "1"}),
+])
+def test_keep_multicast_off_sets_every_switch_where_one_forbids(environ, expected):
+    from musebench.comm.transport import keep_multicast_off
+
+    keep_multicast_off(environ)
+    assert environ == expected

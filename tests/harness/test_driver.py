@@ -130,3 +130,171 @@ def test_the_tail_job_carries_its_capacity():
                         inputs=("random",), seeds=(0,), launcher="virtual", backend="cpu", iters=1, warmup=0,
                         timeout_s=1.0)
     assert job.options.capacity == 8
+
+
+def test_a_process_bench_allocates_its_baselines_mailboxes():
+    """run_rank's mailboxes: a bench adds the one-shot all-reduce's (lost once in a merge, so the
+    process bench timed no one-shot row), a check does not."""
+    from musebench.cases.tail import ONE_SHOT_MAILBOX
+    from musebench.harness.driver import run_mailbox_specs
+
+    cases = _cases(mode="ep", tp=2, tokens=(1, 2))
+    assert ONE_SHOT_MAILBOX in run_mailbox_specs(cases, RunOptions(capacity=8), "bench")
+    assert ONE_SHOT_MAILBOX not in run_mailbox_specs(cases, RunOptions(capacity=8), "check")
+    assert run_mailbox_specs([], RunOptions(), "bench") == {}
+
+
+def _rank_of_a_job(rank: int, world: int, port: int, job: str, refusing: tuple, answers) -> None:
+    """One process rank of a CPU job (spawned): `refusing` ranks' transport decision refuses
+    (their GPUs or environment differ); puts (rank, exit code or the error's line)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MUSEBENCH_JOB_ID=job)
+    from musebench.comm.transport import TransportRefused
+    from musebench.harness import driver
+
+    if rank in refusing:
+        def refuse(*args, **kwargs):
+            raise TransportRefused("auto", f"this rank's machine says no (rank {rank})")
+
+        driver.group_transports = refuse
+    try:
+        driver.run_rank([TailCase(mode="ep", tp=2, tokens=1)], RunOptions(launcher="torchrun", **FAST))
+        answers.put((rank, 0))
+    except SystemExit as done:
+        answers.put((rank, done.code))
+    except BaseException as error:
+        answers.put((rank, f"{type(error).__name__}: {str(error)[:80]}"))
+
+
+@pytest.mark.slow
+def test_a_transport_refusal_on_some_ranks_exits_2_on_every_rank(job_id):
+    """Ranks decide the transport with their own GPUs and environment: where rank 3 (group 1)
+    refuses and the others do not, every rank exits 2 before any mailbox, none left in a collective."""
+    import multiprocessing
+
+    from tests.test_scripts import _free_port_pair
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    port = _free_port_pair()
+    ranks = [context.Process(target=_rank_of_a_job, args=(rank, 4, port, job_id, (3,), answers)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(answers.get(timeout=90) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    assert got == {0: 2, 1: 2, 2: 2, 3: 2}, got
+
+
+def _rank_of_a_bench(rank: int, port: int, answers) -> None:
+    """Rank `rank` of a 4-rank job (spawned, CPU; the GPU's parts faked) with case groups {0, 1} and
+    {2, 3}: the baselines' collectives agreed over the job, then group 0 benches while group 1
+    skips the case (a rank could not bind it), both meeting in the job's gather after."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from musebench.harness import driver
+    from musebench.harness.measure import BenchOptions
+
+    os.environ.update(LOCAL_WORLD_SIZE="2", WORLD_SIZE="4")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    # nodes differ in GPUs: ranks 2-3 see one GPU for their two processes, ranks 0-1 two
+    torch.cuda.device_count = lambda: 2 if rank < 2 else 1
+
+    class Collectives:
+        def __init__(self, tp):
+            dist.new_group([0, 1, 2, 3])  # collective over the job, as NCCL's new_group
+            if rank == 1 and made.get("fail"):
+                raise RuntimeError("NCCL could not start")
+
+    made: dict = {}
+    driver._Collectives = Collectives
+    results["disagree"] = driver._agreed_collectives(2, f"host{rank}")
+    torch.cuda.device_count = lambda: 2
+    made["fail"] = True
+    results["one_fails"] = driver._agreed_collectives(2, f"host{rank}")
+
+    torch.cuda.Stream = lambda device=None: None
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *args: None
+    driver.mailbox_sets.reset = lambda boxes: None
+
+    def graph_median_us(call, stream, bench, barrier=None, sync=None, agree=None, before_replays=None):
+        assert agree(True)
+        barrier()
+        call()
+        return 1.0
+
+    driver.graph_median_us = graph_median_us
+
+    class Runner:
+        outputs: dict = {}
+
+        def call(self):
+            pass
+
+        def check_fault(self):
+            pass
+
+        def parts(self):
+            return {"part": self.call}
+
+    class Family:
+        name = "fam"
+
+        def variants(self, case, options):
+            return {}
+
+        def baselines(self, case, inputs, rank, runner, comms):
+            return {}
+
+    if rank < 2:
+        outcome = driver._process_bench(TailCase(mode="ep", tp=2, tokens=1), Family(), rank, Runner(), {}, None,
+                                        RunOptions(), BenchOptions(), None, None, group=groups[0])
+        results["bench"] = (outcome.error, sorted(outcome.times_us))
+    results["job"] = len(driver._gathered(rank))
+    answers.put((rank, results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_bench_collectives_stay_in_step_across_groups_and_nodes():
+    """The NCCL baselines are made only where every rank's node has a GPU per process (made on some
+    ranks only, the others never entered the job-wide new_group), kept only where every rank made
+    them; a group's bench agrees and barriers within its group, so a group that skipped the case
+    never leaves another in a collective of the job."""
+    import multiprocessing
+
+    from tests.test_scripts import _free_port_pair
+
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    port = _free_port_pair()
+    ranks = [context.Process(target=_rank_of_a_bench, args=(rank, port, answers)) for rank in range(4)]
+    for process in ranks:
+        process.start()
+    try:
+        got = dict(answers.get(timeout=90) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+    for rank in range(4):
+        assert got[rank]["disagree"] == (None, None)
+        collectives, why = got[rank]["one_fails"]
+        assert collectives is None and why.startswith("NCCL / SymmetricMemory baselines unavailable: rank 1: "
+                                                      "RuntimeError: NCCL could not start (host host1)"), why
+        assert got[rank]["job"] == 4
+    assert got[0]["bench"] == got[1]["bench"] == (None, ["fam", "part"])

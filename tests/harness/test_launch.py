@@ -258,3 +258,37 @@ def test_node_options_that_cannot_work_exit_2_before_launching(arguments, messag
     done = subprocess.run([sys.executable, "-m", "musebench", "tail", "--backend", "cpu", *arguments],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_stopped_node_0_ends_the_other_within_the_silence_bound(job_id):
+    """Node 0's launcher stopped (SIGSTOP: a host that hangs or is cut off keeps its connections
+    open, so nothing resets them): node 1's next question to the launchers' store must not wait
+    for the store's connect timeout (120 s) but end within the silence bound, naming node 0."""
+    import signal
+
+    from musebench.harness.nodes import NODE_SILENCE_S
+    from tests._processes import job_processes
+
+    launchers = _start_nodes([*TAIL, "--tp", "4", "--timeout", "60", "--inject", "hang:1"], 2, 2)
+    try:
+        deadline = time.monotonic() + 120
+        while len([p for p in job_processes(job_id)
+                   if "musebench.harness.worker" in p and "torch.distributed.run" not in p]) < 4:
+            assert time.monotonic() < deadline and all(launcher.poll() is None for launcher in launchers)
+            time.sleep(0.5)
+        time.sleep(2)
+        launchers[0].send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        stdout, stderr = launchers[1].communicate(timeout=NODE_SILENCE_S + 30)
+        elapsed = time.monotonic() - started
+        assert launchers[1].returncode == 1, stdout + stderr
+        assert elapsed < NODE_SILENCE_S + 15, f"{elapsed:.1f}s"
+        assert "node 0 (host " in stdout + stderr and "is gone" in stdout + stderr, stdout + stderr
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()  # a stopped process ends on SIGKILL; its torchrun follows (PDEATHSIG)
+                launcher.wait(10)
+    deadline = time.monotonic() + 20
+    while job_processes(job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
