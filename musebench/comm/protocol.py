@@ -86,6 +86,17 @@ TOKEN_SLOT = 8  # TP: the token mailbox's slot in FAULT_WHERE
 DEFAULT_TIMEOUT_NS = 2_000_000_000  # a GPU reader's bounded wait, from its first poll
 
 
+def read_fault_record(words: list[int]) -> tuple[int, int, int, int] | None:
+    """(rank, peer, where, generation) of a fault record read back as int32 [FAULT_WORDS], or None
+    where no wait timed out (FAULT_RANK still FAULT_CLEAR); `where` is the kernel's own encoding
+    (each kernel's `decode_fault` names its parts). ValueError for another number of words."""
+    if len(words) != FAULT_WORDS:
+        raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
+    if words[FAULT_RANK] == FAULT_CLEAR:
+        return None
+    return words[FAULT_RANK], words[FAULT_PEER], words[FAULT_WHERE], words[FAULT_GENERATION]
+
+
 def mailbox_shape(slots: int, rows: int, width: int) -> tuple[int, int, int, int]:
     """[generations, slots, rows, width] of one rank's mailbox (int16 words)."""
     return (LAMPORT_GENERATIONS, slots, rows, width)

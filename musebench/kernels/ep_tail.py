@@ -796,15 +796,11 @@ class EpFault:
 
 def decode_fault(words: list[int], capacity: int) -> EpFault | None:
     """The fault record int32[4] as read back, or None where no wait timed out."""
-    if len(words) != FAULT_WORDS:
-        raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
-    if words[FAULT_RANK] == FAULT_CLEAR:
+    record = protocol.read_fault_record(words)
+    if record is None:
         return None
-    row = words[FAULT_WHERE]
-    return EpFault(
-        rank=words[FAULT_RANK], peer=words[FAULT_PEER], slot=row // capacity, token=row % capacity,
-        generation=words[FAULT_GENERATION],
-    )
+    rank, peer, row, generation = record
+    return EpFault(rank=rank, peer=peer, slot=row // capacity, token=row % capacity, generation=generation)
 
 
 class EpTail:

@@ -314,13 +314,11 @@ class OneShotFault:
 
 def decode_fault(words: list[int], capacity: int) -> OneShotFault | None:
     """The fault record int32[4] as read back, or None where no wait timed out."""
-    if len(words) != FAULT_WORDS:
-        raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
-    if words[FAULT_RANK] == FAULT_CLEAR:
+    record = protocol.read_fault_record(words)
+    if record is None:
         return None
-    where = words[FAULT_WHERE]
-    return OneShotFault(rank=words[FAULT_RANK], peer=words[FAULT_PEER], slot=where // capacity, row=where % capacity,
-                        generation=words[FAULT_GENERATION])
+    rank, peer, where, generation = record
+    return OneShotFault(rank=rank, peer=peer, slot=where // capacity, row=where % capacity, generation=generation)
 
 
 class OneShotAllReduce:

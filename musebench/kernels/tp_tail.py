@@ -845,13 +845,12 @@ class TpFault:
 
 def decode_fault(words: list[int]) -> TpFault | None:
     """The fault record int32[4] as read back, or None where no wait timed out."""
-    if len(words) != FAULT_WORDS:
-        raise ValueError(f"a fault record has {FAULT_WORDS} words, got {len(words)}")
-    if words[FAULT_RANK] == FAULT_CLEAR:
+    record = protocol.read_fault_record(words)
+    if record is None:
         return None
-    token, slot = divmod(words[FAULT_WHERE], FAULT_SLOTS)
-    return TpFault(rank=words[FAULT_RANK], peer=words[FAULT_PEER], token=token,
-                   route=None if slot == TOKEN_SLOT else slot, generation=words[FAULT_GENERATION])
+    rank, peer, where, generation = record
+    token, slot = divmod(where, FAULT_SLOTS)
+    return TpFault(rank=rank, peer=peer, token=token, route=None if slot == TOKEN_SLOT else slot, generation=generation)
 
 
 class TpTail:

@@ -134,3 +134,16 @@ def test_mailbox_shapes():
     assert protocol.tp_route_mailbox_shape(4, 3, 4096, 8) == (3, 4, 24, 4096)
     assert protocol.tp_token_mailbox_shape(3, 4096, fp32_rows=True) == (3, 1, 3, 8192)
     assert protocol.tp_token_mailbox_shape(3, 4096, fp32_rows=False) == (3, 1, 3, 4096)
+
+
+def test_a_fault_record_reads_back_as_rank_peer_where_generation():
+    from musebench.comm import protocol
+
+    clear = [protocol.FAULT_CLEAR] * protocol.FAULT_WORDS
+    assert protocol.read_fault_record(clear) is None
+    words = list(clear)
+    words[protocol.FAULT_RANK], words[protocol.FAULT_PEER] = 3, 1
+    words[protocol.FAULT_WHERE], words[protocol.FAULT_GENERATION] = 37, 2
+    assert protocol.read_fault_record(words) == (3, 1, 37, 2)
+    with pytest.raises(ValueError, match="a fault record has 4 words, got 3"):
+        protocol.read_fault_record(words[:3])

@@ -155,9 +155,13 @@ def test_refuses_indices_outside_the_tables(position, slot, message):
 
 
 def test_a_nope_layer_takes_any_position():
+    """Without a table the position is never read: any value is taken, and gives the same bits."""
     qkv, _, _ = draw(1, 1, seed=4)
-    ref.qkv_epilogue_reference(qkv, torch.tensor([-5]), None, torch.tensor([-1]),
-                               torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16), 1)
+    cache = torch.zeros(1, 1, 16, 128, dtype=torch.bfloat16)
+    out, kept = ref.qkv_epilogue_reference(qkv, torch.tensor([-5]), None, torch.tensor([-1]), cache, 1)
+    at_zero, _ = ref.qkv_epilogue_reference(qkv, torch.tensor([0]), None, torch.tensor([-1]), cache, 1)
+    assert torch.equal(out.view(torch.int16), at_zero.view(torch.int16))
+    assert torch.equal(kept.view(torch.int16), cache.view(torch.int16))  # slot -1: nothing inserted
 
 
 def test_precise_is_the_cpu_default():
