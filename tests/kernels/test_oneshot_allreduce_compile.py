@@ -17,11 +17,11 @@ Read off the emitted PTX, every variant (tp 2, 3, 8, 32; BF16 and FP32; PDL on a
 from __future__ import annotations
 
 import functools
-import shutil
-import subprocess
 import tempfile
 
 import pytest
+
+from tests._ptxas import assemble, assert_no_spills
 
 pytest.importorskip("cutlass")
 
@@ -128,14 +128,9 @@ def test_without_pdl_there_is_no_griddepcontrol(arch):
     assert count(ptx, "griddepcontrol.wait") == count(ptx, "griddepcontrol.launch_dependents") == 0
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("tp, dtype", [(2, "bf16"), (8, "bf16"), (8, "fp32"), (32, "bf16"), (32, "fp32")])
 def test_ptxas_assembles_without_spills(tp, dtype, tmp_path):
-    source = tmp_path / "oneshot.ptx"
-    source.write_text(one_shot_ptx("sm_90a", tp, dtype))
-    result = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", str(source), "-o", str(tmp_path / "oneshot.cubin")],
-                            capture_output=True, text=True, check=True)
-    assert "0 bytes spill stores, 0 bytes spill loads" in result.stderr, result.stderr
+    assert_no_spills(assemble(one_shot_ptx("sm_90a", tp, dtype), "sm_90a", tmp_path, "oneshot"))
 
 
 def test_the_compile_cache_is_keyed_by_every_knob_and_not_the_rank():

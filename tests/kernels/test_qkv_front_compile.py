@@ -15,11 +15,11 @@ from __future__ import annotations
 import functools
 import glob
 import re
-import shutil
-import subprocess
 import tempfile
 
 import pytest
+
+from tests._ptxas import assemble, assert_no_spills
 
 pytest.importorskip("cutlass")
 
@@ -78,19 +78,15 @@ def test_variant_compiles_with_the_contracts_instructions(arch, kv, rope, tap):
     assert count(text, r"st\.global\.v4\.u32") == 2  # out, and the cache slot
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv", KV)
 def test_ptxas_assembles_without_spills_within_the_residency_registers(arch, kv, tmp_path):
     """No spills, and few enough registers that ceil(CTAs / 132) CTAs of 128 threads share an SM."""
-    source = tmp_path / "qkv_front.ptx"
-    source.write_text(front_ptx(arch, kv, True, True))
-    result = subprocess.run(["ptxas", f"-arch={arch}", "-O3", "-v", str(source), "-o", str(tmp_path / "qkv_front.cubin")],
-                            capture_output=True, text=True, check=True)
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr
-    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    report = assemble(front_ptx(arch, kv, True, True), arch, tmp_path, "qkv_front")
+    assert_no_spills(report)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
     per_sm = -(-qkv_front.CTAS[kv] // qkv_front.H200_SMS)
-    assert registers <= (65536 // (per_sm * qkv_front.THREADS)) // 8 * 8, result.stderr
+    assert registers <= (65536 // (per_sm * qkv_front.THREADS)) // 8 * 8, report
 
 
 def test_knobs_are_validated():

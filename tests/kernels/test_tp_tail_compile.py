@@ -33,12 +33,11 @@ norm orders, and PDL off.
 from __future__ import annotations
 
 import functools
-import re
-import shutil
-import subprocess
 import tempfile
 
 import pytest
+
+from tests._ptxas import assemble, assert_no_spills
 import torch
 
 pytest.importorskip("cutlass")
@@ -300,7 +299,6 @@ def test_without_pdl_there_is_no_griddepcontrol(arch):
     assert_bounded_polling(ptx)
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("transport", [tp_tail.UNICAST, tp_tail.MULTICAST])
 @pytest.mark.parametrize("tp, variant", [
     (32, tp_tail.TpVariant(1, tp_tail.FMA_CHAIN, 0, tp_tail.EXACT)),  # 512 threads: at most 128 registers
@@ -308,11 +306,8 @@ def test_without_pdl_there_is_no_griddepcontrol(arch):
     (2, variant_for(1, 2)),
 ], ids=["tp32-S1", "tp8-S2", "tp2-S16"])
 def test_ptxas_assembles_without_spills(tp, variant, transport, tmp_path):
-    source = tmp_path / "tp_tail.ptx"
-    source.write_text(tp_ptx("sm_90a", tp, variant, "bf16", False, transport=transport))
-    result = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", str(source), "-o", str(tmp_path / "tp_tail.cubin")],
-                            capture_output=True, text=True, check=True)
-    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", result.stderr), result.stderr
+    assert_no_spills(assemble(tp_ptx("sm_90a", tp, variant, "bf16", False, transport=transport), "sm_90a", tmp_path,
+                              "tp_tail"))
 
 
 # Multicast: the stock's decode paths (both deliveries, every combine) and the S = 1 chunked
