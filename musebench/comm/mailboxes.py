@@ -26,9 +26,6 @@ from typing import Any
 
 from musebench.comm import lamport
 
-HOST_TRANSPORTS = ("cpu-local", "shm")
-DEVICE_TRANSPORTS = ("local", "ipc", "unicast", "multicast")
-
 
 def allocate_virtual(specs: Mapping[str, Any], tp: int, transport: str) -> list[dict[str, Any]]:
     """Every virtual rank's set (`cpu-local` or `local`: `comm.transport.decide`'s name)."""

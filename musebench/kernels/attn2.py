@@ -68,7 +68,6 @@ WORD_BYTES = 4
 VECTOR_BYTES = 16
 SLOT_BYTES = lay.SLOT_WIDTH * BF16_BYTES  # 256
 CHUNKS_PER_SLOT = SLOT_BYTES // VECTOR_BYTES  # 16
-CHUNKS_PER_PAGE = lay.PAGE_BYTES // VECTOR_BYTES  # 256: two per thread
 SWIZZLE_MASK = 7  # chunk ^ (slot & 7): K stays in chunks 0-7, V in 8-15
 K_TILES = lay.HEAD_DIM // 16  # 4 k-steps of Q K^T
 V_TILE_PAIRS = lay.HEAD_DIM // 16  # 4 pairs of n-tiles of P V

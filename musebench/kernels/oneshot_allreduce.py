@@ -106,7 +106,6 @@ DTYPES = ("bf16", "fp32")
 ELEMENT_BYTES = {"bf16": 2, "fp32": 4}
 _CUTE_TYPES = {"bf16": BFloat16, "fp32": Float32}
 TORCH_TYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-LABEL = "musebench one-shot (Lamport IPC), own implementation of the published algorithm"
 
 
 def _require(condition: bool, message: str) -> None:

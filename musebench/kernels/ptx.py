@@ -486,49 +486,8 @@ def encode_sentinel_word_f32(word):
 
 
 # ---------------------------------------------------------------------------------------------
-# qkv_front additions (appended): read-only streaming loads and the warp-level BF16 MMA.
-
-
-@dsl_user_op
-def ld_global_nc_L1_no_allocate_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """`ld.global.nc.L1::no_allocate.v4.u32`: 16 bytes of data no thread writes during the kernel
-    (a projection weight read once), not kept in L1. Pure: the compiler may schedule it freely."""
-    struct = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_ir(Int64(address), loc, ip)],
-        "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        side_effects=False,
-        loc=loc,
-        ip=ip,
-    )
-    return _four_u32(struct, loc, ip)
-
-
-@dsl_user_op
-def ld_global_nc_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
-    """`ld.global.nc.v4.u32`: 16 bytes of data no thread writes during the kernel (activations,
-    tables read by many CTAs). Pure."""
-    struct = _asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [_ir(Int64(address), loc, ip)],
-        "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
-        "=r,=r,=r,=r,l",
-        side_effects=False,
-        loc=loc,
-        ip=ip,
-    )
-    return _four_u32(struct, loc, ip)
-
-
-@dsl_user_op
-def ld_global_nc_s64(address: Int64, *, loc=None, ip=None) -> Int64:
-    """`ld.global.nc.s64`: one int64 no thread writes during the kernel (a position, a slot). Pure."""
-    return Int64(_asm(T.i64(), [_ir(Int64(address), loc, ip)], "ld.global.nc.s64 $0, [$1];", "=l,l", side_effects=False, loc=loc, ip=ip))
-
-
-# ---------------------------------------------------------------------------------------------
-# attn2 (issue 15): warp mma, cp.async, shared and L2-only loads, exact division and square root.
+# The attention front (attn2, qkv_front): warp mma, cp.async, shared and L2-only loads, exact
+# division and square root.
 
 
 @dsl_user_op
