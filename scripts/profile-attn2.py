@@ -1,0 +1,51 @@
+"""Launch attn2 eagerly, a few times per context length, for a profiler to read kernel by kernel.
+
+Run under Nsight Compute on a GPU machine, for example the durations alone:
+
+    ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/profile-attn2.py
+
+or where the time goes (warp stall reasons, issue activity, memory throughput) of one launch:
+
+    ncu --clock-control none --section WarpStateStats --section SchedulerStats \
+        --section MemoryWorkloadAnalysis --section Occupancy --launch-skip 1 --launch-count 1 \
+        python3 scripts/profile-attn2.py --lengths 131072
+
+Why: the bench times a CUDA graph of attn2 calls; it cannot say whether a call is bound by its
+HBM stream, by its per-page arithmetic or by its merge. Each length prints a marker line before its
+launches. Inputs are the bench's (`cases.attn2_inputs.make_problem`, random family, one request),
+this rank's KV heads at `--tp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from musebench import cute_ops
+from musebench.cases.attn2 import runner_for
+from musebench.cases.attn2_inputs import for_rank, make_problem
+
+LAUNCHES = 3  # per length, after one warm-up launch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
+    parser.add_argument("--tp", type=int, default=8, help="2, 4, 8 or 16 (8 .. 1 KV heads)")
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--window", type=int, default=0)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    for length in (int(x) for x in args.lengths.split(",")):
+        problem = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, args.tp)
+        runner = runner_for(cute_ops, problem, device)
+        for launch in range(LAUNCHES + 1):  # the first compiles and loads outside the count
+            if launch == 1:
+                print(f"== attn2 tp {args.tp} L {length}: {LAUNCHES} launches", flush=True)
+            runner.call()
+            torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
