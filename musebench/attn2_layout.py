@@ -12,12 +12,16 @@ sees and the order they are summed in depend only on the row's own key range, ne
 that sees the same keys gets the same bits at every L). Round robin, not contiguous ranges, so
 that every L from 8 to max_model_len and every window spreads its pages over all splits.
 
-Merge. With `num_splits` > 1 (a power of two) the splits' partials (O in FP32, the running max in
-the log2 domain and the sum) meet in a fixed binary tree: node (level k, j) merges its children
-(k - 1, 2j) and (k - 1, 2j + 1), in that order, whichever CTA does it. Each CTA writes its partial
-to its slot, then climbs: one atomic per node, the first of the two children to arrive leaves,
-the second re-arms the counter (graph replays find it zero), reads its sibling and merges; the
-CTA that merges the root writes the output. Nothing waits on anything: no spin to bound.
+Merge. With `num_splits` > 1 (a power of two) each split CTA writes its partial (O in FP32, the
+running max in the log2 domain and the sum) to its workspace slot and ends; a second kernel, the
+combine, launched behind it (PDL: it waits for the split kernel to finish), merges the partials
+of each row in a fixed binary tree: node (level k, j) merges its children (k - 1, 2j) and
+(k - 1, 2j + 1), in that order. One combine CTA per (request, KV head, row): its threads are
+COMBINE_QUADS lanes (the row's 4 x 16 dims) x groups of consecutive splits (a complete subtree
+each, merged in registers), the groups' results then meet level by level through shared memory.
+A split with no page (its partial never written) enters the tree as (0, -inf, 0), which a merge
+passes through exactly, so the combine skips its read. No counter, no atomic, nothing waits on
+anything inside a launch: nothing to bound, nothing to re-arm.
 """
 
 from __future__ import annotations
@@ -40,14 +44,15 @@ CTA_THREADS = 32 * WARPS
 # mma tile, so one CTA reads each page once for all of them (the seeds' SM100 kernel splits rows
 # over a cluster; reading a page twice would double the HBM traffic this kernel is bound by).
 ROW_GROUPS = 1
-# SPLIT_TARGET_CLUSTERS: CTAs a request's launch aims for over the rank's KV heads: about one
-# wave of the 132 SMs of an H200 (148 on a GB200), rounded down to a power of two so the merge
-# tree is complete. One CTA per SM with an 8-page pipeline keeps 32 KB of reads in flight per SM,
-# about the 4.2 TB/s x ~1 us of latency the GPU needs; more CTAs would only deepen the merge.
-SPLIT_TARGET_CLUSTERS = 128
-# MAX_SPLITS: the merge tree's depth is log2 of it (6 levels of one 18 KB read each on the
-# critical path); beyond 64 the extra parallelism of one KV head (tp 16) no longer pays for it.
-MAX_SPLITS = 64
+# SPLIT_TARGET_CLUSTERS: split CTAs a request's launch aims for per KV head: a single KV head
+# (tp 16) must keep about two CTAs of 4 warps on every one of the 132 SMs of an H200 (148 on a
+# GB200), the issue rate one warp per scheduler cannot give (Nsight Compute on the H200, 64 splits:
+# one warp per scheduler issued every 4.2 cycles, 0.5 TB/s). 256 is the nearest power of two.
+SPLIT_TARGET_CLUSTERS = 256
+# MAX_SPLITS: the merge tree's leaves. The tree is merged by the combine kernel (registers within a
+# group, shared memory across groups): its depth costs a few hundred cycles, not a global round
+# trip per level, so MAX_SPLITS is SPLIT_TARGET_CLUSTERS.
+MAX_SPLITS = SPLIT_TARGET_CLUSTERS
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
 # SHORT_MAX_LEN: up to 2048 tokens (128 pages) one CTA per KV head reads the whole context; a
@@ -55,17 +60,25 @@ MIN_PAGES_PER_SPLIT = 2
 SHORT_MAX_LEN = 2048
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 
+# SPLIT_CTAS_PER_SM: split CTAs one SM holds at once (registers capped at 65536 / (4 x 128) = 128
+# a thread for it): 16 warps, four a scheduler, to hide the per-page chain's latency.
+SPLIT_CTAS_PER_SM = 4
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
-# Workspace: counters, then one partial per (request, KV head, split) slot. A partial is in the
-# kernel's register order: PARTIAL_O_VECTORS float4 vectors of O per thread, vector-major
-# ([vector][thread][4]: a warp's load is 512 contiguous bytes), then one float4 per thread
-# (max of row g, max of row g + 8, sum of row g, sum of row g + 8).
+# Workspace: one partial per (request, KV head, split) slot, in the split kernel's register order:
+# PARTIAL_O_VECTORS float4 vectors of O per thread, vector-major ([vector][thread][4]: a warp's
+# store is 512 contiguous bytes), then one float4 per thread (max of row g, max of row g + 8, sum
+# of row g, sum of row g + 8).
 PARTIAL_O_VECTORS = 8  # 32 FP32 of O per thread: 2 rows x 16 dims
 PARTIAL_FLOATS = CTA_THREADS * 4 * (PARTIAL_O_VECTORS + 1)
 PARTIAL_BYTES = 4 * PARTIAL_FLOATS  # 18432
-COUNTER_ALIGN = 16
+# The combine: one CTA per (request, KV head, row); COMBINE_QUADS threads per split group (the 4
+# lanes of the split kernel that hold the row, 16 dims each), at most COMBINE_GROUPS groups (256
+# threads), each a complete subtree of num_splits / groups consecutive splits.
+COMBINE_QUADS = 4
+COMBINE_GROUPS = 64
+COMBINE_ROW_FLOATS = 16 + 2  # a thread's share of a row's partial: 16 dims of O, m, l
 
 
 def is_power_of_two(n: int) -> bool:
@@ -100,21 +113,32 @@ def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     return count
 
 
-def counter_words(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """int32 counters: one per merge-tree node slot (num_splits per request and KV head, heap
-    numbered 1 .. num_splits - 1, word 0 unused), padded to COUNTER_ALIGN bytes."""
-    words = num_reqs * num_kv_heads * num_splits
-    return -(-words * 4 // COUNTER_ALIGN) * COUNTER_ALIGN // 4
+def combine_groups(num_splits: int) -> int:
+    """Split groups of a combine CTA (a power of two): every split its own group up to
+    COMBINE_GROUPS, then num_splits / COMBINE_GROUPS consecutive splits a group."""
+    return min(num_splits, COMBINE_GROUPS)
 
 
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """Bytes of the split kernel's workspace (0 with one split: nothing to merge)."""
+    """Bytes of the split kernel's workspace: one partial per (request, KV head, split); 0 with one
+    split (nothing to merge). Nothing in it needs zeroing: a partial is read only by the combine
+    of the launch that wrote it."""
     _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
     if not is_power_of_two(num_splits):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if num_splits == 1:
         return 0
-    return 4 * counter_words(num_reqs, num_kv_heads, num_splits) + num_reqs * num_kv_heads * num_splits * PARTIAL_BYTES
+    return num_reqs * num_kv_heads * num_splits * PARTIAL_BYTES
+
+
+def split_table_entries(max_model_len: int, window: int, num_splits: int) -> int:
+    """Page-table entries a split CTA prefetches (its pages start + i S, i below this): the most
+    pages one split visits, ceil(n / S) for n the most pages a step's visible keys span (every
+    page below max_model_len; with a window, W + 7 keys straddling at most one page more)."""
+    pages = max_pages(max_model_len)
+    if window:
+        pages = min(pages, max_pages(window + QUERY_LEN - 1) + 1)
+    return -(-pages // num_splits)
 
 
 def split_pages(split: int, num_splits: int, first_page: int, end_page: int) -> range:

@@ -5,9 +5,10 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 `musebench.cpu.attn2`'s, step for step (its docstring lists what is the same and what is not);
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
-One CTA of 128 threads per (KV head, split, request). Warp w computes rows of heads 2w, 2w + 1
-(mma rows g and g + 8, g = lane // 4 the token) with `mma.sync.m16n8k16` BF16 -> FP32, so the same
-code runs on Hopper and Blackwell (no wgmma / UMMA / TMEM):
+Two kernels, one class each. The split kernel: one CTA of 128 threads per (KV head, split,
+request). Warp w computes rows of heads 2w, 2w + 1 (mma rows g and g + 8, g = lane // 4 the
+token) with `mma.sync.m16n8k16` BF16 -> FP32, so the same code runs on Hopper and Blackwell (no
+wgmma / UMMA / TMEM):
 
 1. `griddepcontrol.wait` (PDL), then the Q fragments straight from global memory (16 words).
 2. The split's pages, ascending, through a PIPELINE_STAGES-deep cp.async ring in shared memory
@@ -22,22 +23,25 @@ code runs on Hopper and Blackwell (no wgmma / UMMA / TMEM):
    with FP32 round-to-nearest. V's B fragments come from
    word loads joined by `prmt`: n-tile 2p carries the even dims of the word pairs, 2p + 1 the
    odd ones, so a thread ends with dims 16p + 4c .. 16p + 4c + 3 of its rows.
-4. With one split: the epilogue. Otherwise the partial (O, m, l) goes to the workspace and the
-   CTA climbs the merge tree (`attn2_layout`): per level one `atom.acq_rel.gpu.add` by thread 0
-   after a `fence.acq_rel.gpu` by every thread and a CTA barrier; the first child to arrive
-   leaves, the second re-arms the counter, reads its sibling through L2 (`ld.global.cg`) and
-   merges (left child first). No CTA ever waits for another: nothing to bound.
-5. Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order, rstd =
-   1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd sig),
-   8-byte stores.
+4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
+   workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
-Memory ordering: PDL: every global read follows `griddepcontrol.wait` (Q, the gate and the cache
-are the QKV front's outputs); dependents are released after the main loop. The merge's
-release/acquire is the atomic's acq_rel plus the fences around it; partials are read with
-`.cg` loads, so no stale L1 line of an earlier launch is seen.
+The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
+`combine_groups` threads. Thread (group j, quad c) reads the rows' 16 dims of O, m and l that lane
+c held in each split of its group (skipping splits without pages: (0, -inf, 0), which a merge
+passes through exactly), merges them as the subtree they are (left child first: w = 2^(m - top),
+O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level by level
+through shared memory, and warp 0 runs the epilogue on the root.
 
-Not measured yet: compiled for sm_90a and sm_100a here (tests/kernels/test_attn2_compile.py);
-the GPU tests and the bench are the lead's to run.
+Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
+dims, then the butterfly over xor 1, 2), rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 /
+(1 + 2^(-g log2 e)), out = bf16(o rstd sig), 8-byte stores.
+
+Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
+the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
+combine's wait sees finished and flushed); each releases its dependents after its main work.
+
+Measured on the H200 (`musebench bench attn`, records/): see the README's performance section.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from musebench import config
 from musebench.kernels import compilation, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
-__all__ = ["Attn2Build", "compile_attn2", "launch", "prepare"]
+__all__ = ["Attn2Build", "CompiledAttn2", "compile_attn2", "launch", "prepare"]
 
 LOG2_E = 1.4426950408889634
 SCALE_LOG2 = config.ATTN_SCALE * LOG2_E  # rounded to binary32 once, when the kernel is built
@@ -74,16 +78,20 @@ V_TILE_PAIRS = lay.HEAD_DIM // 16  # 4 pairs of n-tiles of P V
 V_WORD0 = lay.HEAD_DIM // 2  # V's first word in a slot
 JOIN_LOW, JOIN_HIGH = 0x5410, 0x7632
 ALIGN = 16
+COMBINE_SLOT_BYTES = 80  # a thread's [16 O, m, l] in shared memory, padded to 16-byte vectors
 
 
 @dataclass(frozen=True)
 class Attn2Build:
     """Compile-time knobs besides the deployment: PDL, the target (default: CUTE_DSL_ARCH or the
-    current GPU) and a folder for the PTX (tests)."""
+    current GPU), a folder for the PTX (tests) and, for experiments (`scripts/sweep-attn2.py`),
+    a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
+    plan, not the deployment's)."""
 
     enable_pdl: bool = True
     arch: str | None = None
     ptx_dir: str | None = None
+    num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -106,6 +114,10 @@ class _Attn2Kernel:
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
+        self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)
+
+    def smem_bytes(self) -> int:
+        return lay.PIPELINE_STAGES * lay.PAGE_BYTES + -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -114,24 +126,31 @@ class _Attn2Kernel:
         self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
             grid=[self.num_kv_heads, self.num_splits, num_reqs],
             block=[lay.CTA_THREADS, 1, 1],
-            smem=lay.PIPELINE_STAGES * lay.PAGE_BYTES + VECTOR_BYTES,
+            smem=self.smem_bytes(),
             stream=stream,
             use_pdl=self.enable_pdl,
+            min_blocks_per_mp=lay.SPLIT_CTAS_PER_SM,
+            preferred_smem_carveout=100,
         )
 
     @cute.jit
-    def page_load(self, smem_stage: Int32, cache_base: Int64, table_base: Int64, page: Int32, kv_head: Int32,
-                  seq_len: Int32, tidx: Int32) -> None:
-        physical = Int32(ptx.ld_global_u32(table_base + Int64(page) * WORD_BYTES))
-        page_base = cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES
+    def page_load(self, smem_stage: Int32, cache_base: Int64, table_smem: Int32, index: Int32, page: Int32,
+                  kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
+        """cp.async of the split's page `index` (logical page `page`) into a ring stage: its
+        physical page from the prefetched table; slots at and past L, and a physical page outside
+        the cache (a bad table entry: never read out of bounds), zero-filled."""
+        physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
+        in_cache = Uint32(physical) < Uint32(cache_pages)
+        page_base = cache_base + (Int64(cutlass.select_(in_cache, physical, Int32(0))) * self.num_kv_heads
+                                  + Int64(kv_head)) * lay.PAGE_BYTES
         for half in cutlass.range_constexpr(2):
             chunk = tidx + half * lay.CTA_THREADS
             slot = chunk // CHUNKS_PER_SLOT
             column = chunk % CHUNKS_PER_SLOT
-            live = page * lay.PAGE_TOKENS + slot < seq_len
+            live = (page * lay.PAGE_TOKENS + slot < seq_len) & in_cache
             source = page_base + Int64(chunk) * VECTOR_BYTES
             dest = smem_stage + slot * SLOT_BYTES + (column ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
-            # past L: zero fill, the source not read (it stays a valid address of this page)
+            # zero fill: the source not read (it stays a valid address of the cache)
             ptx.cp_async_cg_shared_global_16(dest, cutlass.select_(live, source, page_base),
                                              cutlass.select_(live, Int32(VECTOR_BYTES), Int32(0)))
 
@@ -154,20 +173,14 @@ class _Attn2Kernel:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint32, cute.make_layout(lay.PIPELINE_STAGES * lay.PAGE_BYTES // WORD_BYTES),
                                     byte_alignment=128)
-        flag = smem.allocate_tensor(Int32, cute.make_layout(4), byte_alignment=16)
+        table = smem.allocate_tensor(Int32, cute.make_layout(self.table_entries), byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
-        flag_base = Int32(flag.iterator.toint())
+        table_smem = Int32(table.iterator.toint())
 
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
 
-        seq_len = Int32(ptx.ld_global_u32(Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES))
-        seq_len = cutlass.max(cutlass.min(seq_len, Int32(self.max_model_len)), Int32(lay.QUERY_LEN))
-        first_key = Int32(0)
-        if cutlass.const_expr(self.window > 0):
-            first_key = cutlass.max(seq_len - (lay.QUERY_LEN - 1 + self.window), Int32(0))
-        first_page = first_key // lay.PAGE_TOKENS
-        end_page = (seq_len + lay.PAGE_TOKENS - 1) // lay.PAGE_TOKENS
+        seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
         start = first_page + ((split - first_page) & (self.num_splits - 1))
         pages = cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits
 
@@ -195,18 +208,29 @@ class _Attn2Kernel:
         o = [Float32(0.0) for _ in range(32)]  # o[4 t + j]: n-tile t, fragment element j
 
         cache_base = Int64(kv_cache.iterator.toint())
+        cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
         table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
+        # The split's page-table entries (its page i is start + i S), all at once into shared
+        # memory: no table read on the pipeline's critical path.
+        for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
+            index = tidx + r * lay.CTA_THREADS
+            page = start + index * self.num_splits
+            wanted = (index < self.table_entries) & (page < self.max_pages)
+            entry = ptx.ld_global_u32(table_base + Int64(cutlass.select_(wanted, page, Int32(0))) * WORD_BYTES)
+            if index < self.table_entries:
+                ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
+        cute.arch.barrier()
         for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
             if st < pages:
-                self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_base, start + st * self.num_splits,
-                               kv_head, seq_len, tidx)
+                self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
+                               start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
 
         for i in cutlass.range(pages, unroll=1):
             ahead = i + (lay.PIPELINE_STAGES - 1)
             if ahead < pages:
-                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_base,
-                               start + ahead * self.num_splits, kv_head, seq_len, tidx)
+                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                               ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 1)
             cute.arch.barrier()
@@ -299,130 +323,272 @@ class _Attn2Kernel:
             for half in cutlass.range_constexpr(2):
                 vec.append([o[4 * (2 * pp) + 2 * half], o[4 * (2 * pp + 1) + 2 * half],
                             o[4 * (2 * pp) + 2 * half + 1], o[4 * (2 * pp + 1) + 2 * half + 1]])
-        active = Int32(1)
-        if cutlass.const_expr(self.num_splits > 1):
-            ws = Int64(workspace.iterator.toint())
-            counters = ws + Int64((req * self.num_kv_heads + kv_head) * self.num_splits) * WORD_BYTES
-            counter_count = Int32(seq_lens.shape[0]) * (self.num_kv_heads * self.num_splits)
-            align_words = lay.COUNTER_ALIGN // WORD_BYTES
-            partials = ws + Int64((counter_count + (align_words - 1)) // align_words * align_words) * WORD_BYTES
-            group = partials + Int64((req * self.num_kv_heads + kv_head) * self.num_splits) * lay.PARTIAL_BYTES
-            for level in cutlass.range_constexpr(1, self.levels + 1):
-                if active != 0:
-                    node = split >> (level - 1)
-                    slot = group + Int64(node << (level - 1)) * lay.PARTIAL_BYTES
-                    for v in cutlass.range_constexpr(8):
-                        ptx.st_global_v4_u32(slot + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
-                                             *[ptx.bitcast_f32_to_u32(x) for x in vec[v]])
-                    ptx.st_global_v4_u32(slot + Int64(8 * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
-                                         ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
-                                         ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
-                    ptx.fence_acq_rel_gpu()  # this thread's partial before thread 0's arrival
-                    cute.arch.barrier()
-                    if tidx == 0:
-                        heap = (self.num_splits >> level) + (split >> level)
-                        old = ptx.atom_add_gpu_global_u32(counters + Int64(heap) * WORD_BYTES, Uint32(1), "acq_rel")
-                        if old != Uint32(0):
-                            ptx.st_global_u32(counters + Int64(heap) * WORD_BYTES, Uint32(0))  # re-arm for the next call
-                        ptx.st_shared_u32(flag_base, old)
-                    cute.arch.barrier()
-                    second = ptx.ld_shared_u32(flag_base) != Uint32(0)
-                    cute.arch.barrier()  # the flag is rewritten at the next level
-                    if second:
-                        ptx.fence_acq_rel_gpu()  # the sibling's partial after its arrival
-                        other = group + Int64((node ^ 1) << (level - 1)) * lay.PARTIAL_BYTES
-                        ov = []
-                        for v in cutlass.range_constexpr(9):
-                            loaded = ptx.ld_global_cg_v4_u32(other + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES)
-                            ov.append([ptx.bitcast_u32_to_f32(w) for w in loaded])
-                        mine_left = (node & 1) == 0
-                        for half in cutlass.range_constexpr(2):
-                            m_l = cutlass.select_(mine_left, m[half], ov[8][half])
-                            m_r = cutlass.select_(mine_left, ov[8][half], m[half])
-                            l_l = cutlass.select_(mine_left, lsum[half], ov[8][2 + half])
-                            l_r = cutlass.select_(mine_left, ov[8][2 + half], lsum[half])
-                            top = ptx.max_f32(m_l, m_r)
-                            use = cutlass.select_(top == Float32(NEG_INF), Float32(0.0), top)
-                            w_l = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_l, use))
-                            w_r = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_r, use))
-                            m[half] = top
-                            lsum[half] = ptx.add_rn_f32(ptx.mul_rn_f32(l_l, w_l), ptx.mul_rn_f32(l_r, w_r))
-                            for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-                                v = 2 * pp + half
-                                for j in cutlass.range_constexpr(4):
-                                    x_l = cutlass.select_(mine_left, vec[v][j], ov[v][j])
-                                    x_r = cutlass.select_(mine_left, ov[v][j], vec[v][j])
-                                    vec[v][j] = ptx.add_rn_f32(ptx.mul_rn_f32(x_l, w_l), ptx.mul_rn_f32(x_r, w_r))
-                    else:
-                        active = Int32(0)
+        if cutlass.const_expr(self.num_splits == 1):
+            for half in cutlass.range_constexpr(2):
+                row = req * lay.QUERY_LEN + g
+                values = [vec[2 * pp + half][j] for pp in range(V_TILE_PAIRS) for j in range(4)]
+                head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
+                row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
+                             c, self.num_kv_heads, self.eps, Int32(1))
+        else:
+            if pages > 0:  # a split without pages writes nothing: the combine never reads its slot
+                slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
+                for v in cutlass.range_constexpr(lay.PARTIAL_O_VECTORS):
+                    ptx.st_global_v4_u32(slot + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
+                                         *[ptx.bitcast_f32_to_u32(x) for x in vec[v]])
+                ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
+                                     ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
+                                     ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
 
-        if active != 0:
-            self.epilogue(vec, lsum, gate, out, req, kv_head, warp, g, c, gate_row_words)
+
+@cute.jit
+def partial_slot(workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, num_kv_heads: cutlass.Constexpr,
+                 num_splits: cutlass.Constexpr) -> Int64:
+    """The address of partial (req, kv_head, split) in the workspace."""
+    index = (req * num_kv_heads + kv_head) * num_splits + split
+    return Int64(workspace.iterator.toint()) + Int64(index) * lay.PARTIAL_BYTES
+
+
+@cute.jit
+def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constexpr, window: cutlass.Constexpr):
+    """(L clamped to [8, max_model_len], first page, end page) of request req: the pages holding
+    keys any of its rows sees."""
+    seq_len = Int32(ptx.ld_global_u32(Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES))
+    seq_len = cutlass.max(cutlass.min(seq_len, Int32(max_model_len)), Int32(lay.QUERY_LEN))
+    first_key = Int32(0)
+    if cutlass.const_expr(window > 0):
+        first_key = cutlass.max(seq_len - (lay.QUERY_LEN - 1 + window), Int32(0))
+    return seq_len, first_key // lay.PAGE_TOKENS, (seq_len + lay.PAGE_TOKENS - 1) // lay.PAGE_TOKENS
+
+
+@cute.jit
+def merge_into(left: list, right: list) -> None:
+    """One merge-tree node in place of `left`: [O..., m, l] lists (O first), left child first:
+    top = max(m_L, m_R), w = 2^(m - top) (top 0 while both are empty), O = O_L w_L + O_R w_R, l
+    likewise (two products, one sum), m = top."""
+    n = len(left) - 2
+    m_l, m_r = left[n], right[n]
+    top = ptx.max_f32(m_l, m_r)
+    use = cutlass.select_(top == Float32(NEG_INF), Float32(0.0), top)
+    w_l = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_l, use))
+    w_r = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_r, use))
+    for k in cutlass.range_constexpr(n):
+        left[k] = ptx.add_rn_f32(ptx.mul_rn_f32(left[k], w_l), ptx.mul_rn_f32(right[k], w_r))
+    left[n] = top
+    left[n + 1] = ptx.add_rn_f32(ptx.mul_rn_f32(left[n + 1], w_l), ptx.mul_rn_f32(right[n + 1], w_r))
+
+
+@cute.jit
+def load_gate_words(gate: cute.Tensor, row: Int32, head: Int32, c: Int32, gate_row_words: Int32) -> list:
+    """The gate's BF16 pairs of dims 16 pp + 4 c .. + 3 of (row, head), pp = 0 .. 3."""
+    gate_base = Int64(gate.iterator.toint()) + Int64(row) * Int64(gate_row_words) * WORD_BYTES
+    return [ptx.ld_global_v2_u32(gate_base + Int64((head * lay.HEAD_DIM + 16 * pp + 4 * c) // 2) * WORD_BYTES)
+            for pp in range(V_TILE_PAIRS)]
+
+
+@cute.jit
+def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
+                 num_kv_heads: cutlass.Constexpr, eps: cutlass.Constexpr, store: Int32,
+                 lanes: cutlass.Constexpr = 32) -> None:
+    """The o-norm and gate of one row, by the 4 lanes 4k .. 4k + 3 of a warp (quad c holds dims
+    16 pp + 4 c + j as values[4 pp + j]); the warp's first `lanes` lanes (all it has) execute it
+    (the butterfly), lanes with `store` 0 write nothing."""
+    mask = (1 << lanes) - 1
+    out_row_words = num_kv_heads * lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM // 2
+    xs = []
+    ss = Float32(0.0)
+    for k in cutlass.range_constexpr(4 * V_TILE_PAIRS):
+        ratio = ptx.div_rn_f32(values[k], lsum)
+        word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratio)
+        x = ptx.bitcast_u32_to_f32(word << 16)
+        ss = ptx.add_rn_f32(ss, ptx.mul_rn_f32(x, x))
+        xs.append(x)
+    ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=1, mask=mask))
+    ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=2, mask=mask))
+    mean = ptx.add_rn_f32(ptx.mul_rn_f32(ss, Float32(1.0 / lay.HEAD_DIM)), Float32(eps))
+    rstd = ptx.div_rn_f32(Float32(1.0), ptx.sqrt_rn_f32(mean))
+    out_base = Int64(out.iterator.toint()) + Int64(row) * (out_row_words * WORD_BYTES)
+    for pp in cutlass.range_constexpr(V_TILE_PAIRS):
+        dim_word = (head * lay.HEAD_DIM + 16 * pp + 4 * c) // 2
+        gw = gate_words[pp]
+        gates = [ptx.bitcast_u32_to_f32(gw[0] << 16), ptx.bitcast_u32_to_f32(gw[0] & Uint32(0xFFFF0000)),
+                 ptx.bitcast_u32_to_f32(gw[1] << 16), ptx.bitcast_u32_to_f32(gw[1] & Uint32(0xFFFF0000))]
+        ys = []
+        for j in cutlass.range_constexpr(4):
+            e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[j], Float32(-LOG2_E)))
+            sig = ptx.div_rn_f32(Float32(1.0), ptx.add_rn_f32(Float32(1.0), e))
+            ys.append(ptx.mul_rn_f32(ptx.mul_rn_f32(xs[4 * pp + j], rstd), sig))
+        if store != 0:
+            ptx.st_global_v2_u32(out_base + Int64(dim_word) * WORD_BYTES, ptx.cvt_rn_bf16x2_f32(ys[1], ys[0]),
+                                 ptx.cvt_rn_bf16x2_f32(ys[3], ys[2]))
+
+
+class _Attn2CombineKernel:
+    """The merge of one split plan's partials and the epilogue: grid (64 rows, `num_kv_heads`,
+    requests), COMBINE_QUADS x `combine_groups(num_splits)` threads."""
+
+    def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
+                 enable_pdl: bool) -> None:
+        _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
+        self.num_kv_heads = num_kv_heads
+        self.num_splits = num_splits
+        self.groups = lay.combine_groups(num_splits)
+        self.leaves = num_splits // self.groups
+        self.threads = lay.COMBINE_QUADS * self.groups
+        self.max_model_len = max_model_len
+        self.window = window
+        self.eps = eps
+        self.enable_pdl = enable_pdl
+
+    def smem_bytes(self) -> int:
+        return self.groups * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
 
     @cute.jit
-    def epilogue(self, vec, lsum, gate: cute.Tensor, out: cute.Tensor, req: Int32, kv_head: Int32, warp: Int32,
-                 g: Int32, c: Int32, gate_row_words: Int32) -> None:
+    def __call__(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
+                 gate_row_words: Int32, num_reqs: Int32, stream: cuda.CUstream) -> None:
+        self.kernel(gate, seq_lens, out, workspace, gate_row_words).launch(
+            grid=[lay.ROWS_PER_KV_HEAD, self.num_kv_heads, num_reqs],
+            block=[self.threads, 1, 1],
+            smem=self.smem_bytes(),
+            stream=stream,
+            use_pdl=self.enable_pdl,
+        )
+
+    @cute.jit
+    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, first_page: Int32,
+                  end_page: Int32, source: Int32, half: Int32) -> list:
+        """[16 dims of O, m, l] of the row in split `split` ((0.., -inf, 0) if the split has no page)."""
+        leaf = [Float32(0.0) for _ in range(16)] + [Float32(NEG_INF), Float32(0.0)]
+        start = first_page + ((split - first_page) & (self.num_splits - 1))
+        if start < end_page:
+            slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
+            for pp in cutlass.range_constexpr(V_TILE_PAIRS):
+                words = ptx.ld_global_v4_u32(slot + Int64((2 * pp + half) * lay.CTA_THREADS + source) * VECTOR_BYTES)
+                for j in cutlass.range_constexpr(4):
+                    leaf[4 * pp + j] = ptx.bitcast_u32_to_f32(words[j])
+            stats = slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + source) * VECTOR_BYTES
+            leaf[16] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(half) * WORD_BYTES))
+            leaf[17] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(2 + half) * WORD_BYTES))
+        return leaf
+
+    @cute.jit
+    def subtree(self, leaves: list, lo: cutlass.Constexpr, n: cutlass.Constexpr) -> list:
+        if cutlass.const_expr(n == 1):
+            return leaves[lo]
+        left = self.subtree(leaves, lo, n // 2)
+        right = self.subtree(leaves, lo + n // 2, n // 2)
+        merge_into(left, right)
+        return left
+
+    @cute.jit
+    def store_slot(self, base: Int32, slot: Int32, c: Int32, values: list) -> None:
+        address = base + (slot * lay.COMBINE_QUADS + c) * COMBINE_SLOT_BYTES
+        for k in cutlass.range_constexpr(COMBINE_SLOT_BYTES // VECTOR_BYTES):
+            words = [ptx.bitcast_f32_to_u32(values[4 * k + i]) if 4 * k + i < len(values) else Uint32(0)
+                     for i in range(4)]
+            ptx.st_shared_v4_u32(address + k * VECTOR_BYTES, *words)
+
+    @cute.jit
+    def load_slot(self, base: Int32, slot: Int32, c: Int32) -> list:
+        address = base + (slot * lay.COMBINE_QUADS + c) * COMBINE_SLOT_BYTES
+        values = []
+        for k in cutlass.range_constexpr(COMBINE_SLOT_BYTES // VECTOR_BYTES):
+            words = ptx.ld_shared_v4_u32(address + k * VECTOR_BYTES)
+            for i in cutlass.range_constexpr(4):
+                if cutlass.const_expr(4 * k + i < lay.COMBINE_ROW_FLOATS):
+                    values.append(ptx.bitcast_u32_to_f32(words[i]))
+        return values
+
+    @cute.kernel
+    def kernel(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
+               gate_row_words: Int32) -> None:
+        row_index, kv_head, req = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        c = tidx % lay.COMBINE_QUADS
+        group = tidx // lay.COMBINE_QUADS
+        # row_index = 16 w + 8 half + g: token g of head 2w + half, held by split lane 32 w + 4 g + c
+        w = row_index // 16
+        half = (row_index // 8) % 2
+        g = row_index % 8
+        source = 32 * w + 4 * g + c
+        smem = cutlass.memory.SmemAllocator()
+        slots = smem.allocate_tensor(Uint32, cute.make_layout(self.smem_bytes() // WORD_BYTES), byte_alignment=16)
+        slot_base = Int32(slots.iterator.toint())
+
+        # Before the wait: the gate and L. Their writers (the kernels before the split kernel) had
+        # finished when the split kernel passed its own wait, and this grid starts only after every
+        # split CTA has (PDL: a dependent launches once every CTA of its primary released it).
         row = req * lay.QUERY_LEN + g
-        out_row_words = self.num_kv_heads * lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM // 2
-        for half in cutlass.range_constexpr(2):
-            head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
-            xs = []
-            ss = Float32(0.0)
-            for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-                quad = []
-                for j in cutlass.range_constexpr(4):
-                    ratio = ptx.div_rn_f32(vec[2 * pp + half][j], lsum[half])
-                    word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratio)
-                    x = ptx.bitcast_u32_to_f32(word << 16)
-                    ss = ptx.add_rn_f32(ss, ptx.mul_rn_f32(x, x))
-                    quad.append(x)
-                xs.append(quad)
-            ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=1))
-            ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=2))
-            mean = ptx.add_rn_f32(ptx.mul_rn_f32(ss, Float32(1.0 / lay.HEAD_DIM)), Float32(self.eps))
-            rstd = ptx.div_rn_f32(Float32(1.0), ptx.sqrt_rn_f32(mean))
-            gate_base = Int64(gate.iterator.toint()) + Int64(row) * Int64(gate_row_words) * WORD_BYTES
-            out_base = Int64(out.iterator.toint()) + Int64(row) * (out_row_words * WORD_BYTES)
-            for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-                dim_word = (head * lay.HEAD_DIM + 16 * pp + 4 * c) // 2
-                gw = ptx.ld_global_v2_u32(gate_base + Int64(dim_word) * WORD_BYTES)
-                gates = [ptx.bitcast_u32_to_f32(gw[0] << 16), ptx.bitcast_u32_to_f32(gw[0] & Uint32(0xFFFF0000)),
-                         ptx.bitcast_u32_to_f32(gw[1] << 16), ptx.bitcast_u32_to_f32(gw[1] & Uint32(0xFFFF0000))]
-                ys = []
-                for j in cutlass.range_constexpr(4):
-                    e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[j], Float32(-LOG2_E)))
-                    sig = ptx.div_rn_f32(Float32(1.0), ptx.add_rn_f32(Float32(1.0), e))
-                    ys.append(ptx.mul_rn_f32(ptx.mul_rn_f32(xs[pp][j], rstd), sig))
-                ptx.st_global_v2_u32(out_base + Int64(dim_word) * WORD_BYTES, ptx.cvt_rn_bf16x2_f32(ys[1], ys[0]),
-                                     ptx.cvt_rn_bf16x2_f32(ys[3], ys[2]))
+        head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * w + half
+        gate_words = load_gate_words(gate, row, head, c, gate_row_words)
+        _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
+        leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half)
+                  for i in range(self.leaves)]
+        mine = self.subtree(leaves, 0, self.leaves)
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.groups > 1):
+            self.store_slot(slot_base, group, c, mine)
+            cute.arch.barrier()
+            span = self.groups
+            for _ in cutlass.range_constexpr(int(math.log2(self.groups))):
+                span //= 2
+                live = group < span
+                pick = cutlass.select_(live, group, Int32(0))
+                left = self.load_slot(slot_base, 2 * pick, c)
+                right = self.load_slot(slot_base, 2 * pick + 1, c)
+                merge_into(left, right)
+                cute.arch.barrier()  # every read of this level before any write
+                if live:
+                    self.store_slot(slot_base, group, c, left)
+                cute.arch.barrier()
+            mine = self.load_slot(slot_base, Int32(0), c)
+        if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
+            row_epilogue(mine[:16], mine[17], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
+                         cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
 
 
-def _variant(num_kv_heads: int, max_model_len: int, window: int) -> dict[str, Any]:
+def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int | None = None) -> dict[str, Any]:
     _require(not isinstance(num_kv_heads, bool) and isinstance(num_kv_heads, int) and num_kv_heads >= 1,
              f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
     _require(not isinstance(max_model_len, bool) and isinstance(max_model_len, int) and max_model_len >= lay.QUERY_LEN,
              f"max_model_len must be an int >= {lay.QUERY_LEN}, got {max_model_len!r}")
     _require(not isinstance(window, bool) and isinstance(window, int) and 0 <= window < max_model_len
              or window == 0, f"window must be 0 or an int in [1, max_model_len), got {window!r} (cute_ops.attn2_window)")
-    return dict(num_kv_heads=num_kv_heads, num_splits=lay.splits(max_model_len, window, num_kv_heads),
-                max_pages=lay.max_pages(max_model_len), max_model_len=max_model_len, window=window,
-                eps=float(config.RMS_NORM_EPS))
+    if num_splits is None:
+        num_splits = lay.splits(max_model_len, window, num_kv_heads)
+    _require(not isinstance(num_splits, bool) and isinstance(num_splits, int) and lay.is_power_of_two(num_splits),
+             f"num_splits must be a power of two, got {num_splits!r}")
+    return dict(num_kv_heads=num_kv_heads, num_splits=num_splits, max_pages=lay.max_pages(max_model_len),
+                max_model_len=max_model_len, window=window, eps=float(config.RMS_NORM_EPS))
 
 
-def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Attn2Build = Attn2Build()) -> Any:
-    """The compiled attn2 variant of a deployment (one compile per process: the one cache).
+@dataclass(frozen=True)
+class CompiledAttn2:
+    """A deployment's compiled kernels: the split kernel, and the combine where there are splits."""
+
+    num_splits: int
+    split: Any
+    combine: Any | None
+
+
+def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Attn2Build = Attn2Build()) -> CompiledAttn2:
+    """The compiled attn2 kernels of a deployment (one compile per process: the one cache).
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
-    knobs = _variant(num_kv_heads, max_model_len, window)
+    knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits)
     knobs["enable_pdl"] = bool(build.enable_pdl)
+    arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
+    bf16 = cutlass.BFloat16
 
-    def compile_variant() -> Any:
-        bf16 = cutlass.BFloat16
-        return compiler(build.arch or os.environ.get("CUTE_DSL_ARCH"), build.ptx_dir)(
+    def compile_split() -> Any:
+        return compiler(arch, build.ptx_dir)(
             _Attn2Kernel(**knobs),
             fake_flat(bf16, 8, ALIGN),  # q (strided rows: the row stride is a runtime argument)
             fake_flat(bf16, 8, ALIGN),  # gate
@@ -435,20 +601,39 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
             cuda.CUstream(0),
         )
 
-    key = compilation.kernel_key(_Attn2Kernel, arch=build.arch, ptx_dir=build.ptx_dir, **knobs)
-    return compilation.compiled(key, compile_variant, what="attn2 (musebench.cute_ops.prepare_attn2)")
+    combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
+
+    def compile_combine() -> Any:
+        return compiler(arch, build.ptx_dir)(
+            _Attn2CombineKernel(**combine_knobs),
+            fake_flat(bf16, 8, ALIGN),  # gate
+            fake_flat(Int32, 1, 4),  # seq_lens
+            fake_flat(bf16, 8, ALIGN),  # out
+            fake_flat(cutlass.Uint8, 16, ALIGN),  # workspace
+            Int32(1), Int32(1),
+            cuda.CUstream(0),
+        )
+
+    what = "attn2 (musebench.cute_ops.prepare_attn2)"
+    split = compilation.compiled(compilation.kernel_key(_Attn2Kernel, arch=build.arch, ptx_dir=build.ptx_dir, **knobs),
+                                 compile_split, what=what)
+    combine = None
+    if knobs["num_splits"] > 1:
+        key = compilation.kernel_key(_Attn2CombineKernel, arch=build.arch, ptx_dir=build.ptx_dir, **combine_knobs)
+        combine = compilation.compiled(key, compile_combine, what=what)
+    return CompiledAttn2(knobs["num_splits"], split, combine)
 
 
 def prepare(*, num_kv_heads: int, max_model_len: int, window: int, enable_pdl: bool = True) -> None:
-    """Compile a deployment's variant before capture (`cute_ops.prepare_attn2`)."""
+    """Compile a deployment's kernels before capture (`cute_ops.prepare_attn2`)."""
     compile_attn2(num_kv_heads, max_model_len, window, Attn2Build(enable_pdl=enable_pdl))
 
 
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
-                 window: int) -> int:
+                 window: int, num_splits: int | None = None) -> int:
     """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count."""
-    variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window)
+    variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits)
     heads = variant["num_kv_heads"]
     bf16 = torch.bfloat16
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
@@ -490,15 +675,23 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
-           window: int, enable_pdl: bool = True) -> None:
-    """`cute_ops.launch_attn2` (its docstring is the contract)."""
+           window: int, enable_pdl: bool = True, num_splits: int | None = None) -> None:
+    """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
+    the combine, on the current stream. `num_splits`: experiments only (`Attn2Build`)."""
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window)
-    compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, Attn2Build(enable_pdl=enable_pdl))
+                          window=window, num_splits=num_splits)
+    compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window,
+                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits))
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    compiled(cute_flat(_rows_span(q), ALIGN, 8), cute_flat(_rows_span(gate), ALIGN, 8),
-             cute_flat(kv_cache, ALIGN, lay.PAGE_BYTES // BF16_BYTES), cute_flat(page_table, ALIGN, 1),
-             cute_flat(seq_lens, 4, 1), cute_flat(out, ALIGN, 8), cute_flat(workspace, ALIGN, 16),
-             Int32(q.stride(0) // 2), Int32(gate.stride(0) // 2), Int32(seq_lens.numel()), stream)
+    gate_rows = cute_flat(_rows_span(gate), ALIGN, 8)
+    lengths = cute_flat(seq_lens, 4, 1)
+    out_flat = cute_flat(out, ALIGN, 8)
+    workspace_flat = cute_flat(workspace, ALIGN, 16)
+    compiled.split(cute_flat(_rows_span(q), ALIGN, 8), gate_rows, cute_flat(kv_cache, ALIGN, lay.PAGE_BYTES // BF16_BYTES),
+                   cute_flat(page_table, ALIGN, 1), lengths, out_flat, workspace_flat, Int32(q.stride(0) // 2),
+                   Int32(gate.stride(0) // 2), Int32(seq_lens.numel()), stream)
+    if compiled.combine is not None:
+        compiled.combine(gate_rows, lengths, out_flat, workspace_flat, Int32(gate.stride(0) // 2),
+                         Int32(seq_lens.numel()), stream)

@@ -1,0 +1,97 @@
+"""Time attn2 split plans side by side in one run: CUDA-graph medians per (split count, PDL, tp, L),
+with torch SDPA (flash) on the same keys in the same run, and how many output elements of each plan
+differ from the first plan's (another merge tree gives other bits: a signal, not a check; the
+deployment's plan is checked by tests/kernels/test_attn2_gpu.py).
+
+An experiment, not a bench: `musebench bench attn` times the deployment's plan
+(`attn2_layout.splits`); this script picks that plan. Run on a GPU machine:
+
+    python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
+
+Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
+writes them as a list of dicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from musebench import attn2_layout as lay
+from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S, sdpa_call
+from musebench.cases.attn2_inputs import for_rank, make_problem
+from musebench.harness.measure import BenchOptions, graph_median_us
+from musebench.kernels import attn2
+from musebench.stock.attn2 import gather_kv
+
+
+def _csv(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--splits", default="64,128,256")
+    parser.add_argument("--pdl", default="1", help="1, 0 or 1,0")
+    parser.add_argument("--lengths", default="512,8192,32768,131072")
+    parser.add_argument("--tp", default="8,16")
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--window", type=int, default=0)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream(device)
+    bench = BenchOptions(calls=args.calls, replays=args.replays)
+    rows = []
+    for tp in _csv(args.tp):
+        for length in _csv(args.lengths):
+            p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
+            heads = p.num_kv_heads
+            keys, values = gather_kv(p.kv_cache, p.page_table[0].cpu(), length)
+            first, _ = lay.visible_keys(length, args.window)
+            keys, values = keys[None, :, first:].contiguous(), values[None, :, first:].contiguous()
+            q = p.q.view(lay.QUERY_LEN, heads, lay.HEADS_PER_KV_HEAD, lay.HEAD_DIM).permute(1, 2, 0, 3)
+            q = q.reshape(1, heads, lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM).contiguous()
+            sdpa_us = graph_median_us(sdpa_call(q, keys, values), stream, bench)
+            kv_bytes = 2 * keys.numel() * keys.element_size()
+            reference = None
+            for splits in _csv(args.splits):
+                for pdl in _csv(args.pdl):
+                    workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits)), dtype=torch.uint8,
+                                            device=device)
+                    out = torch.full_like(p.q, float("nan"))
+
+                    def call(splits=splits, pdl=pdl, workspace=workspace, out=out) -> None:
+                        attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                                     max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
+                                     num_splits=splits)
+
+                    us = graph_median_us(call, stream, bench)
+                    torch.cuda.synchronize()
+                    finite = bool(torch.isfinite(out.float()).all())
+                    if reference is None:
+                        reference = out.clone()
+                    same = int((out.view(torch.int16) != reference.view(torch.int16)).sum())
+                    row = dict(tp=tp, L=length, splits=splits, pdl=pdl, us=round(us, 2), sdpa_us=round(sdpa_us, 2),
+                               ratio_to_sdpa=round(us / sdpa_us, 3), gbps=round(kv_bytes / us / 1e3, 1),
+                               roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
+                               bits_differing_from_first_plan=same)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    by_plan: dict = {}
+    for r in rows:
+        by_plan.setdefault((r["splits"], r["pdl"]), []).append(r["ratio_to_sdpa"])
+    for (splits, pdl), ratios in sorted(by_plan.items()):
+        print(f"splits {splits} pdl {pdl}: median attn2/SDPA {statistics.median(ratios):.3f}, max {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
