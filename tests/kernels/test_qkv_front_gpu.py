@@ -190,3 +190,24 @@ def test_positions_and_slots_outside_the_tables_stay_inside_them(tp, pdl):
         assert checks.still_poisoned(cell) == (slot not in written), slot
     for page in (0, -1):
         assert checks.still_poisoned(got[front.CACHE][page]), "a guard page was written"
+
+
+def test_a_bench_case_binds_and_its_deployed_launch_matches_expected():
+    """The bench's case: bind checks the three forms agree, its call (no tap, PDL) writes out and
+    the cache buffer `expected` holds (no tap), and its baselines include the build without PDL."""
+    from musebench.harness.case import RunOptions
+
+    case = front.FrontCase(tp=8, tokens=5, inputs="adversarial", bench=True)
+    inputs = front.make_inputs(case)
+    options = RunOptions(backend="cute", impl="musebench")
+    runner = front.bind(case, "musebench", 0, {}, inputs, options)
+    want = front.expected(case, inputs, options, hardware_approximations()).per_rank[0]
+    assert set(want) == set(runner.outputs) == {front.OUT, front.CACHE}
+    for t in runner.outputs.values():
+        checks.poison(t)
+    runner.call()
+    torch.cuda.synchronize()
+    for name, tensor in runner.outputs.items():
+        count, _, first = checks.compare_bits(tensor.cpu(), want[name])
+        assert count == 0, (name, first)
+    assert set(front.baselines(case, inputs, 0, runner, None)) == {front.VIRTUAL_STOCK, front.MATMUL, front.NO_PDL}
