@@ -605,9 +605,11 @@ def front(tp, tokens, rope, inputs, seed, seeds, json_path, junit_path, inject, 
 @click.option("--replays", type=int, default=30, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
-    """GPU: the QKV front (with and without the tap) vs the unfused path (torch.matmul, i.e. cuBLAS,
-    then the Triton stock epilogue) and torch.matmul alone on rank 0's weight, CUDA-graph medians;
-    the roofline column is the row's bytes (N x 8192 x 2) / 4.2 TB/s."""
+    """GPU: the QKV front as a deployment launches it (no tap, PDL: the tail column) vs the unfused
+    path (torch.matmul, i.e. cuBLAS, then the Triton stock epilogue), torch.matmul alone and the
+    same launch built without PDL ('front without PDL': its cell's ratio is PDL / no PDL, same run)
+    on rank 0's weight, CUDA-graph medians; 'with tap' times the tap launch; the roofline column is
+    the row's bytes (N x 8192 x 2) / 4.2 TB/s."""
     from musebench.harness.jobs import make_front_job
     from musebench.harness.measure import BenchOptions
 

@@ -331,9 +331,11 @@ def qkv_front_unsupported(
     positions int64 [T], cos_sin_cache None (a NoPE layer) or fp32 [max_pos, 64] (cos in
     columns 0..31, sin in 32..63), slot_mapping int64 [T] (negative: not inserted), kv_cache bf16
     [pages, kv_heads, 16, 128] with N = 1152 kv_heads (`supports_shape`), out None or bf16
-    [T, N]; every tensor contiguous, 16-byte aligned, on one CUDA device. Positions must be below
-    max_pos and slots below pages * 16: neither is checked (that would read device memory).
-    Reads no device memory; CPU tensors are refused (the kernel needs a GPU)."""
+    [T, N]; every tensor contiguous, 16-byte aligned, on one CUDA device. Positions and slots are
+    device values, not checked here (that would read device memory); the kernel bounds them
+    (`launch_qkv_front`: a position outside [0, max_pos) takes the nearest row of the table, a
+    slot >= pages * 16 is not inserted). Reads no device memory; CPU tensors are refused (the
+    kernel needs a GPU)."""
     tensors = {"x": x, "weight": weight, "positions": positions, "slot_mapping": slot_mapping, "kv_cache": kv_cache}
     if cos_sin_cache is not None:
         tensors["cos_sin_cache"] = cos_sin_cache
@@ -452,6 +454,7 @@ def launch_qkv_front(
     out: torch.Tensor,
     *,
     tap: torch.Tensor | None = None,
+    enable_pdl: bool = True,
 ) -> torch.Tensor:
     """One launch of the QKV front: out = x W^T with the stock's qk-norm and RoPE on the q and k
     heads, k and v inserted into `kv_cache` at `slot_mapping`; returns `out`.
@@ -459,9 +462,18 @@ def launch_qkv_front(
     Arguments as `supports_call` checks them (with `out` bf16 [T, N]); ValueError with
     `qkv_front_unsupported`'s reason, before anything launches, on a call it refuses. Writes
     `out` (q and k heads normed and rotated, v and gate as projected, each one BF16 rounding of the
-    FP32 product) and the K | V halves of the slots of tokens with slot >= 0; nothing else.
+    FP32 product) and the K | V halves of the slots of tokens with 0 <= slot < pages * 16;
+    nothing else.
+    Bounds (device values, kept by the kernel, never an error): a slot < 0 or >= pages * 16
+    (kv_cache.shape[0] * 16) inserts nothing (its token's out is still written); a position < 0
+    or >= max_pos (cos_sin_cache.shape[0]) is rotated with row 0 or row max_pos - 1 of the table
+    (clamped: the table is never read outside its rows; such a token's q and k are then those of
+    the clamped position). `stock.qkv_front.qkv_epilogue_reference` does the same.
     musebench's extension: `tap` (bf16 [T, N], keyword-only) also receives the kernel's own BF16
     projection before the epilogue (a compile-time variant: the tests' view of the projection).
+    `enable_pdl` (default True): programmatic dependent launch, the weight's first ring stages
+    streamed before the kernel waits for the preceding kernel on the stream (x, positions, slots,
+    the table and every write after the wait); False launches without it. Both give the same bits.
     The first call of a variant compiles it (never during CUDA-graph capture); later calls are
     graph-capturable and allocate nothing. eps is Muse Spark's rms_norm_eps (1e-5), baked in.
     """
@@ -472,11 +484,14 @@ def launch_qkv_front(
             tap.dtype != torch.bfloat16 or tap.shape != out.shape or not _contiguous_aligned(tap)
             or tap.device != out.device):
         reason = f"tap must be bf16 {tuple(out.shape)}, contiguous, aligned, on {out.device}"
+    if reason is None and not isinstance(enable_pdl, bool):
+        reason = f"enable_pdl must be a bool, got {enable_pdl!r}"
     if reason is not None:
         raise ValueError(f"the QKV front cannot take this call: {reason}")
     from musebench.kernels import qkv_front  # CuTe DSL: imported at the first launch
 
-    qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS)
+    qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS,
+                     enable_pdl=enable_pdl)
     return out
 
 

@@ -35,13 +35,13 @@ def test_qkv_front_names_are_exported():
             "hidden_rows_ok"} <= set(cute_ops.__all__)
 
 
-def test_launch_signature_is_supports_calls_with_out_and_the_tap():
+def test_launch_signature_is_supports_calls_with_out_the_tap_and_pdl():
     from tests._seeds import parameters
 
     got = parameters(cute_ops.launch_qkv_front)
     assert got[:8] == [(n, POS, EMPTY) for n in ("x", "weight", "positions", "cos_sin_cache", "slot_mapping",
                                                   "kv_cache", "num_kv_heads", "out")]
-    assert got[8:] == [("tap", KW, None)]
+    assert got[8:] == [("tap", KW, None), ("enable_pdl", KW, True)]
 
 
 @pytest.mark.parametrize("n, kv, ok", [
@@ -167,6 +167,12 @@ def test_launch_returns_out(monkeypatch):
     args = call_args()
     assert cute_ops.launch_qkv_front(**args, num_kv_heads=1) is args["out"]
     assert launched and launched[0]["eps"] == cute_ops.QKV_FRONT_EPS
+    assert launched[0]["enable_pdl"] is True  # PDL by default
+    cute_ops.launch_qkv_front(**args, num_kv_heads=1, enable_pdl=False)
+    assert launched[1]["enable_pdl"] is False
+    with pytest.raises(ValueError, match="enable_pdl must be a bool"):
+        cute_ops.launch_qkv_front(**args, num_kv_heads=1, enable_pdl=1)
+    assert len(launched) == 2  # refused before the launch
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,13 @@ driver poisons all three before each call). The launch gets the PAGES pages betw
 (`pool`), so a write just outside the cache it was given (a negative slot taken as a slot, an
 index past the last page) lands in a guard page and fails the bitwise check like any stray write.
 
-Checks, raw bits: at bind, the launch without the tap (what a deployment runs: `parts()["no
-tap"]`, the bench's kernel column) writes the same out and cache bits as the tap launch
-(`check_variants_agree`), so what `expected` checks of the tap launch holds of it. Then
+Checks, raw bits: at bind, the launch without the tap (what a deployment runs: PDL, no tap) and,
+where the implementation's launch takes `enable_pdl`, the build without PDL write the same out and
+cache bits as the tap launch (`check_variants_agree`), so what `expected` checks of the tap launch
+holds of them. A bench case (`FrontCase.bench`, `musebench bench front`) calls the deployment's
+launch itself: its `tail µs` column times that launch, its outputs are out and the cache (the tap
+launch is the part `with tap`, timed apart; the build without PDL the baseline `front without
+PDL`, whose cell carries the PDL build's ratio to it, measured in the same run). Then
 (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
@@ -42,7 +46,9 @@ from musebench.harness.case import Expected, MailboxSpec, RunOptions
 
 name = "qkv_front"
 faults = ("flip", "silent")
-PARTS = ("no tap",)
+NO_TAP, WITH_TAP = "no tap", "with tap"  # parts: the other launch of a check case / of a bench case
+PARTS = (NO_TAP, WITH_TAP)
+NO_PDL = "front without PDL"  # the bench's baseline: the deployment's launch built without PDL
 VIRTUAL_STOCK = PROCESS_STOCK = "unfused"  # torch matmul (cuBLAS), then the Triton stock epilogue
 MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
@@ -72,10 +78,13 @@ class FrontCase:
     rope: bool = True
     inputs: str = "random"
     seed: int = 0
+    bench: bool = False  # the call is the deployment's launch (no tap, PDL), not the tap launch
     family: str = "qkv_front"
 
     def label(self) -> str:
-        return f"qkv_front tp={self.tp} b={self.tokens} {'rope' if self.rope else 'nope'} {self.inputs} seed={self.seed}"
+        launch = " deployed launch" if self.bench else ""
+        return (f"qkv_front tp={self.tp} b={self.tokens} {'rope' if self.rope else 'nope'} {self.inputs} "
+                f"seed={self.seed}{launch}")
 
 
 Case = FrontCase
@@ -155,9 +164,22 @@ def _launcher(impl: Any) -> Any:
     return cute_ops_with(impl, "launch_qkv_front").launch_qkv_front
 
 
+def takes_pdl(launch: Any) -> bool:
+    """Whether an implementation's launch_qkv_front takes `enable_pdl` (musebench's extension)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(launch).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "enable_pdl" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 @dataclass
 class FrontRunner:
-    """One rank's QKV front call (the tap variant) on its device copies of the inputs."""
+    """One rank's QKV front call on its device copies of the inputs: the tap launch (a check
+    case) or the deployment's launch, no tap and PDL (a bench case); `tap` is the tap launch's
+    buffer (in `outputs` only where the call writes it)."""
 
     launch: Any
     case: FrontCase
@@ -167,19 +189,26 @@ class FrontRunner:
     cos_sin: torch.Tensor | None
     slots: torch.Tensor
     outputs: dict[str, torch.Tensor]
+    tap: torch.Tensor
+
+    def launch_with(self, *, tap: bool, pdl: bool = True) -> None:
+        """One launch into `outputs`' out and cache; with `tap`, the projection into `tap`;
+        `pdl` False: the build without PDL (passed only then: the default launch is PDL)."""
+        o = self.outputs
+        extra = {} if pdl else {"enable_pdl": False}
+        self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, pool(o[CACHE]), o[CACHE].shape[1],
+                    o[OUT], tap=self.tap if tap else None, **extra)
 
     def call(self) -> None:
-        o = self.outputs
-        self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, pool(o[CACHE]), o[CACHE].shape[1],
-                    o[OUT], tap=o[TAP])
+        self.launch_with(tap=not self.case.bench)
 
     def check_fault(self) -> None:
         return None
 
     def parts(self) -> dict:
-        o = self.outputs
-        return {"no tap": lambda: self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots,
-                                              pool(o[CACHE]), o[CACHE].shape[1], o[OUT])}
+        if self.case.bench:
+            return {WITH_TAP: lambda: self.launch_with(tap=True)}
+        return {NO_TAP: lambda: self.launch_with(tap=False)}
 
     def launch_demands(self) -> list:
         return []
@@ -188,32 +217,40 @@ class FrontRunner:
 def _device_copies(case: FrontCase, inputs: FrontInputs, rank: int, device: torch.device) -> dict[str, Any]:
     kv = kv_heads_for(case.tp)
     n = 1152 * kv
+    tap = torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device)
+    outputs = {OUT: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device), CACHE: cache_buffer(kv, device)}
+    if not case.bench:
+        outputs[TAP] = tap
     return dict(
         x=inputs.x.to(device), weight=inputs.weights[rank].to(device), positions=inputs.positions.to(device),
         cos_sin=inputs.cos_sin.to(device) if inputs.cos_sin is not None else None, slots=inputs.slots.to(device),
-        outputs={OUT: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
-                 TAP: torch.empty(case.tokens, n, dtype=torch.bfloat16, device=device),
-                 CACHE: cache_buffer(kv, device)},
+        outputs=outputs, tap=tap,
     )
 
 
 def check_variants_agree(runner: FrontRunner, rank: int) -> None:
-    """One eager launch of each variant from poisoned outputs: the launch without the tap must
-    write the bits of out and of the whole cache buffer the tap launch writes (the tap variant is
-    the one the checks see). ValueError naming the rank, the output and the first mismatch."""
+    """One eager launch of each form from poisoned outputs: the launch without the tap (PDL) and,
+    where the launch takes `enable_pdl`, the one without the tap built without PDL must write the
+    bits of out and of the whole cache buffer the tap launch writes (the tap launch is the one the
+    checks see). ValueError naming the rank, the form, the output and the first mismatch."""
     o = runner.outputs
-    for t in o.values():
-        checks.poison(t)
-    runner.call()
-    with_tap = {name: o[name].clone() for name in (OUT, CACHE)}
-    for t in o.values():
-        checks.poison(t)
-    runner.parts()["no tap"]()
-    for name, want in with_tap.items():
-        count, _, first = checks.compare_bits(o[name], want, rank=rank)
-        if count:
-            raise ValueError(f"rank {rank}: the launch without the tap wrote {count} elements of {name} other than "
-                             f"the launch with it (first: {first})")
+
+    def written(**form: bool) -> dict[str, torch.Tensor]:
+        for t in (*o.values(), runner.tap):
+            checks.poison(t)
+        runner.launch_with(**form)
+        return {name: o[name].clone() for name in (OUT, CACHE)}
+
+    with_tap = written(tap=True)
+    forms = {"the launch without the tap": dict(tap=False)}
+    if takes_pdl(runner.launch):
+        forms["the launch without the tap or PDL"] = dict(tap=False, pdl=False)
+    for what, form in forms.items():
+        for name, got in written(**form).items():
+            count, _, first = checks.compare_bits(got, with_tap[name], rank=rank)
+            if count:
+                raise ValueError(f"rank {rank}: {what} wrote {count} elements of {name} other than the launch "
+                                 f"with it (first: {first})")
 
 
 def bind(case: FrontCase, impl: Any, rank: int, boxes: dict[str, Any], inputs: FrontInputs,
@@ -285,16 +322,17 @@ def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approxim
         o = copies["outputs"]
         checks.poison(o[CACHE])
         launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"], pool(o[CACHE]),
-               o[CACHE].shape[1], o[OUT], tap=o[TAP])
+               o[CACHE].shape[1], o[OUT], tap=copies["tap"])
         torch.cuda.synchronize()
-        projection = o[TAP].clone()
+        projection = copies["tap"].clone()
         cublas = torch.matmul(copies["x"], copies["weight"].t())
         line, ok = projection_verdict(projection, cublas, inputs.x, inputs.weights[rank])
         lines.append(f"rank {rank}: {line}")
         if not ok:
             worse.append(rank)
         want = expected_from_projection(case, inputs, projection, approximations)
-        want[TAP] = projection.cpu()
+        if not case.bench:  # a bench case's call writes no tap
+            want[TAP] = projection.cpu()
         per_rank.append(want)
     if worse:
         raise ValueError(f"the projection is less accurate than cuBLAS's on ranks {worse}: {lines[worse[0]]}")
@@ -307,7 +345,8 @@ def bytes_moved(case: FrontCase) -> int:
 
 
 def row_fields(case: FrontCase, options: RunOptions) -> dict[str, Any]:
-    return dict(kernel=name, mode="rope" if case.rope else "nope", tp=case.tp, tokens=case.tokens,
+    mode = ("rope" if case.rope else "nope") + (", deployed launch (no tap, PDL)" if case.bench else "")
+    return dict(kernel=name, mode=mode, tp=case.tp, tokens=case.tokens,
                 weight_dtype="bf16", norm="qk", inputs=case.inputs, seed=case.seed, stock="torch")
 
 
@@ -325,7 +364,10 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     """The unfused path (`unfused`): torch.matmul (cuBLAS) into its own qkv buffer, then
     `stock.triton_qkv_epilogue` (the stock epilogue's arithmetic, in place, and the cache
     insert into a cache of its own); and `torch matmul` alone. Both run once eagerly here (Triton
-    compiles before any capture). Not checked bitwise: cuBLAS's summation order is its own."""
+    compiles before any capture). Not checked bitwise: cuBLAS's summation order is its own.
+    A bench case whose launch takes `enable_pdl` adds `front without PDL`: the deployment's launch
+    built without PDL, into the runner's outputs (bind checked its bits equal the PDL build's);
+    its cell's ratio is the PDL build's time over it, both timed in this run."""
     from musebench.cases.tail import Baseline
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
@@ -340,4 +382,7 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
         triton_qkv_epilogue(qkv, runner.positions, runner.cos_sin, runner.slots, cache, eps=EPS)
 
     unfused()
-    return {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
+    paths = {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
+    if case.bench and takes_pdl(runner.launch):
+        paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
+    return paths

@@ -443,7 +443,8 @@ def make_front_job(
 ) -> Job:
     """Validate everything and build a QKV front job (virtual ranks of one GPU); ValueError names
     the first bad value: tp outside 4, 8, 16 (N = 4608, 2304, 1152), tokens outside 1..16, an
-    unknown input family, a fault the family cannot inject. Two calls per rank: repeatability."""
+    unknown input family, a fault the family cannot inject. Two calls per rank: repeatability.
+    A bench job's cases call the deployment's launch (`FrontCase.bench`: no tap, PDL)."""
     from musebench.cases.qkv_front import INPUT_FAMILIES, MAX_TOKENS, FrontCase, faults as front_faults, kv_heads_for
 
     kv_heads_for(tp)
@@ -462,7 +463,7 @@ def make_front_job(
         from musebench.harness.impl import cute_ops_with
 
         cute_ops_with(impl, "launch_qkv_front")  # ImplError (exit 2) before anything launches
-    cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed)
+    cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed, bench=measurement == "bench")
                   for r in rope for family in inputs for m in tokens for seed in seeds)
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
                          warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)

@@ -622,7 +622,8 @@ def ld_shared_v4_u32(shared_address: Int32, *, loc=None, ip=None) -> tuple[Uint3
 @dsl_user_op
 def st_shared_v4_u32(shared_address: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None,
                      ip=None) -> None:
-    """`st.shared.v4.u32`: 16 bytes (16-byte aligned) of this CTA's shared memory."""
+    """`st.shared.v4.u32`: 16 bytes (16-byte aligned) of this CTA's shared memory (attn2's combine
+    tree, the QKV front's prologue x rows under PDL)."""
     _asm(None, [_ir(Int32(shared_address), loc, ip)] + [_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3)],
          "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
 

@@ -6,8 +6,13 @@ What it computes (the contract of `musebench.cute_ops.launch_qkv_front`): out = 
 accumulation, one BF16 rounding; then on every q and k head the stock's arithmetic
 (`musebench.stock.qkv_front`, bitwise: fma sum of squares in 8 lanes of 8, butterfly xor 4, 2, 1,
 `rsqrt.approx.f32(fma(ss, 1/64, eps))`, `mul.rn`, RoPE with `fma.rn` / `mul.rn`, one cvt.rn.bf16);
-k and v of tokens with slot >= 0 go into kv_cache [pages, kv, 16, 128] (K | V); gate and v columns
-stay as projected.
+k and v of tokens with 0 <= slot < pages x 16 go into kv_cache [pages, kv, 16, 128] (K | V); gate
+and v columns stay as projected.
+
+Bounds (device values the host cannot check without reading them): a slot < 0 or >= pages x 16
+(`slot_limit`) inserts nothing; a position outside [0, max_pos) reads row 0 or row max_pos - 1 of
+the table (clamped), so no position reads outside cos_sin_cache and no slot writes outside
+kv_cache. `stock.qkv_front.qkv_epilogue_reference` models both.
 
 Geometry. One cluster of SPLIT = 8 CTAs per head of 64 output columns at every N: grid (8, N / 64),
 clusters (8, 1, 1), 128 threads (4 warps) per CTA: 144, 288, 576 CTAs for N = 1152, 2304, 4608,
@@ -39,11 +44,32 @@ after a second barrier CTA 0 adds rank 1, 2, .., 7 to its own in rank order (add
 once to BF16 (`cvt.rn.bf16x2.f32`). With TAP the BF16 projection is also written to `tap` before
 the epilogue.
 
+PDL (`enable_pdl`, default True; launched with programmatic dependent launch): the weight is
+static, so each thread issues the weight copies of the first STAGES - 1 stages (one commit group
+per stage, as without PDL) before `griddepcontrol.wait`; x, positions, slots and the table may be
+the preceding kernel's outputs, so they are read after it, and nothing is written before it. The
+prologue's x rows go through registers (`ld.global.cg` 16 bytes, zero past the tokens,
+`st.shared`), since a cp.async group committed after the wait would complete only after every
+weight group before it. From stage STAGES - 1 on, the loop is the same as without PDL, and so is
+every MMA chain and the reduction: the bits do not depend on `enable_pdl`. Dependents are
+released (`griddepcontrol.launch_dependents`) after the stream, before the cluster's reduction:
+their own wait still waits for this grid's end, and every CTA of ours is resident already.
+
+Balance (not built). N = 1152 puts 144 CTAs of equal work on 132 SMs (12 SMs stream twice the
+weight). A balanced variant would have to keep every output element's order: 8 k-slices of 1024,
+each one MMA chain in k order, added in rank order. A chain cannot be cut between CTAs without
+making one wait for the other (the FP32 accumulator would pass through memory mid-chain), so the
+finest units that keep the bits are (head, k-slice, n-tile of 8 columns): 1152 units of 16 KB at
+N = 1152, 8.7 per SM, 9 on the busiest (3% over the mean instead of 2x). Those units no longer
+form a cluster of one head's 8 slices, so the rank-order sum would go through global memory with
+arrival counters (a workspace re-armed per launch) instead of DSMEM; that is a different kernel,
+not a compile-time variant of this one, and is left for later.
+
 Epilogue (CTA 0, 16 rows x 8 lanes of 8 consecutive columns: the stock's thread program):
 q and k heads are normed and rotated and written back into `out`; a k head also into the cache's
-K of its slot, a v head its raw words into the cache's V; a negative slot writes nothing. Every
-CTA reads its thread's position, slot and cos / sin words before the main loop, so their latency
-hides behind the stream.
+K of its slot, a v head its raw words into the cache's V; a slot outside [0, pages x 16) writes
+nothing. Every CTA reads its thread's position, slot and cos / sin words before the main loop
+(after the PDL wait), so their latency hides behind the stream.
 
 Memory: the host owns everything; pointers are passed as Int64 addresses (16-byte aligned,
 contiguous: `cute_ops.qkv_front_unsupported` checks before launch). No workspace, no counters:
@@ -123,13 +149,15 @@ def ctas_per_sm(num_kv_heads: int) -> int:
 class _QkvFrontKernel:
     """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
-    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float) -> None:
+    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
+        _require(isinstance(enable_pdl, bool), f"enable_pdl must be a bool, got {enable_pdl!r}")
         check_eps(eps)
         self.kv = num_kv_heads
         self.rope = bool(rope)
         self.tap = bool(tap)
         self.eps = float(eps)
+        self.enable_pdl = enable_pdl
         self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
@@ -137,14 +165,15 @@ class _QkvFrontKernel:
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
-                 out: Int64, tap: Int64, tokens: Int32, stream: cuda.CUstream) -> None:
-        self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, tokens).launch(
+                 out: Int64, tap: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64,
+                 stream: cuda.CUstream) -> None:
+        self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, tokens, max_pos, slot_limit).launch(
             grid=(SPLIT, self.heads, 1), block=(THREADS, 1, 1), cluster=(SPLIT, 1, 1),
-            smem=smem_bytes(self.kv), stream=stream)
+            smem=smem_bytes(self.kv), stream=stream, use_pdl=self.enable_pdl)
 
     @cute.kernel
     def kernel(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
-               out: Int64, tap: Int64, tokens: Int32) -> None:
+               out: Int64, tap: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64) -> None:
         rank, head, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -156,14 +185,6 @@ class _QkvFrontKernel:
         ring = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * STAGE_BYTES // 4), byte_alignment=128)
         tile = smem.allocate_tensor(Uint32, cute.make_layout(ELEMENTS // 2), byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
-
-        # The epilogue's row (tidx / 8, row 0 past the tokens): its slot and position now, its cos and
-        # sin words after the first copies are issued; their latency hides behind the stream.
-        epilogue_row = Int64(cutlass.select_((tidx >> 3) < tokens, tidx >> 3, Int32(0)))
-        slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
-        position = Int64(0)
-        if cutlass.const_expr(self.rope):
-            position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
 
         # Copies: thread tidx moves chunk tidx % 8 of rows tidx / 8 + 16 i (weight) and tidx / 8 (x).
         copy_row = tidx >> 3
@@ -182,13 +203,49 @@ class _QkvFrontKernel:
         weight_read = ring_base + (warp * (TILES_PER_WARP * 8) + g) * LINE_BYTES
         x_read = ring_base + WEIGHT_STAGE_BYTES + g * LINE_BYTES
 
-        for st in cutlass.range_constexpr(self.stages - 1):
-            self.issue_stage(st, st, weight_source, x_source, x_bytes, copy_target)
-            cute.arch.cp_async_commit_group()
+        # The epilogue's row (tidx / 8, row 0 past the tokens).
+        epilogue_row = Int64(cutlass.select_((tidx >> 3) < tokens, tidx >> 3, Int32(0)))
+        if cutlass.const_expr(self.enable_pdl):
+            # PDL: the weight is static (no kernel writes it), so the first STAGES - 1 stages' weight
+            # copies go out before griddepcontrol.wait, one commit group per stage as below; x,
+            # positions, slots and the table may come from the preceding kernel: every read of them,
+            # and every write of this kernel, follows the wait. The prologue's x goes through
+            # registers (ld.global.cg, 16 bytes, zero past the tokens, st.shared into the stage's x
+            # rows), not cp.async: a cp.async group committed after the wait would complete only
+            # after every weight group before it (groups complete in order), so stage 0 would wait
+            # for all STAGES - 1 weight stages. The first stage's barrier publishes the stores.
+            for st in cutlass.range_constexpr(self.stages - 1):
+                self.issue_weight(st, st, weight_source, copy_target)
+                cute.arch.cp_async_commit_group()
+            cute.arch.griddepcontrol_wait()
+            slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
+            position = Int64(0)
+            if cutlass.const_expr(self.rope):
+                position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+            zero = Uint32(0)
+            x_words = [ptx.ld_global_cg_v4_u32(x_source + st * LINE_BYTES) for st in range(self.stages - 1)]
+            for st in cutlass.range_constexpr(self.stages - 1):
+                live = [cutlass.select_(x_live, x_words[st][i], zero) for i in range(4)]
+                ptx.st_shared_v4_u32(copy_target + st * STAGE_BYTES + WEIGHT_STAGE_BYTES, live[0], live[1], live[2],
+                                     live[3])
+        else:
+            # Without PDL: the slot and position first, then each stage's weight and x in one group.
+            slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
+            position = Int64(0)
+            if cutlass.const_expr(self.rope):
+                position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+            for st in cutlass.range_constexpr(self.stages - 1):
+                self.issue_stage(st, st, weight_source, x_source, x_bytes, copy_target)
+                cute.arch.cp_async_commit_group()
+        # The cos / sin words of the position, clamped into [0, max_pos) so that no position reads
+        # outside the table (the contract: a position outside it rotates by the nearest row); their
+        # latency hides behind the stream.
         cos_words = [Uint32(0)] * 4
         sin_words = [Uint32(0)] * 4
         if cutlass.const_expr(self.rope):
-            table = Int64(cos_sin) + (position * HEAD_DIM + (tidx & 7) * 4) * F32_BYTES
+            row_of_table = cutlass.select_(position < Int64(0), Int64(0), position)
+            row_of_table = cutlass.select_(row_of_table >= max_pos, max_pos - Int64(1), row_of_table)
+            table = Int64(cos_sin) + (row_of_table * HEAD_DIM + (tidx & 7) * 4) * F32_BYTES
             cos_words = list(ptx.ld_global_v4_u32(table))
             sin_words = list(ptx.ld_global_v4_u32(table + ROTARY_PAIRS * F32_BYTES))
         epilogue_inputs = (slot, cos_words, sin_words)
@@ -216,6 +273,14 @@ class _QkvFrontKernel:
                         for i in cutlass.range_constexpr(4):
                             acc[4 * jj + i] = d[i]
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.enable_pdl):
+            # Dependents may launch now: the stream is done, what is left is the cluster's
+            # reduction and the epilogue (a few µs of latency, little bandwidth). Safe anywhere:
+            # a dependent's griddepcontrol.wait still waits for this whole grid to finish and
+            # flush; only its pre-wait work (e.g. the next front's weight prefetch) overlaps ours.
+            # Every CTA of this grid is resident from the start (`ctas_per_sm`), so a dependent
+            # takes no SM a CTA of ours still waits for.
+            cute.arch.griddepcontrol_launch_dependents()
 
         # Every CTA of the cluster is done with its ring (and has started): CTA 0's takes the peers'.
         cute.arch.cluster_arrive()
@@ -229,23 +294,30 @@ class _QkvFrontKernel:
         cute.arch.cluster_wait()
 
         if rank == 0:
-            self.finish(acc, ring_base, tile, head, warp, g, t, tidx, tokens, epilogue_inputs, kv_cache, out, tap)
+            self.finish(acc, ring_base, tile, head, warp, g, t, tidx, tokens, epilogue_inputs, kv_cache, out, tap,
+                        slot_limit)
 
     @cute.jit
-    def issue_stage(self, st: int, slot: int, weight_source: Int64, x_source: Int64, x_bytes: Int32,
-                    copy_target: Int32) -> None:
-        """The cp.async copies of stage `st` (k 1024 r + 64 st ..) into ring slot `slot`."""
+    def issue_weight(self, st: int, slot: int, weight_source: Int64, copy_target: Int32) -> None:
+        """The weight's cp.async copies of stage `st` (k 1024 r + 64 st ..) into ring slot `slot`."""
         k_bytes = st * LINE_BYTES
         target = copy_target + slot * STAGE_BYTES
         for i in cutlass.range_constexpr(WEIGHT_COPIES):
             ptx.cp_async_cg_shared_global_16(
                 target + i * ROWS_PER_COPY * LINE_BYTES,
                 weight_source + (i * ROWS_PER_COPY * HIDDEN * BF16_BYTES + k_bytes), Int32(CHUNK_BYTES))
-        ptx.cp_async_cg_shared_global_16(target + WEIGHT_STAGE_BYTES, x_source + k_bytes, x_bytes)
+
+    @cute.jit
+    def issue_stage(self, st: int, slot: int, weight_source: Int64, x_source: Int64, x_bytes: Int32,
+                    copy_target: Int32) -> None:
+        """The cp.async copies of stage `st` (k 1024 r + 64 st ..) into ring slot `slot`: weight, then x."""
+        self.issue_weight(st, slot, weight_source, copy_target)
+        target = copy_target + slot * STAGE_BYTES
+        ptx.cp_async_cg_shared_global_16(target + WEIGHT_STAGE_BYTES, x_source + st * LINE_BYTES, x_bytes)
 
     @cute.jit
     def finish(self, acc, ring_base: Int32, tile, head, warp, g, t, tidx, tokens: Int32, epilogue_inputs,
-               kv_cache: Int64, out: Int64, tap: Int64) -> None:
+               kv_cache: Int64, out: Int64, tap: Int64, slot_limit: Int64) -> None:
         """CTA 0: the cluster's sum in rank order, one BF16 rounding, then the stock's epilogue."""
         v = list(acc)
         for i in cutlass.range_constexpr(ACCUMULATORS):
@@ -300,7 +372,7 @@ class _QkvFrontKernel:
             ptx.st_global_v4_u32(destination, words[0], words[1], words[2], words[3])
             is_kv = (head >= self.q_heads) & (head < self.q_heads + 2 * self.kv)
             if is_kv:
-                if slot >= Int64(0):
+                if (slot >= Int64(0)) & (slot < slot_limit):
                     is_v = head >= self.q_heads + self.kv
                     kv_head = head - self.q_heads - cutlass.select_(is_v, Int32(self.kv), Int32(0))
                     half = cutlass.select_(is_v, Int32(HEAD_DIM), Int32(0))
@@ -311,21 +383,23 @@ class _QkvFrontKernel:
                     ptx.st_global_v4_u32(address, words[0], words[1], words[2], words[3])
 
 
-def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, arch: str | None = None,
-                      ptx_dir: str | None = None) -> Any:
+def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
+                      arch: str | None = None, ptx_dir: str | None = None) -> Any:
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
-    `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU); `ptx_dir` keeps the
-    PTX there. All are in the cache key.
+    `enable_pdl` (default True): launched with programmatic dependent launch, the weight's first
+    ring stages streamed before `griddepcontrol.wait` (False: today's launch, no griddepcontrol;
+    the same bits). `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU);
+    `ptx_dir` keeps the PTX there. All are in the cache key.
     """
-    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps))
+    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps), enable_pdl=enable_pdl)
 
     def build() -> Any:
         kernel = _QkvFrontKernel(**config_)
         address = Int64(0)
         return compilation.compiler(arch, ptx_dir)(
-            kernel, address, address, address, address, address, address, address, address, Int32(1),
-            cuda.CUstream(0))
+            kernel, address, address, address, address, address, address, address, address, Int32(1), Int64(1),
+            Int64(1), cuda.CUstream(0))
 
     _QkvFrontKernel(**config_)  # validate before the cache is touched
     key = compilation.kernel_key(_QkvFrontKernel, arch=arch, ptx_dir=ptx_dir, **config_)
@@ -334,16 +408,18 @@ def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, a
 
 def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
            slot_mapping: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *, tap: torch.Tensor | None = None,
-           eps: float = config.RMS_NORM_EPS) -> None:
+           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True) -> None:
     """One launch on the current stream (arguments checked by `cute_ops.launch_qkv_front`):
-    compiles the variant on first use (refused during capture), then passes raw addresses."""
+    compiles the variant on first use (refused during capture), then passes raw addresses and the
+    bounds the kernel keeps: max_pos (the table's rows) and pages x 16 (the cache's slots)."""
     num_kv_heads = kv_cache.shape[1]
     compiled = compile_qkv_front(num_kv_heads=num_kv_heads, rope=cos_sin_cache is not None, tap=tap is not None,
-                                 eps=eps)
+                                 eps=eps, enable_pdl=enable_pdl)
     stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
+    max_pos = cos_sin_cache.shape[0] if cos_sin_cache is not None else 1
     compiled(
         Int64(x.data_ptr()), Int64(weight.data_ptr()), Int64(positions.data_ptr()),
         Int64(cos_sin_cache.data_ptr() if cos_sin_cache is not None else 0), Int64(slot_mapping.data_ptr()),
         Int64(kv_cache.data_ptr()), Int64(out.data_ptr()), Int64(tap.data_ptr() if tap is not None else 0),
-        Int32(x.shape[0]), stream,
+        Int32(x.shape[0]), Int64(max_pos), Int64(kv_cache.shape[0] * CACHE_BLOCK), stream,
     )

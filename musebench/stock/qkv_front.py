@@ -105,9 +105,16 @@ def norm_rope(heads: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch
     return nx.to_bf16(torch.stack([o_even, o_odd], dim=-1).reshape(x.shape))
 
 
+BOUNDS = ("refuse", "kernel")  # qkv_epilogue_reference's handling of indices outside the tables
+
+
 def _check_tables(tokens: int, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
-                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_kv_heads: int) -> None:
-    """ValueError unless the index tensors and the tables they index fit (module docstring)."""
+                  slot_mapping: torch.Tensor, kv_cache: torch.Tensor, num_kv_heads: int,
+                  bounds: str = "refuse") -> None:
+    """ValueError unless the index tensors and the tables they index fit (module docstring);
+    with bounds "kernel" the index values are not checked (the caller bounds them)."""
+    if bounds not in BOUNDS:
+        raise ValueError(f"bounds must be one of {BOUNDS}, got {bounds!r}")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         if t.dtype.is_floating_point or t.dtype == torch.bool or tuple(t.shape) != (tokens,):
             raise ValueError(f"{name} must be an int tensor [{tokens}], got {t.dtype} {tuple(t.shape)}")
@@ -119,6 +126,9 @@ def _check_tables(tokens: int, positions: torch.Tensor, cos_sin_cache: torch.Ten
         if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != HEAD_DIM:
             raise ValueError(f"cos_sin_cache must be fp32 [max_pos, {HEAD_DIM}], got {cos_sin_cache.dtype} "
                              f"{tuple(cos_sin_cache.shape)}")
+    if bounds == "kernel":
+        return
+    if cos_sin_cache is not None:
         max_pos = cos_sin_cache.shape[0]
         outside = [int(p) for p in positions.tolist() if not 0 <= p < max_pos]
         if outside:
@@ -139,6 +149,7 @@ def qkv_epilogue_reference(
     *,
     eps: float = config.RMS_NORM_EPS,
     approximations: nx.Approximations = nx.PRECISE,
+    bounds: str = "refuse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qkv', kv_cache'): the stock epilogue applied to the BF16 projection `qkv` [T, N], new
     tensors (the inputs are not written), on the inputs' device.
@@ -154,6 +165,11 @@ def qkv_epilogue_reference(
     anything else, and on values the stock would take out of its tables (it checks none): a
     position outside [0, max_pos) with RoPE (torch indexing would wrap -1 to the last row), a slot
     at or past pages * 16. Reads the index values (a device sync on a GPU).
+
+    `bounds` "kernel" models musebench's kernel on such values instead of refusing them (the
+    contract of `cute_ops.launch_qkv_front`): a position outside [0, max_pos) is rotated with row
+    0 or max_pos - 1 of the table (clamped), a slot at or past pages * 16 inserts nothing, like a
+    negative one.
     """
     tokens, n = qkv.shape
     cols = head_columns(num_kv_heads)
@@ -161,7 +177,10 @@ def qkv_epilogue_reference(
         raise ValueError(f"qkv must be [tokens, {cols['gate'][1]}] for {num_kv_heads} KV heads, got {tuple(qkv.shape)}")
     if qkv.dtype != torch.bfloat16:
         raise TypeError(f"qkv must be bf16, got {qkv.dtype}")
-    _check_tables(tokens, positions, cos_sin_cache, slot_mapping, kv_cache, num_kv_heads)
+    _check_tables(tokens, positions, cos_sin_cache, slot_mapping, kv_cache, num_kv_heads, bounds)
+    if bounds == "kernel" and cos_sin_cache is not None:
+        positions = positions.clamp(0, cos_sin_cache.shape[0] - 1)
+    capacity = kv_cache.shape[0] * CACHE_BLOCK
     out = qkv.clone()
     qk_stop = cols["k"][1]
     heads = qkv[:, :qk_stop].reshape(tokens, -1, HEAD_DIM)
@@ -171,7 +190,7 @@ def qkv_epilogue_reference(
     k_start, v_start = cols["k"][0], cols["v"][0]
     for t in range(tokens):
         slot = int(slot_mapping[t])
-        if slot < 0:
+        if slot < 0 or slot >= capacity:  # past the cache: only with bounds "kernel" (refused otherwise)
             continue
         page, row = divmod(slot, CACHE_BLOCK)
         for h in range(num_kv_heads):

@@ -271,3 +271,68 @@ def test_bench_without_a_gpu_exits_2_without_advising_a_cpu_backend(no_gpu, comm
     assert "needs a CUDA GPU with SM >= 90 and CuTe DSL (no such GPU here); it has no CPU model" in result.output
     assert "--backend" not in result.output
 
+
+
+def _fake_launch_with_pdl(flip_without_pdl: bool):
+    """A stand-in taking musebench's `enable_pdl`, recording each launch's (tap?, pdl); with
+    `flip_without_pdl`, its build without PDL flips one bit of out."""
+    faithful = _fake_launch(False)
+    seen = []
+
+    def launch(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=None, enable_pdl=True):
+        seen.append((tap is not None, enable_pdl))
+        faithful(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=tap)
+        if flip_without_pdl and not enable_pdl:
+            checks.flip_one_bit(out, index=5)
+        return out
+
+    launch.seen = seen
+    return launch
+
+
+def test_the_build_without_pdl_must_write_the_tap_launchs_bits():
+    """Where the launch takes enable_pdl, bind also launches the build without PDL and refuses
+    (naming the rank) one whose bits differ; a launch without the keyword is not asked for it."""
+    case = small_case(inputs="adversarial", tokens=3)
+    inputs = front.make_inputs(case)
+    copies = front._device_copies(case, inputs, 0, torch.device("cpu"))
+    good = _fake_launch_with_pdl(False)
+    front.check_variants_agree(front.FrontRunner(good, case, **copies), rank=2)
+    assert good.seen == [(True, True), (False, True), (False, False)]
+    with pytest.raises(ValueError, match="rank 2: the launch without the tap or PDL wrote 1 elements of out"):
+        front.check_variants_agree(front.FrontRunner(_fake_launch_with_pdl(True), case, **copies), rank=2)
+    assert front.takes_pdl(good) and not front.takes_pdl(_fake_launch(False))
+
+
+def test_a_bench_case_calls_the_deployed_launch_and_times_the_tap_apart():
+    """`musebench bench front`'s cases: the call (the tail column) is the launch without the tap,
+    with PDL; its outputs are out and the cache (no tap: expected has none either); the tap launch
+    is the part `with tap`. A check case calls the tap launch, with `no tap` as its part."""
+    case = small_case(tokens=3, bench=True)
+    inputs = front.make_inputs(case)
+    copies = front._device_copies(case, inputs, 0, torch.device("cpu"))
+    assert set(copies["outputs"]) == {front.OUT, front.CACHE}
+    launch = _fake_launch_with_pdl(False)
+    runner = front.FrontRunner(launch, case, **copies)
+    runner.call()
+    assert launch.seen == [(False, True)]
+    assert list(runner.parts()) == [front.WITH_TAP]
+    runner.parts()[front.WITH_TAP]()
+    assert launch.seen[-1] == (True, True)
+    check = small_case(tokens=3)
+    assert set(front._device_copies(check, inputs, 0, torch.device("cpu"))["outputs"]) == {
+        front.OUT, front.CACHE, front.TAP}
+    checked = front.FrontRunner(launch, check, **front._device_copies(check, inputs, 0, torch.device("cpu")))
+    checked.call()
+    assert launch.seen[-1] == (True, True) and list(checked.parts()) == [front.NO_TAP]
+    assert set(front.PARTS) == {front.NO_TAP, front.WITH_TAP}
+    assert "deployed launch" in front.row_fields(case, None)["mode"] and "deployed" in case.label()
+    assert "deployed" not in front.row_fields(check, None)["mode"]
+
+
+def test_bench_jobs_build_bench_cases(monkeypatch):
+    from musebench.harness import jobs
+
+    kwargs = dict(name="f", tp=16, tokens=(1, 2), rope=(True,), inputs=("random",), seeds=(0,), check_machine=False)
+    assert all(c.bench for c in jobs.make_front_job(**kwargs, measurement="bench").cases)
+    assert not any(c.bench for c in jobs.make_front_job(**kwargs).cases)

@@ -7,7 +7,10 @@ stage), its 16-byte fragment reads, the cluster's reduction (8 remote stores per
 peer reads in CTA 0, two cluster barriers), the epilogue's inputs read once, the epilogue's arithmetic (one `rsqrt.approx.f32`, never `.ftz`, every add/mul/fma the explicit `.rn`
 form, the butterfly's 3 shuffles, 8 BF16 packs of the projection + 4 of the epilogue), RoPE
 instructions only with RoPE, tap stores only with the tap; and ptxas assembles without spills.
-Compile time here: about 1-3 s per variant.
+PDL (the default build): one `griddepcontrol.wait` after the first STAGES - 1 stages' weight
+copies and before any read of x, positions, slots or the table and before any store to global
+memory, one `griddepcontrol.launch_dependents` after the stream; the build without PDL has
+neither and today's prologue. Compile time here: about 1-3 s per variant.
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ KV = (1, 2, 4)  # N = 1152 (tp 16), 2304 (tp 8), 4608 (tp 4)
 
 
 @functools.lru_cache(maxsize=None)
-def front_ptx(arch: str, kv: int, rope: bool, tap: bool) -> str:
+def front_ptx(arch: str, kv: int, rope: bool, tap: bool, pdl: bool = True) -> str:
     folder = tempfile.mkdtemp(prefix="musebench-qkv-front-ptx-")
-    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, arch=arch, ptx_dir=folder)
+    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, enable_pdl=pdl, arch=arch,
+                                ptx_dir=folder)
     (path,) = glob.glob(f"{folder}/*.ptx")
     with open(path) as f:
         return f.read()
@@ -42,17 +46,16 @@ def count(text: str, pattern: str) -> int:
     return len(re.findall(pattern, text))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kv", KV)
-@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
-@pytest.mark.parametrize("tap", [False, True], ids=["plain", "tap"])
-def test_variant_compiles_with_the_contracts_instructions(arch, kv, rope, tap):
-    text = front_ptx(arch, kv, rope, tap)
+def check_contract_instructions(text: str, kv: int, rope: bool, tap: bool, pdl: bool) -> None:
     stages = qkv_front.STAGES_PER_CTA
+    prologue = qkv_front.STAGES[kv] - 1  # stages in flight before the loop
     assert stages == 16
     assert count(text, r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32") == stages * 8
-    assert count(text, r"cp\.async\.cg\.shared\.global") == stages * 5
-    assert count(text, r"cp\.async\.commit_group") == stages + qkv_front.STAGES[kv] - 1
+    # with PDL the prologue's x goes through registers: 16-byte ld.global.cg + st.shared per stage
+    assert count(text, r"cp\.async\.cg\.shared\.global") == stages * 5 - (prologue if pdl else 0)
+    assert count(text, r"ld\.global\.cg\.v4\.u32") == (prologue if pdl else 0)
+    assert count(text, r"st\.shared\.v4\.u32") == (prologue if pdl else 0)
+    assert count(text, r"cp\.async\.commit_group") == stages + prologue
     assert count(text, r"cp\.async\.wait_group") == stages + 1
     assert count(text, r"ld\.shared\.v4\.u32") == stages * 8  # x rows g, g + 8 and 2 weight rows, 2 steps
     assert count(text, r"ld\.global\.nc") == 0  # the weight and x go through the ring
@@ -76,13 +79,81 @@ def test_variant_compiles_with_the_contracts_instructions(arch, kv, rope, tap):
     assert count(text, r"fma\.rn\.f32") == 9 + (8 if rope else 0)
     assert count(text, r"st\.global\.u32") == (4 if tap else 0)
     assert count(text, r"st\.global\.v4\.u32") == 2  # out, and the cache slot
+    assert count(text, r"griddepcontrol\.wait") == (1 if pdl else 0)
+    assert count(text, r"griddepcontrol\.launch_dependents") == (1 if pdl else 0)
+
+
+def pdl_order_violations(text: str, kv: int) -> list[str]:
+    """What the PDL prologue's order breaks: the wait must follow the first STAGES - 1 stages'
+    weight copies (4 per stage, src-size the constant 16's register) and precede every x copy
+    (src-size the x register), every global load and every global store; the release must follow
+    the last cp.async and precede the cluster's reduction."""
+    lines = [line.strip() for line in text.splitlines()]
+    wait = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.wait")]
+    if len(wait) != 1:
+        return [f"{len(wait)} griddepcontrol.wait"]
+    wait = wait[0]
+    copies = [(i, line.rstrip(";").split(",")[-1].strip()) for i, line in enumerate(lines)
+              if line.startswith("cp.async.cg.shared.global")]
+    weight_size = copies[0][1]
+    problems = []
+    before = [i for i, _ in copies if i < wait]
+    if len(before) != qkv_front.WEIGHT_COPIES * (qkv_front.STAGES[kv] - 1):
+        problems.append(f"{len(before)} cp.async before the wait")
+    if any(size != weight_size for i, size in copies if i < wait):
+        problems.append("an x copy before the wait")
+    if not any(size != weight_size for i, size in copies if i > wait):
+        problems.append("no x copy after the wait")
+    for i, line in enumerate(lines[:wait]):
+        if re.match(r"(ld|st|red|atom)\.(global|volatile\.global)|st\.global|ld\.global", line):
+            problems.append(f"line {i} before the wait: {line}")
+    release = [i for i, line in enumerate(lines) if line.startswith("griddepcontrol.launch_dependents")]
+    reduction = [i for i, line in enumerate(lines) if line.startswith("barrier.cluster.arrive")]
+    if len(release) != 1 or release[0] < copies[-1][0] or release[0] > reduction[0]:
+        problems.append(f"launch_dependents at {release}, last copy at {copies[-1][0]}, reduction at {reduction[:1]}")
+    return problems
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kv", KV)
-def test_ptxas_assembles_without_spills_within_the_residency_registers(arch, kv, tmp_path):
+@pytest.mark.parametrize("rope", [True, False], ids=["rope", "nope"])
+@pytest.mark.parametrize("tap", [False, True], ids=["plain", "tap"])
+def test_variant_compiles_with_the_contracts_instructions(arch, kv, rope, tap):
+    text = front_ptx(arch, kv, rope, tap)
+    check_contract_instructions(text, kv, rope, tap, pdl=True)
+    assert pdl_order_violations(text, kv) == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv", KV)
+def test_the_build_without_pdl_has_no_griddepcontrol(arch, kv):
+    check_contract_instructions(front_ptx(arch, kv, True, False, pdl=False), kv, True, False, pdl=False)
+
+
+def test_the_pdl_order_check_catches_a_read_or_copy_before_the_wait():
+    """Fault injection: the order check fails on PTX whose wait is moved after the first x load,
+    or before the weight copies, or whose release is moved to the start."""
+    text = front_ptx("sm_90a", 2, True, False)
+    lines = text.splitlines()
+    wait = next(i for i, line in enumerate(lines) if line.strip().startswith("griddepcontrol.wait"))
+    first_load = next(i for i, line in enumerate(lines) if "ld.global" in line)
+    late = lines[:wait] + lines[wait + 1: first_load + 1] + [lines[wait]] + lines[first_load + 1:]
+    assert any("before the wait" in p for p in pdl_order_violations("\n".join(late), 2))
+    first_copy = next(i for i, line in enumerate(lines) if "cp.async.cg" in line)
+    early = lines[:first_copy] + [lines[wait]] + lines[first_copy:wait] + lines[wait + 1:]
+    assert any("cp.async before the wait" in p for p in pdl_order_violations("\n".join(early), 2))
+    release = next(i for i, line in enumerate(lines) if "launch_dependents" in line)
+    moved = lines[:first_copy] + [lines[release]] + lines[first_copy:release] + lines[release + 1:]
+    assert any("launch_dependents" in p for p in pdl_order_violations("\n".join(moved), 2))
+    assert pdl_order_violations(text, 2) == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_ptxas_assembles_without_spills_within_the_residency_registers(arch, kv, pdl, tmp_path):
     """No spills, and few enough registers that ceil(CTAs / 132) CTAs of 128 threads share an SM."""
-    report = assemble(front_ptx(arch, kv, True, True), arch, tmp_path, "qkv_front")
+    report = assemble(front_ptx(arch, kv, True, True, pdl), arch, tmp_path, "qkv_front")
     assert_no_spills(report)
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     per_sm = -(-qkv_front.CTAS[kv] // qkv_front.H200_SMS)
@@ -94,6 +165,8 @@ def test_knobs_are_validated():
         qkv_front.compile_qkv_front(num_kv_heads=3, rope=True, tap=False, eps=1e-5, arch="sm_90a")
     with pytest.raises(ValueError, match="eps"):
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=0.0, arch="sm_90a")
+    with pytest.raises(ValueError, match="enable_pdl"):
+        qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, enable_pdl=1, arch="sm_90a")
 
 
 def test_every_cta_is_resident_at_once_on_an_h200():

@@ -101,3 +101,113 @@ def test_a_heads_projection_does_not_depend_on_n():
             assert torch.equal(tap[:, q + k + 64 * copy: q + k + 64 * (copy + 1)], want[:, 576:640]), (tp, "v", copy)
             gate = q + 2 * k
             assert torch.equal(tap[:, gate + 512 * copy: gate + 512 * (copy + 1)], want[:, 640:]), (tp, "gate", copy)
+
+
+def test_pdl_and_no_pdl_give_the_same_bits_eagerly_and_in_a_graph():
+    """enable_pdl changes the launch, never the bits: out, tap and the whole cache buffer equal
+    between the two builds, eagerly and as the second kernel of a captured graph (after a kernel
+    that writes x, so the PDL build's wait is what orders the read)."""
+    for tp in (16, 8, 4):
+        case = front.FrontCase(tp=tp, tokens=7, inputs="adversarial")
+        inputs = front.make_inputs(case)
+        copies = front._device_copies(case, inputs, 0, torch.device("cuda"))
+        o = copies["outputs"]
+        results = {}
+        for pdl in (True, False):
+            for t in o.values():
+                checks.poison(t)
+            cute_ops.launch_qkv_front(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"],
+                                      copies["slots"], front.pool(o[front.CACHE]), o[front.CACHE].shape[1],
+                                      o[front.OUT], tap=o[front.TAP], enable_pdl=pdl)
+            torch.cuda.synchronize()
+            results[pdl] = {k: v.cpu().view(torch.int16) for k, v in o.items()}
+        for name in o:
+            assert torch.equal(results[True][name], results[False][name]), (tp, name)
+        source = copies["x"].clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            copies["x"].copy_(source)  # the preceding kernel writes x
+            cute_ops.launch_qkv_front(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"],
+                                      copies["slots"], front.pool(o[front.CACHE]), o[front.CACHE].shape[1],
+                                      o[front.OUT], tap=o[front.TAP])
+        copies["x"].zero_()
+        for t in o.values():
+            checks.poison(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name in o:
+            assert torch.equal(o[name].cpu().view(torch.int16), results[False][name]), (tp, name, "graph")
+
+
+@pytest.mark.parametrize("tp", [16, 8, 4])
+@pytest.mark.parametrize("pdl", [True, False])
+def test_positions_and_slots_outside_the_tables_stay_inside_them(tp, pdl):
+    """The kernel's bounds (cute_ops.launch_qkv_front): positions -5, max_pos and 2^40 read row 0
+    / max_pos - 1 of a table set between NaN-poisoned guard rows (a read outside would bring NaN or
+    another row's bits into q and k), slots pages x 16, 2^40 and -1 insert nothing (the whole
+    poisoned buffer, guard pages included, keeps its poison outside the in-range slots); out and
+    the cache equal the reference with bounds "kernel" on the kernel's own projection."""
+    tokens = 8
+    case = front.FrontCase(tp=tp, tokens=tokens)
+    inputs = front.make_inputs(case)
+    capacity = front.PAGES * 16
+    positions = torch.tensor([-5, front.MAX_POS, 2 ** 40, 0, front.MAX_POS - 1, 7, -(2 ** 40), 3])
+    slots = torch.tensor([capacity, 2 ** 40, -1, 0, capacity - 1, 17, capacity + 16, 40])
+    guard = 4
+    table = torch.full((front.MAX_POS + 2 * guard, 64), float("nan"))
+    table[guard: guard + front.MAX_POS] = inputs.cos_sin
+    inputs = front.FrontInputs(inputs.x, inputs.weights, positions, inputs.cos_sin, slots)
+    dev = torch.device("cuda")
+    copies = front._device_copies(case, inputs, 0, dev)
+    table = table.to(dev)
+    cos_sin = table[guard: guard + front.MAX_POS]
+    assert cos_sin.is_contiguous() and cos_sin.data_ptr() % 16 == 0
+    o = copies["outputs"]
+    for t in o.values():
+        checks.poison(t)
+    cute_ops.launch_qkv_front(copies["x"], copies["weight"], copies["positions"], cos_sin, copies["slots"],
+                              front.pool(o[front.CACHE]), o[front.CACHE].shape[1], o[front.OUT], tap=o[front.TAP],
+                              enable_pdl=pdl)
+    torch.cuda.synchronize()
+    got = {k: v.cpu() for k, v in o.items()}
+    from musebench.stock.qkv_front import qkv_epilogue_reference
+
+    kv = o[front.CACHE].shape[1]
+    buffer = checks.poison(front.cache_buffer(kv, dev))
+    out, cache = qkv_epilogue_reference(o[front.TAP], copies["positions"], inputs.cos_sin.to(dev), copies["slots"],
+                                        front.pool(buffer), kv, eps=front.EPS,
+                                        approximations=hardware_approximations(), bounds="kernel")
+    front.pool(buffer).copy_(cache)
+    for name, want in ((front.OUT, out.cpu()), (front.CACHE, buffer.cpu())):
+        count, ulp, first = checks.compare_bits(got[name], want)
+        assert count == 0, f"{name}: {count} mismatches, max ulp {ulp}, first {first}"
+    assert not torch.isnan(got[front.OUT].float()).any()
+    # the in-range slots (0, capacity - 1, 17, 40) were written; every other cell holds the poison
+    written = {0, capacity - 1, 17, 40}
+    cells = got[front.CACHE][front.GUARD_PAGES: front.GUARD_PAGES + front.PAGES]
+    for slot in range(capacity):
+        cell = cells[slot // 16, :, slot % 16]
+        assert checks.still_poisoned(cell) == (slot not in written), slot
+    for page in (0, -1):
+        assert checks.still_poisoned(got[front.CACHE][page]), "a guard page was written"
+
+
+def test_a_bench_case_binds_and_its_deployed_launch_matches_expected():
+    """The bench's case: bind checks the three forms agree, its call (no tap, PDL) writes out and
+    the cache buffer `expected` holds (no tap), and its baselines include the build without PDL."""
+    from musebench.harness.case import RunOptions
+
+    case = front.FrontCase(tp=8, tokens=5, inputs="adversarial", bench=True)
+    inputs = front.make_inputs(case)
+    options = RunOptions(backend="cute", impl="musebench")
+    runner = front.bind(case, "musebench", 0, {}, inputs, options)
+    want = front.expected(case, inputs, options, hardware_approximations()).per_rank[0]
+    assert set(want) == set(runner.outputs) == {front.OUT, front.CACHE}
+    for t in runner.outputs.values():
+        checks.poison(t)
+    runner.call()
+    torch.cuda.synchronize()
+    for name, tensor in runner.outputs.items():
+        count, _, first = checks.compare_bits(tensor.cpu(), want[name])
+        assert count == 0, (name, first)
+    assert set(front.baselines(case, inputs, 0, runner, None)) == {front.VIRTUAL_STOCK, front.MATMUL, front.NO_PDL}

@@ -154,6 +154,28 @@ def test_refuses_indices_outside_the_tables(position, slot, message):
                                    torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16), 1)
 
 
+def test_kernel_bounds_clamp_the_position_and_skip_a_slot_past_the_cache():
+    """bounds "kernel" (cute_ops.launch_qkv_front's contract): a position below 0 or at / past
+    max_pos is rotated with the first / last row, a slot at or past pages * 16 inserts nothing
+    (a slot inside is still inserted); the refusing default is unchanged."""
+    qkv, cs, _ = draw(4, 1, seed=4)
+    qkv = torch.cat([qkv[:1]] * 4)  # four equal rows: only the position and slot differ
+    cache = torch.zeros(2, 1, 16, 128, dtype=torch.bfloat16)
+    out, got = ref.qkv_epilogue_reference(qkv, torch.tensor([-3, 0, 64, 63]), cs, torch.tensor([32, 5, 99, 6]),
+                                          cache, 1, bounds="kernel")
+    same, want = ref.qkv_epilogue_reference(qkv, torch.tensor([0, 0, 63, 63]), cs, torch.tensor([-1, 5, -1, 6]),
+                                            cache, 1)
+    assert torch.equal(out.view(torch.int16), same.view(torch.int16))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert got.view(torch.int16).count_nonzero() > 0  # slots 5 and 6 were inserted
+    # fault injection: a reference that wrapped -3 (torch indexing) or inserted slot 32 would differ
+    wrapped, _ = ref.qkv_epilogue_reference(qkv, torch.tensor([61, 0, 63, 63]), cs, torch.tensor([-1, 5, -1, 6]),
+                                            cache, 1)
+    assert not torch.equal(out.view(torch.int16), wrapped.view(torch.int16))
+    with pytest.raises(ValueError, match="bounds must be one of"):
+        ref.qkv_epilogue_reference(qkv, torch.tensor([0] * 4), cs, torch.tensor([0] * 4), cache, 1, bounds="clamp")
+
+
 def test_a_nope_layer_takes_any_position():
     """Without a table the position is never read: any value is taken, and gives the same bits."""
     qkv, _, _ = draw(1, 1, seed=4)
