@@ -61,8 +61,15 @@ SHORT_MAX_LEN = 2048
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 
 # SPLIT_CTAS_PER_SM: split CTAs one SM holds at once (registers capped at 65536 / (4 x 128) = 128
-# a thread for it): 16 warps, four a scheduler, to hide the per-page chain's latency.
+# a thread for it): 16 warps, four a scheduler, to hide the per-page chain's latency. sm_100a's
+# code needs a few more registers (ptxas spills 4 bytes at 128), so it is built for three (168).
 SPLIT_CTAS_PER_SM = 4
+SPLIT_CTAS_PER_SM_SM100 = 3
+
+
+def split_ctas_per_sm(arch: str) -> int:
+    """The split kernel's CTAs per SM for a target ("sm_90a", "sm_100a", ...)."""
+    return SPLIT_CTAS_PER_SM_SM100 if arch.startswith("sm_10") else SPLIT_CTAS_PER_SM
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
@@ -96,8 +103,9 @@ def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
 
     Not divided by num_kv_heads (the seeds' SPLIT_TARGET_CLUSTERS // (ROW_GROUPS * heads)): the
     split count decides a row's summation order, and a KV head's bits must be the same whichever
-    tp computes it (tp 2: 8 heads x 64 splits = 512 CTAs, four waves of short CTAs; tp 8 and 16:
-    128 and 64 CTAs, about SPLIT_TARGET_CLUSTERS). num_kv_heads is validated only."""
+    tp computes it (tp 2: 8 heads x 256 splits = 2048 CTAs, about four waves of four CTAs an SM;
+    tp 8 and 16: 512 and 256 CTAs, one wave; the window's plan, 64 splits: 128 and 64 CTAs).
+    num_kv_heads is validated only."""
     _check_positive(max_model_len=max_model_len, num_kv_heads=num_kv_heads)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")

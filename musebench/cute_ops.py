@@ -499,8 +499,8 @@ def launch_qkv_front(
 
 # Why each value: musebench.attn2_layout (the split plan is shared with the CPU model).
 ROW_GROUPS = attn2_layout.ROW_GROUPS  # 1: the 64 rows of a KV head are one M tile, one CTA
-SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 128: about one wave of CTAs
-MAX_SPLITS = attn2_layout.MAX_SPLITS  # 64: bounds the merge tree's depth (6 levels)
+SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 256: about two split CTAs an SM for one KV head
+MAX_SPLITS = attn2_layout.MAX_SPLITS  # 256: the merge tree's leaves (the combine kernel merges them)
 SHORT_MAX_LEN = attn2_layout.SHORT_MAX_LEN  # 2048: up to it one CTA per KV head, no merge
 QUERY_LEN = attn2_layout.QUERY_LEN  # 8: 1 + 7 draft tokens per request
 # head_dim^-0.5 * qk_scale_factor, as MuseSpark1xAttention computes it (float64, 0.684125); the
@@ -533,11 +533,10 @@ def attn2_splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
 
 
 def attn2_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """Bytes of the workspace a launch of `num_splits` splits needs for num_reqs requests: int32
-    merge counters (16-byte padded) and one FP32 partial per (request, KV head, split); 0 with one
-    split (nothing to merge). Zero it once before the first launch: every launch leaves the
-    counters zero again. ValueError unless every count is positive and num_splits a power of
-    two."""
+    """Bytes of the workspace a launch of `num_splits` splits needs for num_reqs requests: one FP32
+    partial (O, m, l) per (request, KV head, split), written by the split kernel and read by the
+    combine kernel of the same launch; 0 with one split (nothing to merge). Needs no zeroing.
+    ValueError unless every count is positive and num_splits a power of two."""
     return attn2_layout.workspace_bytes(num_reqs, num_kv_heads, num_splits)
 
 
@@ -602,11 +601,13 @@ def launch_attn2(
     front's output, `split_qkv`; last dim contiguous, rows 16-byte aligned); kv_cache: bf16
     [pages, K, 16, 128] contiguous, 16-byte aligned (K | V per slot); page_table: int32 [R,
     ceil(max_model_len / 16)] contiguous, whose first ceil(L / 16) entries of row r are pages of
-    kv_cache (not checked: that would read device memory; the entries past them are never read);
+    kv_cache (not checked: that would read device memory; the entries past them may be read, never
+    followed);
     seq_lens: int32 [R] on the device, each L in [8, max_model_len] (the kernel clamps to that
-    range to stay in bounds); out: bf16 [8 R, 512 K] contiguous, 16-byte aligned; workspace: uint8
-    of at least attn2_workspace_bytes(R, K, attn2_splits(...)) bytes, contiguous, 16-byte aligned,
-    zeroed before the first launch (None with one split). Every tensor on one CUDA device. Row t of request r sits at position L - 8 + t and sees keys
+    range to stay in bounds; a table entry outside kv_cache reads zeros, never out of bounds); out:
+    bf16 [8 R, 512 K] contiguous, 16-byte aligned; workspace: uint8 of at least
+    attn2_workspace_bytes(R, K, attn2_splits(...)) bytes, contiguous, 16-byte aligned (None with
+    one split). Two kernels with splits (the split kernel, then the combine, PDL between them). Every tensor on one CUDA device. Row t of request r sits at position L - 8 + t and sees keys
     max(0, L - 8 + t - W + 1) .. L - 8 + t. Graph-capturable, allocates nothing (after
     `prepare_attn2`); bitwise deterministic: a row's bits depend only on its keys, its query and
     gate, whatever L, R or the rank's other KV heads. ValueError before launch on anything

@@ -38,3 +38,33 @@ def test_max_pages():
 
 def test_partial_layout():
     assert lay.PARTIAL_BYTES == 18432 and lay.CTA_THREADS == 128 and lay.ROWS_PER_KV_HEAD == 64
+
+
+def test_combine_groups_are_complete_subtrees():
+    for splits in (2, 4, 64, 128, 256):
+        groups = lay.combine_groups(splits)
+        assert lay.is_power_of_two(groups) and groups <= lay.COMBINE_GROUPS and splits % groups == 0
+        assert lay.COMBINE_QUADS * groups >= 8  # the epilogue's butterfly needs the quad's 4 lanes
+    assert lay.combine_groups(256) == 64 and lay.combine_groups(2) == 2
+
+
+def test_split_table_entries_cover_every_page_a_split_visits():
+    for max_model_len, window in ((2048, 0), (4096, 0), (131072, 0), (131072, 2048), (4096, 64), (2200, 64)):
+        splits = lay.splits(max_model_len, window, 2)
+        entries = lay.split_table_entries(max_model_len, window, splits)
+        for seq_len in range(8, max_model_len + 1, max(1, max_model_len // 97)):
+            first, end = lay.visible_keys(seq_len, window)
+            first_page, end_page = first // lay.PAGE_TOKENS, lay.max_pages(end)
+            for split in range(splits):
+                assert len(lay.split_pages(split, splits, first_page, end_page)) <= entries
+    assert lay.split_table_entries(131072, 0, 256) == 32
+
+
+def test_split_ctas_per_sm():
+    assert lay.split_ctas_per_sm("sm_90a") == 4 and lay.split_ctas_per_sm("sm_100a") == 3
+    assert lay.CTA_THREADS * 128 * lay.SPLIT_CTAS_PER_SM <= 65536  # the register cap it implies: 128
+
+
+def test_workspace_is_partials_only():
+    assert lay.workspace_bytes(2, 3, 256) == 2 * 3 * 256 * lay.PARTIAL_BYTES
+    assert lay.workspace_bytes(1, 1, 1) == 0

@@ -56,14 +56,15 @@ def test_attn2_window_refuses_bad_length():
 @pytest.mark.parametrize("max_model_len, window, kv_heads, want", [
     (2048, 0, 2, 1),  # SHORT_MAX_LEN: one CTA per KV head
     (8, 0, 1, 1),
-    (2049, 0, 2, 64),  # just past it: 129 pages, capped at MAX_SPLITS
-    (131072, 0, 1, 64),  # tp 16: MAX_SPLITS
-    (131072, 0, 2, 64),  # tp 8
-    (131072, 0, 4, 64),  # tp 4: the same splits at every tp (rank identity)
-    (131072, 0, 8, 64),  # tp 2
+    (2049, 0, 2, 64),  # just past it: 129 pages, two a split at least
+    (131072, 0, 1, 256),  # tp 16: MAX_SPLITS
+    (131072, 0, 2, 256),  # tp 8
+    (131072, 0, 4, 256),  # tp 4: the same splits at every tp (rank identity)
+    (131072, 0, 8, 256),  # tp 2
     (131072, 2048, 2, 64),  # the window: 130 pages a row can see
     (131072, 64, 2, 2),  # a small window: 6 pages, two per split at least
-    (4096, 0, 3, 64),  # 256 pages: MAX_SPLITS
+    (8192, 0, 3, 256),  # 512 pages: MAX_SPLITS
+    (4096, 0, 3, 128),  # 256 pages, two a split
     (2100, 0, 2, 64),  # 132 pages // 2 = 66: rounded down to a power of two
     (2200, 64, 2, 2),  # a 6-page window
 ])
@@ -79,10 +80,9 @@ def test_attn2_splits_refuses(args):
 
 def test_attn2_workspace_bytes():
     assert cute_ops.attn2_workspace_bytes(1, 2, 1) == 0  # nothing to merge
-    counters = attn2_layout.counter_words(1, 2, 64) * 4
-    assert counters % 16 == 0 and counters >= 2 * 64 * 4
-    assert cute_ops.attn2_workspace_bytes(1, 2, 64) == counters + 2 * 64 * attn2_layout.PARTIAL_BYTES
-    assert cute_ops.attn2_workspace_bytes(3, 1, 2) == 32 + 3 * 2 * attn2_layout.PARTIAL_BYTES  # 6 counters, padded
+    assert attn2_layout.PARTIAL_BYTES == 18432  # 128 threads x (8 float4 of O + one of m, l)
+    assert cute_ops.attn2_workspace_bytes(1, 2, 256) == 2 * 256 * attn2_layout.PARTIAL_BYTES
+    assert cute_ops.attn2_workspace_bytes(3, 1, 2) == 3 * 2 * attn2_layout.PARTIAL_BYTES  # partials only
 
 
 @pytest.mark.parametrize("args", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (1, 2, 3), (1, 2, 2.0)])

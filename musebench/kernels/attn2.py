@@ -104,7 +104,7 @@ class _Attn2Kernel:
     page-table entries per request, `window` (0: none)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
-                 eps: float, enable_pdl: bool) -> None:
+                 eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
@@ -115,6 +115,7 @@ class _Attn2Kernel:
         self.eps = eps
         self.enable_pdl = enable_pdl
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)
+        self.ctas_per_sm = ctas_per_sm
 
     def smem_bytes(self) -> int:
         return lay.PIPELINE_STAGES * lay.PAGE_BYTES + -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
@@ -129,7 +130,7 @@ class _Attn2Kernel:
             smem=self.smem_bytes(),
             stream=stream,
             use_pdl=self.enable_pdl,
-            min_blocks_per_mp=lay.SPLIT_CTAS_PER_SM,
+            min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )
 
@@ -569,6 +570,14 @@ def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int
                 max_model_len=max_model_len, window=window, eps=float(config.RMS_NORM_EPS))
 
 
+def _device_arch() -> str:
+    """The current GPU's target name (sm_90a on an H200, sm_100a on a GB200); sm_90a without one."""
+    if not torch.cuda.is_available():
+        return "sm_90a"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}a"
+
+
 @dataclass(frozen=True)
 class CompiledAttn2:
     """A deployment's compiled kernels: the split kernel, and the combine where there are splits."""
@@ -585,11 +594,14 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits)
     knobs["enable_pdl"] = bool(build.enable_pdl)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
+    target = arch or _device_arch()
     bf16 = cutlass.BFloat16
+
+    split_knobs = dict(knobs, ctas_per_sm=lay.split_ctas_per_sm(target))
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
-            _Attn2Kernel(**knobs),
+            _Attn2Kernel(**split_knobs),
             fake_flat(bf16, 8, ALIGN),  # q (strided rows: the row stride is a runtime argument)
             fake_flat(bf16, 8, ALIGN),  # gate
             fake_flat(bf16, lay.PAGE_BYTES // BF16_BYTES, ALIGN),  # kv_cache
@@ -615,8 +627,8 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         )
 
     what = "attn2 (musebench.cute_ops.prepare_attn2)"
-    split = compilation.compiled(compilation.kernel_key(_Attn2Kernel, arch=build.arch, ptx_dir=build.ptx_dir, **knobs),
-                                 compile_split, what=what)
+    split = compilation.compiled(compilation.kernel_key(_Attn2Kernel, arch=build.arch, ptx_dir=build.ptx_dir,
+                                                        **split_knobs), compile_split, what=what)
     combine = None
     if knobs["num_splits"] > 1:
         key = compilation.kernel_key(_Attn2CombineKernel, arch=build.arch, ptx_dir=build.ptx_dir, **combine_knobs)
