@@ -11,7 +11,7 @@ SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "scripts").glob(
 
 
 def test_there_are_scripts_to_check():
-    assert {path.name for path in SCRIPTS} >= {"profile-routing.py", "profile-tail.py"}
+    assert {path.name for path in SCRIPTS} >= {"profile-routing.py", "profile-tail.py", "profile-attn2.py", "sweep-attn2.py"}
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=[path.name for path in SCRIPTS])

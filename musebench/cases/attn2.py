@@ -113,7 +113,7 @@ def _cute_ops(impl: Any) -> Any:
 
 @dataclass
 class Attn2Runner:
-    """One rank's attn2 launch on its device copy of its KV heads (its workspace: partials, never zeroed)."""
+    """One rank's attn2 launch on its device copy of its KV heads (its workspace of partials allocated zeroed, though the kernels need no zeroing)."""
 
     ops: Any
     problem: Any  # Attn2Problem on the device, this rank's heads

@@ -78,7 +78,8 @@ V_TILE_PAIRS = lay.HEAD_DIM // 16  # 4 pairs of n-tiles of P V
 V_WORD0 = lay.HEAD_DIM // 2  # V's first word in a slot
 JOIN_LOW, JOIN_HIGH = 0x5410, 0x7632
 ALIGN = 16
-COMBINE_SLOT_BYTES = 80  # a thread's [16 O, m, l] in shared memory, padded to 16-byte vectors
+# a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
+COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,6 @@ class _Attn2Kernel:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
-        self.levels = int(math.log2(num_splits))
         self.max_pages = max_pages
         self.max_model_len = max_model_len
         self.window = window
@@ -582,7 +582,6 @@ def _device_arch() -> str:
 class CompiledAttn2:
     """A deployment's compiled kernels: the split kernel, and the combine where there are splits."""
 
-    num_splits: int
     split: Any
     combine: Any | None
 
@@ -633,7 +632,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if knobs["num_splits"] > 1:
         key = compilation.kernel_key(_Attn2CombineKernel, arch=build.arch, ptx_dir=build.ptx_dir, **combine_knobs)
         combine = compilation.compiled(key, compile_combine, what=what)
-    return CompiledAttn2(knobs["num_splits"], split, combine)
+    return CompiledAttn2(split, combine)
 
 
 def prepare(*, num_kv_heads: int, max_model_len: int, window: int, enable_pdl: bool = True) -> None:

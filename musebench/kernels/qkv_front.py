@@ -218,10 +218,7 @@ class _QkvFrontKernel:
                 self.issue_weight(st, st, weight_source, copy_target)
                 cute.arch.cp_async_commit_group()
             cute.arch.griddepcontrol_wait()
-            slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
-            position = Int64(0)
-            if cutlass.const_expr(self.rope):
-                position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+            slot, position = self.slot_and_position(slots, positions, epilogue_row)
             zero = Uint32(0)
             x_words = [ptx.ld_global_cg_v4_u32(x_source + st * LINE_BYTES) for st in range(self.stages - 1)]
             for st in cutlass.range_constexpr(self.stages - 1):
@@ -230,10 +227,7 @@ class _QkvFrontKernel:
                                      live[3])
         else:
             # Without PDL: the slot and position first, then each stage's weight and x in one group.
-            slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
-            position = Int64(0)
-            if cutlass.const_expr(self.rope):
-                position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+            slot, position = self.slot_and_position(slots, positions, epilogue_row)
             for st in cutlass.range_constexpr(self.stages - 1):
                 self.issue_stage(st, st, weight_source, x_source, x_bytes, copy_target)
                 cute.arch.cp_async_commit_group()
@@ -296,6 +290,15 @@ class _QkvFrontKernel:
         if rank == 0:
             self.finish(acc, ring_base, tile, head, warp, g, t, tidx, tokens, epilogue_inputs, kv_cache, out, tap,
                         slot_limit)
+
+    @cute.jit
+    def slot_and_position(self, slots: Int64, positions: Int64, epilogue_row: Int64):
+        """The epilogue row's slot and (with RoPE; else 0) position, int64 each."""
+        slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
+        position = Int64(0)
+        if cutlass.const_expr(self.rope):
+            position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+        return slot, position
 
     @cute.jit
     def issue_weight(self, st: int, slot: int, weight_source: Int64, copy_target: Int32) -> None:
@@ -388,7 +391,7 @@ def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, e
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
     `enable_pdl` (default True): launched with programmatic dependent launch, the weight's first
-    ring stages streamed before `griddepcontrol.wait` (False: today's launch, no griddepcontrol;
+    ring stages streamed before `griddepcontrol.wait` (False: the launch without PDL, no griddepcontrol;
     the same bits). `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU);
     `ptx_dir` keeps the PTX there. All are in the cache key.
     """

@@ -37,6 +37,14 @@ def _first(ptx, pattern):
     return min((m.start() for m in re.finditer(pattern, ptx)), default=len(ptx))
 
 
+def _reads_after_wait(ptx, pattern):
+    """Whether every instruction matching `pattern` comes after the PTX's griddepcontrol.wait."""
+    return ptx.index("griddepcontrol.wait") < _first(ptx, pattern)
+
+
+PARTIAL_LOADS = r"ld\.global\.v4"  # the combine's 16-byte loads: the partials
+
+
 # (KV heads, max_model_len, window): one split (short), the split kernel (tp 8, tp 16), the window
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, window", [(2, 2048, 0), (2, 131072, 0), (1, 131072, 0),
@@ -46,8 +54,7 @@ def test_compiles_with_ptx_assertions(tmp_path, arch, heads, max_model_len, wind
     assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 24
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx  # no stack: nothing spilled before ptxas
-    wait = ptx.index("griddepcontrol.wait")
-    assert wait < _first(ptx, r"ld\.global|cp\.async")  # PDL: nothing the previous kernel writes is read before
+    assert _reads_after_wait(ptx, r"ld\.global|cp\.async")  # PDL: nothing the previous kernel writes is read before
     assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("mma.sync")  # released after the main loop
     assert f".minnctapersm {lay.split_ctas_per_sm(arch)}" in ptx  # the register cap of CTAs an SM
     assert "atom." not in ptx  # no counters: nothing inside a launch waits on another CTA
@@ -58,16 +65,22 @@ def test_compiles_with_ptx_assertions(tmp_path, arch, heads, max_model_len, wind
         assert "mma.sync" not in combine and "atom." not in combine and ".local" not in combine
         # the partials (16-byte loads) only after the wait; the gate and L (the split kernel's
         # own inputs, finished before it released this grid) may come before it
-        assert combine.index("griddepcontrol.wait") < _first(combine, r"ld\.global\.v4")
+        assert _reads_after_wait(combine, PARTIAL_LOADS)
         assert combine.index("griddepcontrol.launch_dependents") > combine.index("griddepcontrol.wait")
         assert "st.shared.v4.u32" in combine and "ld.shared.v4.u32" in combine  # the tree across groups
         assert "bar.sync" in combine
 
 
-def test_ptx_order_check_catches_an_early_partial_read():
-    """The combine's order assertion can fail: a 16-byte load placed before the wait trips it."""
-    bad = "ld.global.v4.u32 {%r1, %r2, %r3, %r4}, [%rd1];\ngriddepcontrol.wait;\n"
-    assert not bad.index("griddepcontrol.wait") < _first(bad, r"ld\.global\.v4")
+def test_ptx_order_check_catches_an_early_partial_read(tmp_path):
+    """The order assertions can fail: a partial's 16-byte load moved before the combine's wait,
+    or a cp.async before the split kernel's, trips them (the compiled PTX, edited)."""
+    split, combine = _ptxs(tmp_path, "sm_90a", 2, 131072, 0)
+    load = re.search(r"ld\.global\.v4\.u32[^\n]*\n", combine).group(0)
+    moved = combine.replace(load, "", 1).replace("griddepcontrol.wait;", load + "griddepcontrol.wait;", 1)
+    assert _reads_after_wait(combine, PARTIAL_LOADS) and not _reads_after_wait(moved, PARTIAL_LOADS)
+    copy = re.search(r"cp\.async\.cg[^\n]*\n", split).group(0)
+    early = split.replace("griddepcontrol.wait;", copy + "griddepcontrol.wait;", 1)
+    assert not _reads_after_wait(early, r"ld\.global|cp\.async")
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
