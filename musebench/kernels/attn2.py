@@ -15,9 +15,10 @@ wgmma / UMMA / TMEM):
    (one 4 KB page of K | V per stage; 16-byte chunks XOR-swizzled by slot so the fragment reads
    are bank-conflict free). Slots at and past L are zero-filled by cp.async's src-size 0 (never
    read: other requests' data or poison may sit there); pages past L are never touched.
-3. Per page: S = Q K^T (8 mma), scores times fp32(scale log2 e), the causal and window mask (the
-   same for both rows of a thread), the online softmax with m_use = 0 while a row has seen
-   nothing (a masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
+3. Per page: S = Q K^T (8 mma), the causal and window mask (the same for both rows of a thread),
+   the online softmax on unscaled scores (row maxima of S, weights 2^((s - m) fp32(scale log2 e))
+   with the difference rounded before the product; m_use = 0 while a row has seen nothing, so a
+   masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
    order sum, then per n-tile P V = p_hi V + (p_lo V) in a fresh accumulator (16 mma: a page's
    products are truncated at the page's scale, never into the running O) and O = O alpha + P V
    with FP32 round-to-nearest. V's B fragments come from
@@ -29,9 +30,9 @@ wgmma / UMMA / TMEM):
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the rows' 16 dims of O, m and l that lane
 c held in each split of its group (skipping splits without pages: (0, -inf, 0), which a merge
-passes through exactly), merges them as the subtree they are (left child first: w = 2^(m - top),
-O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level by level
-through shared memory, and warp 0 runs the epilogue on the root.
+passes through exactly), merges them as the subtree they are (left child first: w = 2^((m - top)
+scale log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet
+level by level through shared memory, and warp 0 runs the epilogue on the root.
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims, then the butterfly over xor 1, 2), rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 /
@@ -250,7 +251,7 @@ class _Attn2Kernel:
                 for j in cutlass.range_constexpr(4):
                     key = page_key + nt * 8 + 2 * c + (j % 2)
                     visible = (key <= own_key) & (key >= low_key)
-                    s.append(cutlass.select_(visible, ptx.mul_rn_f32(sacc[j], scale_log2), Float32(NEG_INF)))
+                    s.append(cutlass.select_(visible, sacc[j], Float32(NEG_INF)))
 
             alpha = []
             p_hi = []
@@ -262,13 +263,13 @@ class _Attn2Kernel:
                 top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=2))
                 m_new = ptx.max_f32(m[half], top)
                 m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
-                alpha.append(ptx.ex2_approx_f32(ptx.sub_rn_f32(m[half], m_use)))
+                alpha.append(ptx.ex2_approx_f32(scaled_difference(m[half], m_use, scale_log2)))
                 m[half] = m_new
                 hi = []
                 lo = []
                 for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
-                    px0 = ptx.ex2_approx_f32(ptx.sub_rn_f32(e[2 * k], m_use))
-                    px1 = ptx.ex2_approx_f32(ptx.sub_rn_f32(e[2 * k + 1], m_use))
+                    px0 = ptx.ex2_approx_f32(scaled_difference(e[2 * k], m_use, scale_log2))
+                    px1 = ptx.ex2_approx_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
                     pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
                     h0 = ptx.bitcast_u32_to_f32(pword << 16)
                     h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
@@ -343,6 +344,17 @@ class _Attn2Kernel:
 
 
 @cute.jit
+def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -> Float32:
+    """The log2 exponent of a key's weight, (score - reference) scale log2 e, both roundings in
+    FP32: scores and maxima stay unscaled, so the difference of a key near the row max is exact
+    (Sterbenz) and equal scores weigh exactly 1; scaling first put half an FP32 ULP of the scaled
+    score (2^-12 near 4000) into every exponent, up to 3349 BF16 ULPs on `large` inputs (the CPU
+    model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
+    split) stays -inf: its weight is 0."""
+    return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+@cute.jit
 def partial_slot(workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, num_kv_heads: cutlass.Constexpr,
                  num_splits: cutlass.Constexpr) -> Int64:
     """The address of partial (req, kv_head, split) in the workspace."""
@@ -365,14 +377,14 @@ def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constex
 @cute.jit
 def merge_into(left: list, right: list) -> None:
     """One merge-tree node in place of `left`: [O..., m, l] lists (O first), left child first:
-    top = max(m_L, m_R), w = 2^(m - top) (top 0 while both are empty), O = O_L w_L + O_R w_R, l
+    top = max(m_L, m_R), w = 2^((m - top) scale log2 e) (top 0 while both are empty), O = O_L w_L + O_R w_R, l
     likewise (two products, one sum), m = top."""
     n = len(left) - 2
     m_l, m_r = left[n], right[n]
     top = ptx.max_f32(m_l, m_r)
     use = cutlass.select_(top == Float32(NEG_INF), Float32(0.0), top)
-    w_l = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_l, use))
-    w_r = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_r, use))
+    w_l = ptx.ex2_approx_f32(scaled_difference(m_l, use, Float32(SCALE_LOG2)))
+    w_r = ptx.ex2_approx_f32(scaled_difference(m_r, use, Float32(SCALE_LOG2)))
     for k in cutlass.range_constexpr(n):
         left[k] = ptx.add_rn_f32(ptx.mul_rn_f32(left[k], w_l), ptx.mul_rn_f32(right[k], w_r))
     left[n] = top
