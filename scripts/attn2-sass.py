@@ -2,7 +2,7 @@
 loop, for `SplitIssue` settings side by side (no GPU: compiles for a target, disassembles the
 cubin with nvdisasm; ptxas -v on the kept PTX reports registers and spills).
 
-    python3 scripts/attn2-sass.py --arch sm_90a --issue none,all,mask,rescale,lean
+    PYTHONPATH=. python3 scripts/attn2-sass.py --arch sm_90a --issue none,all,mask,rescale,lean,mask+lean
 
 Paths: every route from the loop's head to its back edge (the masked / unmasked page, the
 rescale / no rescale; the page load's predicated block counts either way). A predicated-off
@@ -19,17 +19,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-ISSUES = {
-    "all": dict(mask_edges_only=True, skip_unit_rescale=True, lean_addressing=True),
-    "none": dict(mask_edges_only=False, skip_unit_rescale=False, lean_addressing=False),
-    "mask": dict(mask_edges_only=True, skip_unit_rescale=False, lean_addressing=False),
-    "rescale": dict(mask_edges_only=False, skip_unit_rescale=True, lean_addressing=False),
-    "lean": dict(mask_edges_only=False, skip_unit_rescale=False, lean_addressing=True),
-    "mask+rescale": dict(mask_edges_only=True, skip_unit_rescale=True, lean_addressing=False),
-    "mask+lean": dict(mask_edges_only=True, skip_unit_rescale=False, lean_addressing=True),
-    "rescale+lean": dict(mask_edges_only=False, skip_unit_rescale=True, lean_addressing=True),
-}
 
 LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 TARGET = re.compile(r"`\(\.(L_x_\d+)\)")
@@ -97,24 +86,27 @@ def loop_paths(sass: str) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a")
-    parser.add_argument("--issue", default="none,all", help=f"comma list of {', '.join(ISSUES)}")
+    parser.add_argument("--issue", default="none,all",
+                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean joined by +")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()
-    names = [n for n in args.issue.split(",") if n]
-    unknown = [n for n in names if n not in ISSUES]
-    if unknown:
-        print(f"unknown --issue {unknown}; choose from {', '.join(ISSUES)}", file=sys.stderr)
-        sys.exit(2)
     os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
     from musebench.kernels import attn2
+
+    names = [n for n in args.issue.split(",") if n]
+    try:
+        issues = {name: attn2.SplitIssue.named(name) for name in names}
+    except ValueError as e:
+        print(f"--issue: {e}", file=sys.stderr)
+        sys.exit(2)
 
     disasm = nvdisasm()
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
             attn2.compile_attn2(args.heads, args.max_model_len, args.window,
-                                attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=attn2.SplitIssue(**ISSUES[name])))
+                                attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name]))
             cubin = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.cubin"))
             ptx = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.ptx"))
             sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout

@@ -23,6 +23,9 @@ wgmma / UMMA / TMEM):
    with FP32 round-to-nearest. V's B fragments come from
    word loads joined by `prmt`: n-tile 2p carries the even dims of the word pairs, 2p + 1 the
    odd ones, so a thread ends with dims 16p + 4c .. 16p + 4c + 3 of its rows.
+   `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
+   whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
+   and the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
@@ -96,9 +99,11 @@ class SplitIssue:
       non-NaN x (-0.0, subnormals and inf included: mul.rn.f32 keeps subnormals); a NaN O turns
       into the canonical NaN through the add that follows either way.
     - `lean_addressing`: the per-thread parts of the shared addresses of the K and V fragments
-      (the XOR swizzle) and of the cp.async destinations are computed once, before the page loop,
-      so a page adds only its stage's offset; the cp.async source of a zero-filled chunk stays its
-      own address in the page (src-size 0: not read) instead of a 64-bit select.
+      (the XOR swizzle) are computed once, before the page loop, so a page adds only its stage's
+      offset (ptxas then reads with [R + UR] addressing); the cp.async source of a zero-filled
+      chunk stays its own address in the page (src-size 0: not read) instead of a 64-bit select.
+
+    `named("all" | "none" | "mask+rescale+lean" ...)`: a setting by name (the scripts' flags).
     """
 
     mask_edges_only: bool = True
@@ -109,6 +114,22 @@ class SplitIssue:
     def none() -> SplitIssue:
         """Every saving off: the split kernel as it was before them (the A/B baseline)."""
         return SplitIssue(False, False, False)
+
+    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing"}
+
+    @staticmethod
+    def named(name: str) -> SplitIssue:
+        """"all", "none", or short names joined by "+" (those on, the rest off): "mask",
+        "rescale", "lean". ValueError for anything else."""
+        if name == "all":
+            return SplitIssue()
+        if name == "none":
+            return SplitIssue.none()
+        parts = name.split("+")
+        unknown = [p for p in parts if p not in SplitIssue.SHORT_NAMES]
+        _require(bool(name) and not unknown, f"unknown SplitIssue {name!r}: 'all', 'none' or "
+                 f"{'+'.join(SplitIssue.SHORT_NAMES)} (any of them joined by '+')")
+        return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
 
     def knobs(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in ("mask_edges_only", "skip_unit_rescale", "lean_addressing")}
