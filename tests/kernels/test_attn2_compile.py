@@ -110,3 +110,13 @@ def test_refuses_bad_deployments(args):
 def test_refuses_an_issue_that_is_not_a_split_issue():
     with pytest.raises(ValueError, match="SplitIssue"):
         attn2.Attn2Build(issue={"mask_edges_only": False})  # type: ignore[arg-type]
+
+
+def test_split_issue_names():
+    named = attn2.SplitIssue.named
+    assert named("all") == attn2.SplitIssue() and named("none") == attn2.SplitIssue.none()
+    assert named("mask+lean") == attn2.SplitIssue(mask_edges_only=True, skip_unit_rescale=False, lean_addressing=True)
+    assert named("rescale") == attn2.SplitIssue(False, True, False)
+    for bad in ("", "mask+", "Mask", "all+mask", "fast"):
+        with pytest.raises(ValueError, match="SplitIssue"):
+            named(bad)
