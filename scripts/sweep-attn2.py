@@ -8,6 +8,11 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
     python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
 
+`--issue none,all` times the split kernel's instruction savings (`kernels.attn2.SplitIssue`:
+"all", "none", or mask / rescale / lean joined by "+") against each other on the same plan; they
+must not change a bit, so each point also counts the elements that differ from the first --issue
+setting of its plan (`bits_differing_from_first_issue`), and the run exits 1 if any does.
+
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 
 import torch
 
@@ -42,8 +48,18 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=0)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--issue", default="all",
+                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean joined by +")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    try:
+        issues = {name: attn2.SplitIssue.named(name) for name in args.issue.split(",") if name}
+    except ValueError as e:
+        print(f"--issue: {e}", file=sys.stderr)
+        sys.exit(2)
+    if not issues:
+        print("--issue: name at least one setting", file=sys.stderr)
+        sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
@@ -62,35 +78,47 @@ def main() -> None:
             reference = None
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
-                    workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits)), dtype=torch.uint8,
-                                            device=device)
-                    out = torch.full_like(p.q, float("nan"))
+                    first_issue = None
+                    for issue_name, issue in issues.items():
+                        workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits)), dtype=torch.uint8,
+                                                device=device)
+                        out = torch.full_like(p.q, float("nan"))
 
-                    def call(splits=splits, pdl=pdl, workspace=workspace, out=out) -> None:
-                        attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
-                                     max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
-                                     num_splits=splits)
+                        def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue) -> None:
+                            attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                                         max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
+                                         num_splits=splits, issue=issue)
 
-                    us = graph_median_us(call, stream, bench)
-                    torch.cuda.synchronize()
-                    finite = bool(torch.isfinite(out.float()).all())
-                    if reference is None:
-                        reference = out.clone()
-                    same = int((out.view(torch.int16) != reference.view(torch.int16)).sum())
-                    row = dict(tp=tp, L=length, splits=splits, pdl=pdl, us=round(us, 2), sdpa_us=round(sdpa_us, 2),
-                               ratio_to_sdpa=round(us / sdpa_us, 3), gbps=round(kv_bytes / us / 1e3, 1),
-                               roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
-                               bits_differing_from_first_plan=same)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                        us = graph_median_us(call, stream, bench)
+                        torch.cuda.synchronize()
+                        finite = bool(torch.isfinite(out.float()).all())
+                        if reference is None:
+                            reference = out.clone()
+                        if first_issue is None:
+                            first_issue = out.clone()
+                        same = int((out.view(torch.int16) != reference.view(torch.int16)).sum())
+                        issue_diff = int((out.view(torch.int16) != first_issue.view(torch.int16)).sum())
+                        row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, us=round(us, 2),
+                                   sdpa_us=round(sdpa_us, 2), ratio_to_sdpa=round(us / sdpa_us, 3),
+                                   gbps=round(kv_bytes / us / 1e3, 1),
+                                   roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
+                                   bits_differing_from_first_plan=same, bits_differing_from_first_issue=issue_diff)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"]), []).append(r["ratio_to_sdpa"])
-    for (splits, pdl), ratios in sorted(by_plan.items()):
-        print(f"splits {splits} pdl {pdl}: median attn2/SDPA {statistics.median(ratios):.3f}, max {max(ratios):.3f}")
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"]), []).append(r["ratio_to_sdpa"])
+    for (splits, pdl, issue_name), ratios in sorted(by_plan.items()):
+        print(f"splits {splits} pdl {pdl} issue {issue_name}: median attn2/SDPA {statistics.median(ratios):.3f}, "
+              f"max {max(ratios):.3f}")
+    changed = [r for r in rows if r["bits_differing_from_first_issue"]]
+    if changed:
+        print(f"FAIL: {len(changed)} points where a SplitIssue setting changed bits, first: {changed[0]}",
+              file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ GPU run only has to confirm that the device code does what this does.
 
 Same as the kernel: the split plan (`attn2_layout.split_pages`: page p in split p % S, ascending),
 the pages a CTA visits (those holding keys of [first visible key, L)), the mask (causal, window,
-keys at and past L), the online softmax in FP32 in the log2 domain (s2 = fp32(q.k) * fp32(scale *
-log2 e); m_use = m_new, or 0 while a row has seen no key, so a masked page is an exact no-op),
+keys at and past L), the online softmax in FP32 on unscaled scores (row maxima of s = fp32(q.k);
+p = 2^(fp32(s - m_use) * fp32(scale log2 e)), the difference rounded before the product, exact
+for keys near the max; m_use = m_new, or 0 while a row has seen no key, so a masked page is an
+exact no-op; the merge's weights likewise),
 P split into two BF16 terms (p_hi = bf16(p), p_lo = bf16(p - p_hi): two P V mmas, so P keeps
 about 16 bits where one BF16 P would keep 8), the row sum of p_hi + p_lo in the kernel's lane order
 ((p0 + p1) + (p8 + p9) per lane, then the quad butterfly), a page's P V in a fresh accumulator
@@ -127,13 +129,13 @@ def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor,
         keys_idx = page * lay.PAGE_TOKENS + torch.arange(lay.PAGE_TOKENS)
         in_l = keys_idx < seq_len
         slots = torch.where(in_l[:, None], slots, torch.zeros(()))  # slots past L are never loaded: zeros
-        s2 = page_scores(qf, slots[:, : lay.HEAD_DIM]) * scale_log2
+        s = page_scores(qf, slots[:, : lay.HEAD_DIM])
         visible = (keys_idx[None, :] <= last_key[:, None]) & (keys_idx[None, :] >= first_key[:, None])
-        s2 = torch.where(visible, s2, torch.full((), NEG_INF))
-        m_new = torch.maximum(m, s2.max(dim=1).values)
+        s = torch.where(visible, s, torch.full((), NEG_INF))
+        m_new = torch.maximum(m, s.max(dim=1).values)
         m_use = torch.where(m_new == NEG_INF, torch.zeros(()), m_new)
-        alpha = torch.exp2(m - m_use[:, None].squeeze(1))
-        p = torch.exp2(s2 - m_use[:, None])
+        alpha = torch.exp2((m - m_use) * scale_log2)
+        p = torch.exp2((s - m_use[:, None]) * scale_log2)
         p_hi = p.to(torch.bfloat16).float()
         p_lo = (p - p_hi).to(torch.bfloat16).float()
         lsum = lsum * alpha + _lane_sum16(p_hi + p_lo)
@@ -143,21 +145,22 @@ def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor,
     return o, m, lsum
 
 
-def merge(left: tuple, right: tuple) -> tuple:
-    """One merge-tree node: (O, m, l) of the left child, then the right's."""
+def merge(left: tuple, right: tuple, scale_log2: torch.Tensor) -> tuple:
+    """One merge-tree node: (O, m, l) of the left child, then the right's; m are raw row maxima,
+    w = 2^((m - top) scale log2 e) with the difference and the product rounded in FP32."""
     o_l, m_l, l_l = left
     o_r, m_r, l_r = right
     top = torch.maximum(m_l, m_r)
     use = torch.where(top == NEG_INF, torch.zeros(()), top)
-    w_l, w_r = torch.exp2(m_l - use), torch.exp2(m_r - use)
+    w_l, w_r = torch.exp2((m_l - use) * scale_log2), torch.exp2((m_r - use) * scale_log2)
     return o_l * w_l[:, None] + o_r * w_r[:, None], top, l_l * w_l + l_r * w_r
 
 
-def merge_tree(partials: list[tuple]) -> tuple:
+def merge_tree(partials: list[tuple], scale_log2: torch.Tensor) -> tuple:
     """The fixed tree over num_splits (a power of two) partials: level by level, pairs (2j, 2j+1)."""
     level = list(partials)
     while len(level) > 1:
-        level = [merge(level[2 * j], level[2 * j + 1]) for j in range(len(level) // 2)]
+        level = [merge(level[2 * j], level[2 * j + 1], scale_log2) for j in range(len(level) // 2)]
     return level[0]
 
 
@@ -189,7 +192,7 @@ def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: flo
             gate = p.gate[rows, cols].reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)
             partials = [split_partial(q, p.kv_cache, p.page_table[r], h, seq_len, p.window, s, splits, scale_log2)
                         for s in range(splits)]
-            o, _, lsum = merge_tree(partials)
+            o, _, lsum = merge_tree(partials, scale_log2)
             out[rows, cols] = epilogue(o, lsum, gate, eps).reshape(lay.QUERY_LEN, width)
     return out
 

@@ -15,23 +15,27 @@ wgmma / UMMA / TMEM):
    (one 4 KB page of K | V per stage; 16-byte chunks XOR-swizzled by slot so the fragment reads
    are bank-conflict free). Slots at and past L are zero-filled by cp.async's src-size 0 (never
    read: other requests' data or poison may sit there); pages past L are never touched.
-3. Per page: S = Q K^T (8 mma), scores times fp32(scale log2 e), the causal and window mask (the
-   same for both rows of a thread), the online softmax with m_use = 0 while a row has seen
-   nothing (a masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
+3. Per page: S = Q K^T (8 mma), the causal and window mask (the same for both rows of a thread),
+   the online softmax on unscaled scores (row maxima of S, weights 2^((s - m) fp32(scale log2 e))
+   with the difference rounded before the product; m_use = 0 while a row has seen nothing, so a
+   masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
    order sum, then per n-tile P V = p_hi V + (p_lo V) in a fresh accumulator (16 mma: a page's
    products are truncated at the page's scale, never into the running O) and O = O alpha + P V
    with FP32 round-to-nearest. V's B fragments come from
    word loads joined by `prmt`: n-tile 2p carries the even dims of the word pairs, 2p + 1 the
    odd ones, so a thread ends with dims 16p + 4c .. 16p + 4c + 3 of its rows.
+   `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
+   whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
+   and the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the rows' 16 dims of O, m and l that lane
 c held in each split of its group (skipping splits without pages: (0, -inf, 0), which a merge
-passes through exactly), merges them as the subtree they are (left child first: w = 2^(m - top),
-O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level by level
-through shared memory, and warp 0 runs the epilogue on the root.
+passes through exactly), merges them as the subtree they are (left child first: w = 2^((m - top)
+scale log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet
+level by level through shared memory, and warp 0 runs the epilogue on the root.
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims, then the butterfly over xor 1, 2), rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 /
@@ -62,7 +66,7 @@ from musebench import config
 from musebench.kernels import compilation, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
-__all__ = ["Attn2Build", "CompiledAttn2", "compile_attn2", "launch", "prepare"]
+__all__ = ["Attn2Build", "CompiledAttn2", "SplitIssue", "compile_attn2", "launch", "prepare"]
 
 LOG2_E = 1.4426950408889634
 SCALE_LOG2 = config.ATTN_SCALE * LOG2_E  # rounded to binary32 once, when the kernel is built
@@ -83,16 +87,72 @@ COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYT
 
 
 @dataclass(frozen=True)
+class SplitIssue:
+    """The split kernel's instruction savings, each a compile-time switch (all on by default; each
+    leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them against
+    `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
+
+    - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
+      own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
+      of the page step without the causal / window compares and selects; a page at an edge runs
+      the masked copy. A visible score is selected unchanged, so the copies agree bit for bit.
+    - `skip_unit_rescale`: the warp skips O *= alpha and l *= alpha (34 multiplies) when every
+      alpha of the warp is exactly 1.0 (`vote.sync.all`): x * 1.0 is x, bit for bit, for every
+      non-NaN x (-0.0, subnormals and inf included: mul.rn.f32 keeps subnormals); a NaN O turns
+      into the canonical NaN through the add that follows either way.
+    - `lean_addressing`: the per-thread parts of the shared addresses of the K and V fragments
+      (the XOR swizzle) are computed once, before the page loop, so a page adds only its stage's
+      offset (ptxas then reads with [R + UR] addressing); the cp.async source of a zero-filled
+      chunk stays its own address in the page (src-size 0: not read) instead of a 64-bit select.
+
+    `named("all" | "none" | "mask+rescale+lean" ...)`: a setting by name (the scripts' flags).
+    """
+
+    mask_edges_only: bool = True
+    skip_unit_rescale: bool = True
+    lean_addressing: bool = True
+
+    @staticmethod
+    def none() -> SplitIssue:
+        """Every saving off: the split kernel as it was before them (the A/B baseline)."""
+        return SplitIssue(False, False, False)
+
+    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing"}
+
+    @staticmethod
+    def named(name: str) -> SplitIssue:
+        """"all", "none", or short names joined by "+" (those on, the rest off): "mask",
+        "rescale", "lean". ValueError for anything else."""
+        if name == "all":
+            return SplitIssue()
+        if name == "none":
+            return SplitIssue.none()
+        parts = name.split("+")
+        unknown = [p for p in parts if p not in SplitIssue.SHORT_NAMES]
+        _require(bool(name) and not unknown, f"unknown SplitIssue {name!r}: 'all', 'none' or "
+                 f"{'+'.join(SplitIssue.SHORT_NAMES)} (any of them joined by '+')")
+        return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
+
+    def knobs(self) -> dict[str, bool]:
+        return {name: bool(getattr(self, name)) for name in ("mask_edges_only", "skip_unit_rescale", "lean_addressing")}
+
+
+@dataclass(frozen=True)
 class Attn2Build:
     """Compile-time knobs besides the deployment: PDL, the target (default: CUTE_DSL_ARCH or the
     current GPU), a folder for the PTX (tests) and, for experiments (`scripts/sweep-attn2.py`),
     a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
-    plan, not the deployment's)."""
+    plan, not the deployment's) and the split kernel's instruction savings (`SplitIssue`: the
+    same bits with any setting)."""
 
     enable_pdl: bool = True
     arch: str | None = None
     ptx_dir: str | None = None
     num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
+    issue: SplitIssue = SplitIssue()
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -102,11 +162,15 @@ def _require(ok: bool, message: str) -> None:
 
 class _Attn2Kernel:
     """One attn2 variant: `num_kv_heads` KV heads per launch, `num_splits` splits, `max_pages`
-    page-table entries per request, `window` (0: none)."""
+    page-table entries per request, `window` (0: none), and `SplitIssue`'s switches (same bits)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
-                 eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM) -> None:
+                 eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
+                 skip_unit_rescale: bool = True, lean_addressing: bool = True) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        self.mask_edges_only = mask_edges_only
+        self.skip_unit_rescale = skip_unit_rescale
+        self.lean_addressing = lean_addressing
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.max_pages = max_pages
@@ -151,15 +215,181 @@ class _Attn2Kernel:
             live = (page * lay.PAGE_TOKENS + slot < seq_len) & in_cache
             source = page_base + Int64(chunk) * VECTOR_BYTES
             dest = smem_stage + slot * SLOT_BYTES + (column ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
-            # zero fill: the source not read (it stays a valid address of the cache)
-            ptx.cp_async_cg_shared_global_16(dest, cutlass.select_(live, source, page_base),
-                                             cutlass.select_(live, Int32(VECTOR_BYTES), Int32(0)))
+            if cutlass.const_expr(not self.lean_addressing):
+                source = cutlass.select_(live, source, page_base)
+            # zero fill: the source not read (either way an address inside the page at page_base)
+            ptx.cp_async_cg_shared_global_16(dest, source, cutlass.select_(live, Int32(VECTOR_BYTES), Int32(0)))
 
     @cute.jit
     def slot_word(self, stage: Int32, slot, word) -> Uint32:
         chunk = word // 4
         return ptx.ld_shared_u32(stage + slot * SLOT_BYTES + ((chunk ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES)
                                  + (word % 4) * WORD_BYTES)
+
+    @cute.jit
+    def fragment_word(self, stage: Int32, stage_offset: Int32, lean, slot, word, index: tuple,
+                      extra: cutlass.Constexpr) -> Uint32:
+        """One word of a K or V fragment in the stage at `stage` (= ring base + `stage_offset`):
+        through the swizzle (`slot_word`), or with lean_addressing from this thread's precomputed
+        stage-0 address `lean[index]` plus `stage_offset` and `extra` (a constant: 8 slots further
+        is + 2048, the same swizzle). Both read the same byte."""
+        if cutlass.const_expr(lean is None):
+            return self.slot_word(stage, slot, word)
+        return ptx.ld_shared_u32(lean[index[0]][index[1]] + stage_offset + extra)
+
+    @cute.jit
+    def page_step(self, stage: Int32, stage_offset: Int32, k_words, v_words, a: list, g: Int32, c: Int32,
+                  page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, lsum: list, o: list):
+        """One page of the online softmax (its stage at `stage`); returns the new (m, lsum, o).
+
+        Two halves, each a real branch (large enough that ptxas keeps the jump rather than
+        predicating both sides): the scores and P, masked or not (`inside`: every key visible to
+        every row, a CTA-uniform test; `mask_edges_only`), then P V into O with or without the
+        rescale (`skip_unit_rescale`: the warp's vote that every alpha is 1.0)."""
+        if cutlass.const_expr(self.mask_edges_only):
+            # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
+            ah = [Uint32(0) for _ in range(4)]
+            al = [Uint32(0) for _ in range(4)]
+            alpha = [Float32(0.0), Float32(0.0)]
+            local = [Float32(0.0), Float32(0.0)]
+            if inside:
+                m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
+                                                           low_key, m, False)
+            else:
+                m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
+                                                           low_key, m, True)
+        else:
+            m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
+                                                       low_key, m, True)
+        if cutlass.const_expr(self.skip_unit_rescale):
+            # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
+            # every non-NaN x (-0.0 included: -0.0 * 1.0 is -0.0; subnormals: mul.rn.f32 keeps them;
+            # inf), and a NaN O or l turns into the canonical NaN in the add that follows either
+            # way: skipping the 34 multiplies leaves every bit as it is.
+            unit = ptx.vote_sync_all_pred((alpha[0] == Float32(1.0)) & (alpha[1] == Float32(1.0)))
+            o, lsum = self.rescale(o, lsum, alpha, unit)
+            o, lsum = self.page_values(stage, stage_offset, v_words, g, c, ah, al, alpha, local, lsum, o, False)
+        else:
+            o, lsum = self.page_values(stage, stage_offset, v_words, g, c, ah, al, alpha, local, lsum, o, True)
+        return m, lsum, o
+
+    @cute.jit
+    def page_scores(self, stage: Int32, stage_offset: Int32, k_words, a: list, g: Int32, c: Int32, page_key: Int32,
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
+        """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
+        visible to every row: each select would pick its score unchanged), the new row maxima and
+        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row, the
+        rows' page sums of P in lane order)."""
+        scale_log2 = Float32(SCALE_LOG2)
+        # S = Q K^T: s[4 nt + j]
+        s = []
+        for nt in cutlass.range_constexpr(2):
+            sacc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+            for kk in cutlass.range_constexpr(K_TILES):
+                kb0 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + c, (kk, 0), nt * 8 * SLOT_BYTES)
+                kb1 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + 4 + c, (kk, 1),
+                                         nt * 8 * SLOT_BYTES)
+                sacc = list(ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                    a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb0, kb1, sacc[0], sacc[1], sacc[2], sacc[3]))
+            for j in cutlass.range_constexpr(4):
+                scaled = sacc[j]  # unscaled: the exponent scales the difference from the max
+                if cutlass.const_expr(masked):
+                    key = page_key + nt * 8 + 2 * c + (j % 2)
+                    visible = (key <= own_key) & (key >= low_key)
+                    s.append(cutlass.select_(visible, scaled, Float32(NEG_INF)))
+                else:
+                    s.append(scaled)
+
+        m = list(m)
+        alpha = []
+        p_hi = []
+        p_lo = []
+        local_sums = []
+        for half in cutlass.range_constexpr(2):  # row g (elements 0, 1), row g + 8 (2, 3)
+            e = [s[2 * half], s[2 * half + 1], s[4 + 2 * half], s[4 + 2 * half + 1]]
+            top = ptx.max_f32(ptx.max_f32(e[0], e[1]), ptx.max_f32(e[2], e[3]))
+            top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=1))
+            top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=2))
+            m_new = ptx.max_f32(m[half], top)
+            m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
+            alpha.append(ptx.ex2_approx_f32(scaled_difference(m[half], m_use, scale_log2)))
+            m[half] = m_new
+            hi = []
+            lo = []
+            for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
+                px0 = ptx.ex2_approx_f32(scaled_difference(e[2 * k], m_use, scale_log2))
+                px1 = ptx.ex2_approx_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
+                pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
+                h0 = ptx.bitcast_u32_to_f32(pword << 16)
+                h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
+                rem0 = ptx.sub_rn_f32(px0, h0)
+                rem1 = ptx.sub_rn_f32(px1, h1)
+                lword = ptx.cvt_rn_bf16x2_f32(rem1, rem0)
+                l0 = ptx.bitcast_u32_to_f32(lword << 16)
+                l1 = ptx.bitcast_u32_to_f32(lword & Uint32(0xFFFF0000))
+                hi.append(pword)
+                lo.append(lword)
+                pair = ptx.add_rn_f32(ptx.add_rn_f32(h0, l0), ptx.add_rn_f32(h1, l1))
+                if cutlass.const_expr(k == 0):
+                    local = pair
+                else:
+                    local = ptx.add_rn_f32(local, pair)
+            local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=1))
+            local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=2))
+            local_sums.append(local)
+            p_hi.append(hi)
+            p_lo.append(lo)
+        # A fragments of P: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c.., a3 row g + 8.
+        ah = [p_hi[0][0], p_hi[1][0], p_hi[0][1], p_hi[1][1]]
+        al = [p_lo[0][0], p_lo[1][0], p_lo[0][1], p_lo[1][1]]
+        return m, ah, al, alpha, local_sums
+
+    @cute.jit
+    def rescale(self, o: list, lsum: list, alpha: list, unit):
+        """(O alpha, l alpha), or (O, l) as they are where `unit` (every alpha of the warp is 1.0:
+        the same bits). The multiplies are pinned in the branch (`pinned`): LLVM would otherwise
+        hoist them above it and select, and ptxas then issues all 34 predicated."""
+        if not unit:
+            o = [ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2], pinned=True) for t in range(2 * V_TILE_PAIRS)
+                 for j in range(4)]
+            lsum = [ptx.mul_rn_f32(lsum[half], alpha[half], pinned=True) for half in range(2)]
+        return o, lsum
+
+    @cute.jit
+    def page_values(self, stage: Int32, stage_offset: Int32, v_words, g: Int32, c: Int32, ah: list, al: list,
+                    alpha: list, local: list, lsum: list, o: list, rescale: cutlass.Constexpr):
+        """l = l alpha + the page's sums and O = O alpha + P V (this page's P V in a fresh
+        accumulator); without `rescale` (every alpha of the warp is 1.0) l + sums and O + P V, the
+        same bits. Returns (o, lsum)."""
+        o = list(o)
+        if cutlass.const_expr(rescale):
+            lsum = [ptx.add_rn_f32(ptx.mul_rn_f32(lsum[half], alpha[half]), local[half]) for half in range(2)]
+        else:
+            lsum = [ptx.add_rn_f32(lsum[half], local[half]) for half in range(2)]
+        for pp in cutlass.range_constexpr(V_TILE_PAIRS):
+            vword = V_WORD0 + 8 * pp + g
+            vx0 = self.fragment_word(stage, stage_offset, v_words, 2 * c, vword, (pp, 0), 0)
+            vx1 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 1, vword, (pp, 1), 0)
+            vx2 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 8, vword, (pp, 0), 8 * SLOT_BYTES)
+            vx3 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 9, vword, (pp, 1), 8 * SLOT_BYTES)
+            for odd in cutlass.range_constexpr(2):
+                sel = JOIN_HIGH if odd else JOIN_LOW
+                vb0 = ptx.prmt_b32(vx0, vx1, sel)
+                vb1 = ptx.prmt_b32(vx2, vx3, sel)
+                t = 2 * pp + odd
+                # this page's P V in a fresh accumulator, p_lo first (the tensor cores truncate:
+                # a long chain into O would drift toward zero), then O = O alpha + P V in FP32
+                zero = Float32(0.0)
+                pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                    al[0], al[1], al[2], al[3], vb0, vb1, zero, zero, zero, zero)
+                pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                    ah[0], ah[1], ah[2], ah[3], vb0, vb1, pv[0], pv[1], pv[2], pv[3])
+                for j in cutlass.range_constexpr(4):
+                    if cutlass.const_expr(rescale):
+                        o[4 * t + j] = ptx.add_rn_f32(ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2]), pv[j])
+                    else:
+                        o[4 * t + j] = ptx.add_rn_f32(o[4 * t + j], pv[j])
+        return o, lsum
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -203,7 +433,6 @@ class _Attn2Kernel:
         low_key = Int32(0)
         if cutlass.const_expr(self.window > 0):
             low_key = own_key - (self.window - 1)
-        scale_log2 = Float32(SCALE_LOG2)
         m = [Float32(NEG_INF), Float32(NEG_INF)]
         lsum = [Float32(0.0), Float32(0.0)]
         o = [Float32(0.0) for _ in range(32)]  # o[4 t + j]: n-tile t, fragment element j
@@ -227,6 +456,16 @@ class _Attn2Kernel:
                                start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
 
+        # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
+        k_words = None
+        v_words = None
+        if cutlass.const_expr(self.lean_addressing):
+            k_words = [[ring_base + g * SLOT_BYTES + ((2 * kk + h) ^ g) * VECTOR_BYTES + c * WORD_BYTES
+                        for h in range(2)] for kk in range(K_TILES)]
+            v_words = [[ring_base + (2 * c + par) * SLOT_BYTES
+                        + ((V_WORD0 // 4 + 2 * pp + g // 4) ^ (2 * c + par)) * VECTOR_BYTES + (g % 4) * WORD_BYTES
+                        for par in range(2)] for pp in range(V_TILE_PAIRS)]
+
         for i in cutlass.range(pages, unroll=1):
             ahead = i + (lay.PIPELINE_STAGES - 1)
             if ahead < pages:
@@ -235,83 +474,17 @@ class _Attn2Kernel:
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 1)
             cute.arch.barrier()
-            stage = ring_base + (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
             page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
-
-            # S = Q K^T: s[4 nt + j]
-            s = []
-            for nt in cutlass.range_constexpr(2):
-                sacc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
-                for kk in cutlass.range_constexpr(K_TILES):
-                    kb0 = self.slot_word(stage, nt * 8 + g, kk * 8 + c)
-                    kb1 = self.slot_word(stage, nt * 8 + g, kk * 8 + 4 + c)
-                    sacc = list(ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb0, kb1, sacc[0], sacc[1], sacc[2], sacc[3]))
-                for j in cutlass.range_constexpr(4):
-                    key = page_key + nt * 8 + 2 * c + (j % 2)
-                    visible = (key <= own_key) & (key >= low_key)
-                    s.append(cutlass.select_(visible, ptx.mul_rn_f32(sacc[j], scale_log2), Float32(NEG_INF)))
-
-            alpha = []
-            p_hi = []
-            p_lo = []
-            for half in cutlass.range_constexpr(2):  # row g (elements 0, 1), row g + 8 (2, 3)
-                e = [s[2 * half], s[2 * half + 1], s[4 + 2 * half], s[4 + 2 * half + 1]]
-                top = ptx.max_f32(ptx.max_f32(e[0], e[1]), ptx.max_f32(e[2], e[3]))
-                top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=1))
-                top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=2))
-                m_new = ptx.max_f32(m[half], top)
-                m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
-                alpha.append(ptx.ex2_approx_f32(ptx.sub_rn_f32(m[half], m_use)))
-                m[half] = m_new
-                hi = []
-                lo = []
-                for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
-                    px0 = ptx.ex2_approx_f32(ptx.sub_rn_f32(e[2 * k], m_use))
-                    px1 = ptx.ex2_approx_f32(ptx.sub_rn_f32(e[2 * k + 1], m_use))
-                    pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
-                    h0 = ptx.bitcast_u32_to_f32(pword << 16)
-                    h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
-                    rem0 = ptx.sub_rn_f32(px0, h0)
-                    rem1 = ptx.sub_rn_f32(px1, h1)
-                    lword = ptx.cvt_rn_bf16x2_f32(rem1, rem0)
-                    l0 = ptx.bitcast_u32_to_f32(lword << 16)
-                    l1 = ptx.bitcast_u32_to_f32(lword & Uint32(0xFFFF0000))
-                    hi.append(pword)
-                    lo.append(lword)
-                    pair = ptx.add_rn_f32(ptx.add_rn_f32(h0, l0), ptx.add_rn_f32(h1, l1))
-                    if cutlass.const_expr(k == 0):
-                        local = pair
-                    else:
-                        local = ptx.add_rn_f32(local, pair)
-                local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=1))
-                local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=2))
-                lsum[half] = ptx.add_rn_f32(ptx.mul_rn_f32(lsum[half], alpha[half]), local)
-                p_hi.append(hi)
-                p_lo.append(lo)
-            # A fragments of P: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c.., a3 row g + 8.
-            ah = [p_hi[0][0], p_hi[1][0], p_hi[0][1], p_hi[1][1]]
-            al = [p_lo[0][0], p_lo[1][0], p_lo[0][1], p_lo[1][1]]
-            for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-                vword = V_WORD0 + 8 * pp + g
-                vx0 = self.slot_word(stage, 2 * c, vword)
-                vx1 = self.slot_word(stage, 2 * c + 1, vword)
-                vx2 = self.slot_word(stage, 2 * c + 8, vword)
-                vx3 = self.slot_word(stage, 2 * c + 9, vword)
-                for odd in cutlass.range_constexpr(2):
-                    sel = JOIN_HIGH if odd else JOIN_LOW
-                    vb0 = ptx.prmt_b32(vx0, vx1, sel)
-                    vb1 = ptx.prmt_b32(vx2, vx3, sel)
-                    t = 2 * pp + odd
-                    # this page's P V in a fresh accumulator, p_lo first (the tensor cores truncate:
-                    # a long chain into O would drift toward zero), then O = O alpha + P V in FP32
-                    zero = Float32(0.0)
-                    pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        al[0], al[1], al[2], al[3], vb0, vb1, zero, zero, zero, zero)
-                    pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                        ah[0], ah[1], ah[2], ah[3], vb0, vb1, pv[0], pv[1], pv[2], pv[3])
-                    for j in cutlass.range_constexpr(4):
-                        o[4 * t + j] = ptx.add_rn_f32(ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2]), pv[j])
+            inside = None
+            if cutlass.const_expr(self.mask_edges_only):
+                # every key of the page visible to every row of the CTA: token 0's causal limit
+                # (the smallest own key) and token 7's window start (the largest low key)
+                inside = page_key + (lay.PAGE_TOKENS - 1) <= seq_len - lay.QUERY_LEN
+                if cutlass.const_expr(self.window > 0):
+                    inside = inside & (page_key >= seq_len - self.window)
+            m, lsum, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, a, g, c, page_key,
+                                        own_key, low_key, inside, m, lsum, o)
             cute.arch.barrier()  # the stage is refilled next iteration
 
         cute.arch.cp_async_wait_group(0)
@@ -343,6 +516,17 @@ class _Attn2Kernel:
 
 
 @cute.jit
+def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -> Float32:
+    """The log2 exponent of a key's weight, (score - reference) scale log2 e, both roundings in
+    FP32: scores and maxima stay unscaled, so the difference of a key near the row max is exact
+    (Sterbenz) and equal scores weigh exactly 1; scaling first put half an FP32 ULP of the scaled
+    score (2^-12 near 4000) into every exponent, up to 3349 BF16 ULPs on `large` inputs (the CPU
+    model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
+    split) stays -inf: its weight is 0."""
+    return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+@cute.jit
 def partial_slot(workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, num_kv_heads: cutlass.Constexpr,
                  num_splits: cutlass.Constexpr) -> Int64:
     """The address of partial (req, kv_head, split) in the workspace."""
@@ -365,14 +549,14 @@ def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constex
 @cute.jit
 def merge_into(left: list, right: list) -> None:
     """One merge-tree node in place of `left`: [O..., m, l] lists (O first), left child first:
-    top = max(m_L, m_R), w = 2^(m - top) (top 0 while both are empty), O = O_L w_L + O_R w_R, l
+    top = max(m_L, m_R), w = 2^((m - top) scale log2 e) (top 0 while both are empty), O = O_L w_L + O_R w_R, l
     likewise (two products, one sum), m = top."""
     n = len(left) - 2
     m_l, m_r = left[n], right[n]
     top = ptx.max_f32(m_l, m_r)
     use = cutlass.select_(top == Float32(NEG_INF), Float32(0.0), top)
-    w_l = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_l, use))
-    w_r = ptx.ex2_approx_f32(ptx.sub_rn_f32(m_r, use))
+    w_l = ptx.ex2_approx_f32(scaled_difference(m_l, use, Float32(SCALE_LOG2)))
+    w_r = ptx.ex2_approx_f32(scaled_difference(m_r, use, Float32(SCALE_LOG2)))
     for k in cutlass.range_constexpr(n):
         left[k] = ptx.add_rn_f32(ptx.mul_rn_f32(left[k], w_l), ptx.mul_rn_f32(right[k], w_r))
     left[n] = top
@@ -592,11 +776,12 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     CUDA-graph capture; ValueError outside the contract."""
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits)
     knobs["enable_pdl"] = bool(build.enable_pdl)
+    split_knobs = dict(knobs, **build.issue.knobs())
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
 
-    split_knobs = dict(knobs, ctas_per_sm=lay.split_ctas_per_sm(target))
+    split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -686,13 +871,14 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
-           window: int, enable_pdl: bool = True, num_splits: int | None = None) -> None:
+           window: int, enable_pdl: bool = True, num_splits: int | None = None,
+           issue: SplitIssue = SplitIssue()) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`: experiments only (`Attn2Build`)."""
+    the combine, on the current stream. `num_splits` and `issue`: experiments only (`Attn2Build`)."""
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window,
-                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits))
+                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue))
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)

@@ -20,7 +20,7 @@ Python ints in a unit test. The sentinels they test and scrub are `musebench.com
 
 from __future__ import annotations
 
-import cutlass.cute as cute  # noqa: F401  (the DSL must be initialised before dsl_user_op use)
+import cutlass.cute as cute  # the DSL must be initialised before dsl_user_op use; vote_sync_all_pred
 from cutlass import Float32, Int32, Int64, Numeric, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -232,10 +232,13 @@ def add_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def mul_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """`mul.rn.f32`: a * b, one rounding, never contracted."""
+def mul_rn_f32(a: Float32, b: Float32, *, pinned: bool = False, loc=None, ip=None) -> Float32:
+    """`mul.rn.f32`: a * b, one rounding, never contracted. `pinned`: marked as having side
+    effects, so LLVM keeps it inside the branch it is written in (a pure asm may be hoisted above
+    a branch and selected after it, which ptxas then issues predicated on every path)."""
     return Float32(
-        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f", side_effects=False, loc=loc, ip=ip)
+        _asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "mul.rn.f32 $0, $1, $2;", "=f,f,f",
+             side_effects=bool(pinned), loc=loc, ip=ip)
     )
 
 
@@ -626,6 +629,18 @@ def st_shared_v4_u32(shared_address: Int32, w0: Uint32, w1: Uint32, w2: Uint32, 
     tree, the QKV front's prologue x rows under PDL)."""
     _asm(None, [_ir(Int32(shared_address), loc, ip)] + [_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3)],
          "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warp votes.
+
+
+@dsl_user_op
+def vote_sync_all_pred(pred, *, loc=None, ip=None):
+    """`vote.sync.all.pred` over the full warp (mask 0xffffffff): True in every lane iff `pred`
+    (a DSL Boolean) is True in every lane; every lane of the warp must execute it. attn2 skips
+    its warp's rescale of O when every alpha of the warp is exactly 1."""
+    return cute.arch.vote_all_sync(pred, loc=loc, ip=ip)
 
 
 @dsl_user_op

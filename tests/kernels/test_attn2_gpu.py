@@ -101,3 +101,47 @@ def test_same_keys_same_bits_at_every_length():
         now, _ = _run(problem)
         then, _ = _run(_extended(problem))
         assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), (seq_len, _first_difference(now[1:], then[:-1]))
+
+
+def _launch_issue(problem, issue, num_splits=None):
+    """The split plan's output (bf16 on the CPU) with one `SplitIssue` setting of the split kernel."""
+    from musebench.kernels import attn2
+
+    p = problem.to("cuda")
+    heads = p.num_kv_heads
+    splits = num_splits or cute_ops.attn2_splits(p.max_model_len, p.window, heads)
+    workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(p.q, float("nan"))
+    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
+                 window=p.window, num_splits=num_splits, issue=issue)
+    torch.cuda.synchronize()
+    return out.cpu()
+
+
+# pages at the causal edge, the window's first pages, splits without pages, one split, many pages a
+# split (most alphas 1.0); "equal" keys keep every alpha at 1.0 after the first page, "large" moves it
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window", [
+    (8, 2048, 0), (23, 2048, 0), (2047, 2048, 0), (17, 4096, 0), (2049, 4096, 0), (2055, 4096, 2048),
+    (4000, 4096, 2048), (3001, 8192, 100), (131072, 131072, 0), (70001, 131072, 4096),
+])
+def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, window):
+    """Every SplitIssue saving, alone and together, gives the bits of the kernel without them."""
+    from musebench.kernels.attn2 import SplitIssue
+
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
+    baseline = _launch_issue(problem, SplitIssue.none())
+    for name in ("all", "mask", "rescale", "lean", "mask+rescale"):
+        got = _launch_issue(problem, SplitIssue.named(name))
+        assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
+
+
+def test_split_issue_comparison_sees_a_change():
+    """The comparison above is not vacuous: another split plan (another merge tree) with every
+    saving on differs from the deployment's plan without them in some bits."""
+    from musebench.kernels.attn2 import SplitIssue
+
+    problem = make_problem("random", 6000, 8192, num_kv_heads=2)
+    deployment = _launch_issue(problem, SplitIssue.none())
+    other_plan = _launch_issue(problem, SplitIssue(), num_splits=2)
+    assert not torch.equal(other_plan.view(torch.int16), deployment.view(torch.int16))

@@ -1,0 +1,122 @@
+"""Count the SASS instructions one page costs in attn2's split kernel, per path through the page
+loop, for `SplitIssue` settings side by side (no GPU: compiles for a target, disassembles the
+cubin with nvdisasm; ptxas -v on the kept PTX reports registers and spills).
+
+    PYTHONPATH=. python3 scripts/attn2-sass.py --arch sm_90a --issue none,all,mask,rescale,lean,mask+lean
+
+Paths: every route from the loop's head to its back edge (the masked / unmasked page, the
+rescale / no rescale; the page load's predicated block counts either way). A predicated-off
+instruction still takes an issue slot, so the counts are what a warp issues per page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+TARGET = re.compile(r"`\(\.(L_x_\d+)\)")
+
+
+def nvdisasm() -> str:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # noqa: F401  (the pip wheel's binaries)
+
+        path = Path(next(iter(nvidia.cu13.__path__))) / "bin" / "nvdisasm"
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    sys.exit("nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
+
+
+def loop_paths(sass: str) -> list[int]:
+    """Instruction counts of every path through the page loop (the last backward branch's body)."""
+    labels, instrs = {}, []
+    for line in sass.splitlines():
+        m = re.match(r"\.(L_x_\d+):", line.strip())
+        if m:
+            labels[m.group(1)] = len(instrs)
+            continue
+        m = LINE.search(line)
+        if m:
+            instrs.append(m.group(2))
+    back = [(i, labels[TARGET.search(t).group(1)]) for i, t in enumerate(instrs)
+            if "BRA" in t and TARGET.search(t) and labels[TARGET.search(t).group(1)] < i]
+    # the page loop: the backward branch whose body holds the most HMMA
+    end, head = max(back, key=lambda b: sum("HMMA" in t for t in instrs[b[1]:b[0] + 1]))
+    counts: list[int] = []
+
+    def walk(pc: int, n: int, depth: int) -> None:
+        """Follow the code from pc (blocks ptxas moved out of line included) to the back edge."""
+        while 0 <= pc < len(instrs) and depth < 32:
+            t = instrs[pc]
+            n += 1
+            if pc == end:
+                counts.append(n)
+                return
+            if "EXIT" in t and not t.lstrip().startswith("@"):
+                return
+            m = TARGET.search(t) if "BRA" in t else None
+            if m:
+                target = labels[m.group(1)]
+                if target == pc:  # a trap loop
+                    return
+                if t.lstrip().startswith("@"):
+                    walk(target, n, depth + 1)  # taken; then fall through
+                else:
+                    pc = target
+                    depth += 1
+                    continue
+            pc += 1
+
+    walk(head, 0, 0)
+    return sorted(set(counts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90a")
+    parser.add_argument("--issue", default="none,all",
+                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean joined by +")
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--max-model-len", type=int, default=131072)
+    parser.add_argument("--window", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
+    from musebench.kernels import attn2
+
+    names = [n for n in args.issue.split(",") if n]
+    try:
+        issues = {name: attn2.SplitIssue.named(name) for name in names}
+    except ValueError as e:
+        print(f"--issue: {e}", file=sys.stderr)
+        sys.exit(2)
+
+    disasm = nvdisasm()
+    for name in names:
+        with tempfile.TemporaryDirectory() as tmp:
+            attn2.compile_attn2(args.heads, args.max_model_len, args.window,
+                                attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name]))
+            cubin = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.cubin"))
+            ptx = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.ptx"))
+            sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+            report = subprocess.run(["ptxas", f"-arch={args.arch}", "-O3", "-v", str(ptx), "-o", os.devnull],
+                                    capture_output=True, text=True).stderr if shutil.which("ptxas") else ""
+            regs = re.search(r"Used (\d+) registers", report)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+            print(f"{name:14s} per-page SASS paths {loop_paths(sass)}  registers {regs.group(1) if regs else '?'}  "
+                  f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
