@@ -4,15 +4,17 @@ on virtual ranks of one GPU (each rank its KV heads of one request, no mailboxes
 A case is one request of length L (`tokens`) in a deployment of `max_model_len` and `window`
 (0: none) at `tp` (2, 4, 8, 16: 8 .. 1 of Muse Spark's 16 KV heads a rank). Inputs
 (`cases.attn2_inputs`): all 16 KV heads drawn once, every rank slicing its own (`for_rank`), the
-page table shuffled and every slot the step must not read poisoned. Output per rank: `out` bf16
-[8, 512 K] (the driver poisons it before each call), through the implementation's
-`cute_ops.launch_attn2`.
+page table shuffled and every slot the step must not read poisoned. Output per rank: `out`, the
+whole buffer bf16 [GUARD_ROWS + 8 + GUARD_ROWS, 512 K] (the driver poisons it before each call);
+the implementation's `cute_ops.launch_attn2` gets the 8 rows between the guards (`out_rows`), so
+a store past its rows (a wrong request index or row stride) lands in a guard row and fails the
+bitwise check like a wrong value.
 
 Checks:
 - determinism, raw bits: every rank's calls repeat their bits (the driver's repeated calls), and
   every rank's bits equal its KV heads' columns of one launch over all 16 KV heads (`expected`):
   a KV head's output is the same whichever rank, and however many heads a launch holds, computes
-  it;
+  it; the guard rows keep the poison;
 - accuracy (`accuracy_verdict`): the whole step's max and mean error in BF16 ULPs against the FP64
   reference (`stock.attn2.attn2_reference`), each at most the stock's (torch SDPA's flash backend
   then the Triton gate's arithmetic, `stock.attn2.stock_attn2`) on the same inputs, and no NaN or
@@ -41,6 +43,7 @@ PARTS: tuple[str, ...] = ()
 VIRTUAL_STOCK = PROCESS_STOCK = "torch SDPA flash"
 OUT = "out"
 TPS = (2, 4, 8, 16)  # 8, 4, 2, 1 KV heads a rank
+GUARD_ROWS = 8  # poisoned rows of `out` before and after the launch's: one request's worth each side
 ROOFLINE_BYTES_PER_S = 4.2e12  # the HBM read bandwidth this H200 shows (issue 15)
 # The implementation's cute_ops entry points a runner calls (`runner_for`): the launch, its
 # compile, and the split plan and workspace size it sizes the launch with. A job asks for all of
@@ -122,8 +125,8 @@ class Attn2Runner:
 
     def call(self) -> None:
         p = self.problem
-        self.ops.launch_attn2(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, self.outputs[OUT], self.workspace,
-                              max_model_len=p.max_model_len, window=p.window)
+        self.ops.launch_attn2(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out_rows(self.outputs[OUT]),
+                              self.workspace, max_model_len=p.max_model_len, window=p.window)
 
     def check_fault(self) -> None:
         return None
@@ -143,7 +146,23 @@ def runner_for(ops: Any, problem: Any, device: torch.device) -> Attn2Runner:
     need = ops.attn2_workspace_bytes(p.num_reqs, heads, splits)
     workspace = torch.zeros(need, dtype=torch.uint8, device=device) if need else None
     ops.prepare_attn2(heads, p.max_model_len, p.window)
-    return Attn2Runner(ops, p, workspace, {OUT: torch.empty_like(p.q)})
+    buffer = torch.empty(GUARD_ROWS + p.q.shape[0] + GUARD_ROWS, p.q.shape[1], dtype=p.q.dtype, device=device)
+    return Attn2Runner(ops, p, workspace, {OUT: buffer})
+
+
+def out_rows(buffer: torch.Tensor) -> torch.Tensor:
+    """The rows of an `out` buffer [GUARD_ROWS + R + GUARD_ROWS, width] a launch writes: a
+    contiguous view between the guards (16-byte aligned: a row is a multiple of 1 KB)."""
+    return buffer[GUARD_ROWS: buffer.shape[0] - GUARD_ROWS]
+
+
+def with_guards(rows: torch.Tensor) -> torch.Tensor:
+    """The whole `out` buffer a launch that wrote `rows` [R, width] leaves: `rows` between
+    GUARD_ROWS poisoned rows each side (`harness.checks.poison`'s pattern)."""
+    from musebench.harness import checks
+
+    guard = checks.poison(torch.empty(GUARD_ROWS, rows.shape[1], dtype=rows.dtype, device=rows.device))
+    return torch.cat([guard, rows, guard])
 
 
 def bind(case: Attn2Case, impl: Any, rank: int, boxes: dict[str, Any], inputs: Any, options: RunOptions) -> Attn2Runner:
@@ -181,8 +200,9 @@ def columns_of(out: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
 
 
 def expected_from_whole(case: Attn2Case, whole: torch.Tensor) -> list[dict[str, torch.Tensor]]:
-    """Every rank's expected bits: its columns of one launch over all 16 KV heads."""
-    return [{OUT: columns_of(whole, rank, case.tp)} for rank in range(case.tp)]
+    """Every rank's expected bits: its columns of one launch over all 16 KV heads [8, 8192],
+    between poisoned guard rows (`with_guards`)."""
+    return [{OUT: with_guards(columns_of(whole, rank, case.tp))} for rank in range(case.tp)]
 
 
 def expected(case: Attn2Case, inputs: Any, options: RunOptions, approximations: Any) -> Expected:
@@ -195,7 +215,7 @@ def expected(case: Attn2Case, inputs: Any, options: RunOptions, approximations: 
     whole_runner.outputs[OUT].fill_(float("nan"))
     whole_runner.call()
     torch.cuda.synchronize()
-    whole = whole_runner.outputs[OUT].cpu()
+    whole = out_rows(whole_runner.outputs[OUT]).cpu()
     _, exact = attn2_reference(whole_runner.problem)
     line, ok = accuracy_verdict(whole, stock_attn2(whole_runner.problem).cpu(), exact)
     if not ok and case.enforce_accuracy:

@@ -4,8 +4,11 @@ numbers (`for_rank`): a KV head's output must be the same bits whichever rank co
 
 Every family shuffles the page table (pages in random physical order) and poisons what the
 kernel must not read: every page of the pool outside the request's first ceil(L / 16) table
-entries, the slots at and beyond L in its last page, and the table entries past its pages (they
-point at poisoned pages). Poison alternates NaN and a huge finite BF16 (+-3e38), so a read of it
+entries, the slots at and beyond L in its last page, the table entries past its pages (they
+point at poisoned pages) and, with a window, every page wholly before the first key any row sees
+(a sliding-window server may have freed and reused it: its table entry still points at it, and it
+holds poison; the keys before the window that share a page with visible ones stay real values, as
+they are in a live cache). Poison alternates NaN and a huge finite BF16 (+-3e38), so a read of it
 shows as a NaN or a wrong value.
 
 - random: q, gate, K, V ~ N(0, 1) (q and K after the QK-norm are unit-RMS rows).
@@ -74,7 +77,8 @@ def make_problem(family: str, seq_len: int, max_model_len: int, window: int = 0,
     physical = torch.randperm(pool, generator=g)
     pages = kv.view(used, lay.PAGE_TOKENS, num_kv_heads, lay.SLOT_WIDTH).permute(0, 2, 1, 3)
     tail = seq_len - (used - 1) * lay.PAGE_TOKENS  # keys in the last page
-    for logical in range(used):
+    first_page = lay.visible_keys(seq_len, window)[0] // lay.PAGE_TOKENS  # pages before it: poison
+    for logical in range(first_page, used):
         keep = lay.PAGE_TOKENS if logical < used - 1 else tail
         cache[physical[logical], :, :keep] = pages[logical, :, :keep]
     table = torch.empty(1, table_width, dtype=torch.int32)

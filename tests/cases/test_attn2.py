@@ -48,7 +48,44 @@ def test_rank_identity_expectation_is_what_a_rank_computes():
     want = fam.expected_from_whole(case, whole)
     for rank in range(case.tp):
         got = attn2_model(for_rank(whole_problem, rank, case.tp), num_splits=2)
-        assert checks.compare_bits(got, want[rank][fam.OUT])[0] == 0
+        assert checks.compare_bits(got, fam.out_rows(want[rank][fam.OUT]))[0] == 0
+        guards = torch.cat([want[rank][fam.OUT][: fam.GUARD_ROWS], want[rank][fam.OUT][-fam.GUARD_ROWS:]])
+        assert checks.still_poisoned(guards)
+
+
+def test_guard_rows_catch_a_store_past_the_launch_rows():
+    """The runner's buffer has GUARD_ROWS poisoned rows each side of the 8 the launch gets; a
+    value written into either guard (a store with a wrong request index or row stride) fails the
+    bitwise check, and the launch's view is the contiguous middle."""
+    whole = attn2_model(make_problem("random", 24, 64), num_splits=1)
+    want = fam.expected_from_whole(fam.Attn2Case(tp=16, tokens=24, max_model_len=64), whole)[3][fam.OUT]
+    assert want.shape[0] == 2 * fam.GUARD_ROWS + 8
+    middle = fam.out_rows(want)
+    assert middle.is_contiguous() and middle.data_ptr() == want[fam.GUARD_ROWS:].data_ptr()
+    for row in (fam.GUARD_ROWS - 1, fam.GUARD_ROWS + 8):  # just before, just after
+        got = want.clone()
+        got[row, 5] = middle[0, 5]
+        mismatches, _, first = checks.compare_bits(got, want)
+        assert mismatches == 1 and first is not None
+
+
+def test_pages_before_the_window_hold_poison_and_are_not_read():
+    """With a window, every page wholly before the first key a row sees holds poison (NaN or
+    +-3e38) through its table entry; the FP64 reference and the CPU model (the kernel's algorithm)
+    stay finite, so a kernel that read such a page would show NaN or a wrong value."""
+    from musebench import attn2_layout as lay
+
+    problem = make_problem("random", 3000, 4096, window=512, num_kv_heads=1)
+    first_page = lay.visible_keys(3000, 512)[0] // lay.PAGE_TOKENS
+    assert first_page >= 100
+    for logical in range(first_page):
+        page = problem.kv_cache[int(problem.page_table[0, logical])].float()
+        assert bool(((~torch.isfinite(page)) | (page.abs() >= 1e38)).all()), logical
+    visible = problem.kv_cache[int(problem.page_table[0, first_page])].float()
+    assert bool(torch.isfinite(visible).all() & (visible.abs() < 1e38).all())  # the window's first page is real
+    _, exact = attn2_reference(problem)
+    assert bool(torch.isfinite(exact).all())
+    assert bool(torch.isfinite(attn2_model(problem, num_splits=4).float()).all())
 
 
 def test_a_flipped_bit_fails_rank_identity():
