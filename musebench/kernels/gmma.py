@@ -134,3 +134,31 @@ MN_MAJOR_VALUES = SharedDescriptor(leading_byte_offset=V_REGION, stride_byte_off
 def k_step_start(k_region_start: int, kk: int) -> int:
     """Start address of k16 step `kk` (dims 16 kk .. 16 kk + 15) of the K-major K region."""
     return k_region_start + kk * K_STEP_BYTES
+
+
+def swizzle_128b(address: int) -> int:
+    """The 128-byte swizzle on a shared address (CuTe's Swizzle<3,4,3>): bits 4-6 ^= bits 7-9."""
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+def b_element_address(descriptor: SharedDescriptor, start: int, k: int, n: int, transpose_b: int) -> int:
+    """Where wgmma reads element (k, n) of a 16-bit B (k < 16) through `descriptor` at `start`, by
+    the canonical layouts of the module docstring (a CPU model of the address generation, for
+    tests; 128-byte swizzle only):
+
+    - transpose_b 0 (K-major): row n % 8 of the atom (128 bytes each), group n // 8 at SBO, the
+      k-th element of the row at 2 k bytes;
+    - transpose_b 1 (N-major): element n % 64 of a row at 2 (n % 64) bytes, 64-column blocks at
+      LBO, row k % 8 (128 bytes each), group k // 8 at SBO.
+
+    Then the swizzle of the absolute address (atoms 1024-byte aligned, base offset 0)."""
+    if descriptor.layout != LAYOUT_SWIZZLE_128B or descriptor.base_offset:
+        raise ValueError("only the 128-byte swizzle with base offset 0 is modelled")
+    element = 2  # BF16
+    if transpose_b == 0:
+        linear = start + (n % 8) * ROW_BYTES + (n // 8) * descriptor.stride_byte_offset + k * element
+    else:
+        per_row = ROW_BYTES // element  # 64
+        linear = (start + (n // per_row) * descriptor.leading_byte_offset + (n % per_row) * element
+                  + (k % 8) * ROW_BYTES + (k // 8) * descriptor.stride_byte_offset)
+    return swizzle_128b(linear)
