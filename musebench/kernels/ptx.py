@@ -649,3 +649,146 @@ def ld_global_s64(address: Int64, *, loc=None, ip=None) -> Int64:
     (early, so its latency hides behind later work), never sunk to its first use."""
     return Int64(_asm(T.i64(), [_ir(Int64(address), loc, ip)], "ld.global.s64 $0, [$1];", "=l,l", side_effects=True,
                       loc=loc, ip=ip))
+
+
+# ---------------------------------------------------------------------------------------------
+# wgmma (sm_90a): one warpgroup (4 warps, 128 threads) issues one asynchronous MMA, M = 64.
+#
+# Ordering. A wgmma reads its A registers and its accumulators when it is issued, writes the
+# accumulators at some point before the `wgmma.wait_group` that covers its commit group, and reads
+# B from shared memory through the async proxy. What keeps each step in place:
+# - LLVM: every wrapper here has side effects, so none moves across another, across a barrier or
+#   across a shared-memory access (the MMAs read shared memory: they must stay after the
+#   `fence.proxy.async` and the barrier that publish the operands). The accumulators are outputs
+#   of the MMA's asm and of the wait's asm (`wgmma_wait_group_sync_aligned` takes them and gives
+#   them back through tied operands): a read of an accumulator is data-dependent on the wait, so
+#   LLVM cannot move it above the wait, and an instruction that reads the MMA's outputs only feeds
+#   the wait or the next MMA of the chain.
+# - ptxas: it knows wgmma's semantics (it inserts its own waits where a register in flight is
+#   touched, and warns "wgmma serialization" when it has to); `wgmma.fence.sync.aligned` before the
+#   first MMA of a chain orders the earlier register writes (the A fragments, zeroed accumulators)
+#   before the MMA's reads. The fence, like the wait, passes the registers it guards through tied
+#   operands: LLVM materialises a zeroed accumulator (`mov.b32 %r, 0`) right before its first use,
+#   which without the tie is between the fence and the MMA.
+
+WGMMA_SCALE_D = (0, 1)  # 0: D = A B (the accumulators in are not read); 1: D = A B + D
+WGMMA_TRANSPOSE_B = (0, 1)  # 0: B K-major; 1: B MN-major (N contiguous)
+
+
+@dsl_user_op
+def wgmma_fence_sync_aligned(values: list = (), *, loc=None, ip=None) -> list:
+    """`wgmma.fence.sync.aligned`: orders this warpgroup's earlier register accesses (A fragments,
+    accumulators) before the following `wgmma.mma_async`s read them; every thread of the warpgroup
+    executes it. `values` (Float32 accumulators, Uint32 A-fragment words; may be empty) pass through
+    the asm as tied operands and come back as new values, which the MMAs then take: whatever
+    defines them (a zeroed accumulator's `mov`) is emitted before the fence, never between it and
+    the MMA (the ISA forbids touching those registers there)."""
+    values = list(values)
+    text = "wgmma.fence.sync.aligned;"
+    if not values:
+        _asm(None, [], text, "", side_effects=True, loc=loc, ip=ip)
+        return []
+    floats = [isinstance(v, Float32) for v in values]
+    operands = [_ir(Float32(v) if f else Uint32(v), loc, ip) for v, f in zip(values, floats)]
+    constraints = ",".join(["=f" if f else "=r" for f in floats] + [str(i) for i in range(len(values))])
+    types = [T.f32() if f else T.i32() for f in floats]
+    result = _asm(types[0] if len(values) == 1 else llvm.StructType.get_literal(types), operands, text, constraints,
+                  side_effects=True, loc=loc, ip=ip)
+    if len(values) == 1:
+        return [Float32(result) if floats[0] else Uint32(result)]
+    return [(Float32 if f else Uint32)(llvm.extractvalue(t, result, [i], loc=loc, ip=ip))
+            for i, (f, t) in enumerate(zip(floats, types))]
+
+
+@dsl_user_op
+def wgmma_commit_group_sync_aligned(*, loc=None, ip=None) -> None:
+    """`wgmma.commit_group.sync.aligned`: closes a group of the warpgroup's issued MMAs (the unit
+    `wgmma_wait_group_sync_aligned` waits for)."""
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def wgmma_wait_group_sync_aligned(pending: int, accumulators: list, *, loc=None, ip=None) -> list:
+    """`wgmma.wait_group.sync.aligned pending`: waits until at most `pending` commit groups of the
+    warpgroup are in flight. `accumulators` (Float32 values, any number, may be empty) pass through
+    the asm as tied operands and come back as new values: the only way to read an MMA's result is
+    through this wait, so no read of it can be scheduled above it."""
+    pending = int(pending)
+    if pending < 0 or pending > 7:
+        raise ValueError(f"wgmma.wait_group takes 0..7 pending groups, got {pending}")
+    text = f"wgmma.wait_group.sync.aligned {pending};"
+    n = len(accumulators)
+    if n == 0:
+        _asm(None, [], text, "", side_effects=True, loc=loc, ip=ip)
+        return []
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)])
+    result_type = T.f32() if n == 1 else llvm.StructType.get_literal([T.f32()] * n)
+    value = _asm(result_type, [_ir(Float32(v), loc, ip) for v in accumulators], text, constraints, side_effects=True,
+                 loc=loc, ip=ip)
+    if n == 1:
+        return [Float32(value)]
+    return [Float32(llvm.extractvalue(T.f32(), value, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def fence_proxy_async_shared_cta(*, loc=None, ip=None) -> None:
+    """`fence.proxy.async.shared::cta`: this thread's earlier generic-proxy writes to shared memory
+    (st.shared, completed cp.async) become visible to later async-proxy reads (wgmma's descriptor
+    reads of B). Each writing thread fences, then the CTA barrier publishes to the warpgroup."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "", side_effects=True, loc=loc, ip=ip)
+
+
+def _wgmma_rs_bf16(n: int, a: tuple, b_descriptor, accumulators, scale_d: int, transpose_b: int, loc, ip) -> list:
+    """`wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 d, {a}, b-desc, p, 1, 1, trans-b`
+    with A from registers; n / 2 accumulators per thread."""
+    if scale_d not in WGMMA_SCALE_D or transpose_b not in WGMMA_TRANSPOSE_B:
+        raise ValueError(f"scale_d and transpose_b are 0 or 1, got {scale_d!r}, {transpose_b!r}")
+    count = n // 2
+    if len(a) != 4:
+        raise ValueError(f"an A fragment is 4 words, got {len(a)}")
+    d = ", ".join(f"${i}" for i in range(count))
+    a_ops = ", ".join(f"${count + i}" for i in range(4))
+    desc = f"${count + 4}"
+    # scale-d is a predicate operand: fixed at compile time here, set from an immediate
+    text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, {int(scale_d)}, 0;\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{d}}}, {{{a_ops}}}, {desc}, p, 1, 1, "
+            f"{int(transpose_b)};\n}}")
+    operands = [_ir(Uint32(w), loc, ip) for w in a] + [_ir(Int64(b_descriptor), loc, ip)]
+    constraints = ["=f"] * count + ["r"] * 4 + ["l"]
+    if scale_d:
+        if len(accumulators) != count:
+            raise ValueError(f"m64n{n}k16 takes {count} accumulators, got {len(accumulators)}")
+        operands += [_ir(Float32(v), loc, ip) for v in accumulators]
+        constraints += [str(i) for i in range(count)]  # tied: D is read and written in place
+    elif accumulators is not None:
+        raise ValueError("scale_d = 0 reads no accumulators: pass None")
+    struct = _asm(llvm.StructType.get_literal([T.f32()] * count), operands, text, ",".join(constraints),
+                  side_effects=True, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), struct, [i], loc=loc, ip=ip)) for i in range(count)]
+
+
+@dsl_user_op
+def wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(
+    a: tuple, b_descriptor: Int64, accumulators, scale_d: int, transpose_b: int, *, loc=None, ip=None,
+) -> list:
+    """`wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16`, A from registers: D (64 x 16 FP32) =
+    A (64 x 16 BF16) B (16 x 16 BF16, shared memory by `b_descriptor`, `kernels.gmma`) [+ D].
+
+    Warp w of the warpgroup holds rows 16 w .. 16 w + 15; within the warp A is mma.sync
+    m16n8k16's A fragment (`a` = a0..a3, lane 4 g + t: a0 row g k 2t.., a1 row g + 8, a2 row g
+    k 2t + 8.., a3 row g + 8) and the 8 accumulators are two m16n8 C fragments: d[4 j + i] for
+    columns 8 j .. 8 j + 7 (i = 0, 1: row g, columns 8 j + 2t, + 1; i = 2, 3: row g + 8).
+    `scale_d` 0: D = A B (`accumulators` None); 1: D = A B + `accumulators`. `transpose_b`
+    (compile time): 0 K-major B, 1 N-major. Asynchronous: the results are defined only after the
+    commit and `wgmma_wait_group_sync_aligned` (through which they must be read)."""
+    return _wgmma_rs_bf16(16, tuple(a), b_descriptor, accumulators, scale_d, transpose_b, loc, ip)
+
+
+@dsl_user_op
+def wgmma_mma_async_sync_aligned_m64n64k16_f32_bf16_bf16(
+    a: tuple, b_descriptor: Int64, accumulators, scale_d: int, transpose_b: int, *, loc=None, ip=None,
+) -> list:
+    """`wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16`, A from registers: D (64 x 64 FP32) =
+    A (64 x 16 BF16) B (16 x 64 BF16 by `b_descriptor`) [+ D]. The fragments as for m64n16k16, with
+    32 accumulators: d[4 j + i] for columns 8 j .. 8 j + 7, j = 0 .. 7."""
+    return _wgmma_rs_bf16(64, tuple(a), b_descriptor, accumulators, scale_d, transpose_b, loc, ip)
