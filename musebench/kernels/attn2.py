@@ -115,25 +115,31 @@ class SplitIssue:
       (the XOR swizzle) are computed once, before the page loop, so a page adds only its stage's
       offset (ptxas then reads with [R + UR] addressing); the cp.async source of a zero-filled
       chunk stays its own address in the page (src-size 0: not read) instead of a 64-bit select.
+    - `ldmatrix_keys`: Q K^T's B fragments through `ldmatrix.x4` (`k_fragment_row`: two k-steps of
+      eight keys each, four per copy of the scores) instead of 16 word loads; the same words.
+      Without `lean_addressing` it costs the windowed sm_90a kernel (2 KV heads) a spill (28
+      bytes: the per-page addresses), so `none()` is without it.
 
-    `named("all" | "none" | "mask+rescale+lean" ...)`: a setting by name (the scripts' flags).
+    `named("all" | "none" | "mask+rescale+lean+keys" ...)`: a setting by name (the scripts' flags).
     """
 
     mask_edges_only: bool = True
     skip_unit_rescale: bool = True
     lean_addressing: bool = True
+    ldmatrix_keys: bool = True
 
     @staticmethod
     def none() -> SplitIssue:
         """Every saving off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False)
+        return SplitIssue(False, False, False, False)
 
-    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing"}
+    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
+                   "keys": "ldmatrix_keys"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
         """"all", "none", or short names joined by "+" (those on, the rest off): "mask",
-        "rescale", "lean". ValueError for anything else."""
+        "rescale", "lean", "keys". ValueError for anything else."""
         if name == "all":
             return SplitIssue()
         if name == "none":
@@ -145,7 +151,7 @@ class SplitIssue:
         return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
 
     def knobs(self) -> dict[str, bool]:
-        return {name: bool(getattr(self, name)) for name in ("mask_edges_only", "skip_unit_rescale", "lean_addressing")}
+        return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
 
 
 @dataclass(frozen=True)
@@ -177,11 +183,12 @@ class _Attn2Kernel:
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
-                 skip_unit_rescale: bool = True, lean_addressing: bool = True) -> None:
+                 skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
         self.lean_addressing = lean_addressing
+        self.ldmatrix_keys = ldmatrix_keys
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.max_pages = max_pages
@@ -240,8 +247,9 @@ class _Attn2Kernel:
     @cute.jit
     def fragment_word(self, stage: Int32, stage_offset: Int32, lean, slot, word, index: tuple,
                       extra: cutlass.Constexpr) -> Uint32:
-        """One word of a K or V fragment in the stage at `stage` (= ring base + `stage_offset`):
-        through the swizzle (`slot_word`), or with lean_addressing from this thread's precomputed
+        """One word of a K fragment (without `ldmatrix_keys`) in the stage at `stage` (= ring base
+        + `stage_offset`): through the swizzle (`slot_word`), or with lean_addressing from this
+        thread's precomputed
         stage-0 address `lean[index]` plus `stage_offset` and `extra` (a constant: 8 slots further
         is + 2048, the same swizzle). Both read the same byte."""
         if cutlass.const_expr(lean is None):
@@ -295,13 +303,24 @@ class _Attn2Kernel:
         # S = Q K^T: s[4 nt + j]
         s = []
         for nt in cutlass.range_constexpr(2):
+            # kb[2h], kb[2h + 1]: b0, b1 of k-step 2 quad + h for keys 8 nt .. 8 nt + 7 (`k_fragment_row`)
             sacc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
             for kk in cutlass.range_constexpr(K_TILES):
-                kb0 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + c, (kk, 0), nt * 8 * SLOT_BYTES)
-                kb1 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + 4 + c, (kk, 1),
-                                         nt * 8 * SLOT_BYTES)
+                h = kk % 2
+                if cutlass.const_expr(not self.ldmatrix_keys):
+                    kb = [self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + 4 * half + c, (kk, half),
+                                             nt * 8 * SLOT_BYTES) for half in range(2)]
+                    h = 0
+                elif cutlass.const_expr(h == 0):
+                    quad = kk // 2
+                    if cutlass.const_expr(k_words is None):
+                        kb = ptx.ldmatrix_sync_aligned_m8n8_x4_shared_b16(stage + k_fragment_row(4 * g + c, nt, quad))
+                    else:
+                        kb = ptx.ldmatrix_sync_aligned_m8n8_x4_shared_b16(k_words[quad] + stage_offset
+                                                                          + nt * 8 * SLOT_BYTES)
                 sacc = list(ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                    a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb0, kb1, sacc[0], sacc[1], sacc[2], sacc[3]))
+                    a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb[2 * h], kb[2 * h + 1], sacc[0], sacc[1], sacc[2],
+                    sacc[3]))
             for j in cutlass.range_constexpr(4):
                 scaled = sacc[j]  # unscaled: the exponent scales the difference from the max
                 if cutlass.const_expr(masked):
@@ -469,8 +488,11 @@ class _Attn2Kernel:
         k_words = None
         v_words = None
         if cutlass.const_expr(self.lean_addressing):
-            k_words = [[ring_base + g * SLOT_BYTES + ((2 * kk + h) ^ g) * VECTOR_BYTES + c * WORD_BYTES
-                        for h in range(2)] for kk in range(K_TILES)]
+            if cutlass.const_expr(self.ldmatrix_keys):
+                k_words = [ring_base + k_fragment_row(lane, 0, quad) for quad in range(K_TILES // 2)]
+            else:
+                k_words = [[ring_base + g * SLOT_BYTES + ((2 * kk + h) ^ g) * VECTOR_BYTES + c * WORD_BYTES
+                            for h in range(2)] for kk in range(K_TILES)]
             v_words = [ring_base + v_fragment_row(lane, pair) for pair in range(V_TILE_PAIRS)]
 
         for i in cutlass.range(pages, unroll=1):
@@ -532,6 +554,20 @@ def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -
     model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
     split) stays -inf: its weight is 0."""
     return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+def k_fragment_row(lane, nt, quad):
+    """The byte offset, in a ring stage, of the K row `lane` (0 .. 31) addresses in the
+    `ldmatrix.x4` (not transposed) of keys 8 nt .. 8 nt + 7 (nt 0, 1) and k-steps 2 quad,
+    2 quad + 1 (quad 0, 1); ints or DSL Int32 alike, as `v_fragment_row`.
+
+    Matrix i = lane // 8 is dims 16 kk + 8 h .. + 7 (kk = 2 quad + i // 2, h = i % 2: the slot's
+    chunk 4 quad + i, swizzled by the slot) of the 8 keys (rows: slot 8 nt + lane % 8). Result i
+    gives lane 4g + c key 8 nt + g's dims 16 kk + 8h + 2c, + 1: b0 (h 0) or b1 of k-step kk, the
+    Q K^T B fragment. Conflict free as V's: the 8 rows' chunks (4 quad + i) ^ (slot & 7) differ."""
+    matrix = lane // 8
+    slot = 8 * nt + lane % 8
+    return slot * SLOT_BYTES + ((4 * quad + matrix) ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
 
 
 def v_fragment_row(lane, pair):
