@@ -73,19 +73,43 @@ def split_ctas_per_sm(arch: str) -> int:
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
+# The natural layout of a row's 64 dims over the 4 lanes of a quad (the mma's C fragment, and
+# the wgmma accumulator's): n-tile t (t = 0 .. 7) of P V holds dims 8t .. 8t + 7, of which lane
+# c = lane % 4 holds 8t + 2c and 8t + 2c + 1 of its rows g and g + 8. `lane_dims(c)` lists them in
+# the lane's order (t ascending, the pair in order): the epilogue's sum of squares, the combine's
+# leaves and the partial's vectors all follow it.
+LANE_DIMS = 16  # dims of a row one lane holds
+TILE_DIMS = 8  # dims of one n-tile
+
+
+def lane_dims(c: int) -> list[int]:
+    """The 16 dims lane c (0 .. 3) of a quad holds of each of its rows, in the lane's order:
+    8t + 2c, 8t + 2c + 1 for t = 0 .. 7."""
+    return [TILE_DIMS * t + 2 * c + k for t in range(HEAD_DIM // TILE_DIMS) for k in range(2)]
+
+
+def partial_vector_dims(v: int, c: int) -> list[int]:
+    """The dims of O in float4 vector `v` (0 .. PARTIAL_O_VECTORS - 1) of a partial, for lane c of
+    its quad: vector 2p + half is row g (half 0) or g + 8 (half 1), n-tiles 2p and 2p + 1 (dims
+    16p + 2c, 16p + 2c + 1, 16p + 8 + 2c, 16p + 8 + 2c + 1): a row's vectors p = 0 .. 3 in order
+    are `lane_dims(c)`."""
+    p = v // 2
+    return lane_dims(c)[4 * p : 4 * p + 4]
+
+
 # Workspace: one partial per (request, KV head, split) slot, in the split kernel's register order:
-# PARTIAL_O_VECTORS float4 vectors of O per thread, vector-major ([vector][thread][4]: a warp's
-# store is 512 contiguous bytes), then one float4 per thread (max of row g, max of row g + 8, sum
-# of row g, sum of row g + 8).
+# PARTIAL_O_VECTORS float4 vectors of O per thread (`partial_vector_dims`), vector-major
+# ([vector][thread][4]: a warp's store is 512 contiguous bytes), then one float4 per thread (max of
+# row g, max of row g + 8, sum of row g, sum of row g + 8).
 PARTIAL_O_VECTORS = 8  # 32 FP32 of O per thread: 2 rows x 16 dims
 PARTIAL_FLOATS = CTA_THREADS * 4 * (PARTIAL_O_VECTORS + 1)
 PARTIAL_BYTES = 4 * PARTIAL_FLOATS  # 18432
 # The combine: one CTA per (request, KV head, row); COMBINE_QUADS threads per split group (the 4
-# lanes of the split kernel that hold the row, 16 dims each), at most COMBINE_GROUPS groups (256
-# threads), each a complete subtree of num_splits / groups consecutive splits.
+# lanes of the split kernel that hold the row, `lane_dims(c)` each), at most COMBINE_GROUPS groups
+# (256 threads), each a complete subtree of num_splits / groups consecutive splits.
 COMBINE_QUADS = 4
 COMBINE_GROUPS = 64
-COMBINE_ROW_FLOATS = 16 + 2  # a thread's share of a row's partial: 16 dims of O, m, l
+COMBINE_ROW_FLOATS = LANE_DIMS + 2  # a thread's share of a row's partial: its 16 dims of O, m, l
 
 
 def is_power_of_two(n: int) -> bool:

@@ -2,7 +2,7 @@
 loop, for `SplitIssue` settings side by side (no GPU: compiles for a target, disassembles the
 cubin with nvdisasm; ptxas -v on the kept PTX reports registers and spills).
 
-    PYTHONPATH=. python3 scripts/attn2-sass.py --arch sm_90a --issue none,all,mask,rescale,lean,mask+lean
+    PYTHONPATH=. python3 scripts/attn2-sass.py --arch sm_90a --issue none,all,mask,rescale,lean,keys,mask+lean
 
 Paths: every route from the loop's head to its back edge (the masked / unmasked page, the
 rescale / no rescale; the page load's predicated block counts either way). A predicated-off

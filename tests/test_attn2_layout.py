@@ -40,6 +40,26 @@ def test_partial_layout():
     assert lay.PARTIAL_BYTES == 18432 and lay.CTA_THREADS == 128 and lay.ROWS_PER_KV_HEAD == 64
 
 
+def test_lane_dims_are_the_mma_accumulator_layout():
+    """lane_dims(c) is what lane c holds of a row in the m16n8k16 C fragment with n-tile t = dims
+    8t .. 8t + 7 (columns 2c, 2c + 1 of each tile), t ascending; the 4 lanes cover the row once."""
+    for c in range(4):
+        want = [8 * t + col for t in range(lay.HEAD_DIM // lay.TILE_DIMS) for col in (2 * c, 2 * c + 1)]
+        assert lay.lane_dims(c) == want and len(want) == lay.LANE_DIMS
+    assert sorted(d for c in range(4) for d in lay.lane_dims(c)) == list(range(lay.HEAD_DIM))
+
+
+def test_partial_vectors_of_a_row_are_the_lanes_order():
+    """A row's vectors (2p + half for p = 0 .. 3, the combine's leaf order) concatenate to
+    lane_dims(c), for both halves; each vector is two n-tiles' pairs."""
+    for c in range(4):
+        for half in range(2):
+            leaf = [d for p in range(lay.PARTIAL_O_VECTORS // 2) for d in lay.partial_vector_dims(2 * p + half, c)]
+            assert leaf == lay.lane_dims(c)
+    assert lay.partial_vector_dims(2, 3) == [22, 23, 30, 31]
+    assert lay.COMBINE_ROW_FLOATS == lay.LANE_DIMS + 2
+
+
 def test_combine_groups_are_complete_subtrees():
     for splits in (2, 4, 64, 128, 256):
         groups = lay.combine_groups(splits)

@@ -12,8 +12,11 @@ about 16 bits where one BF16 P would keep 8), the row sum of p_hi + p_lo in the 
 ((p0 + p1) + (p8 + p9) per lane, then the quad butterfly), a page's P V in a fresh accumulator
 (p_lo's mma first, then p_hi's on top) added to O alpha with one FP32 add, the fixed merge tree
 (left child first, O = O_L w_L + O_R w_R as two products and one sum), o = O / l rounded to BF16,
-the norm's sum of squares in the kernel's lane order, rstd = 1 / sqrt(ss / 64 + eps), then
-x rstd sigmoid(g).
+the norm's sum of squares in the kernel's lane order (lane c of a quad holds dims 8t + 2c,
+8t + 2c + 1 of n-tile t, the mma's natural C layout, `attn2_layout.lane_dims`; it sums its 16
+squares t ascending from +0.0, then the quad (0 + 1) + (2 + 3)), rstd = 1 / sqrt(ss / 64 + eps),
+then x rstd sigmoid(g). Only the sum of squares depends on which lane holds which dim: every
+other step is element-wise or sums over keys, whose order the layout does not touch.
 
 The tensor cores, emulated (`tc_mma`): one m16n8k16 step is D = RZ(C + sum of the 16 products),
 the products exact and summed without rounding, the result truncated to FP32 (round toward zero:
@@ -97,15 +100,15 @@ def _lane_sum16(p: torch.Tensor) -> torch.Tensor:
 
 
 def _lane_sum_squares64(x: torch.Tensor) -> torch.Tensor:
-    """Sum of squares of [rows, 64] FP32 in the kernel's order: lane c holds dims 16p + 4c + j,
-    summed p-major, j-minor from +0.0, then the quad (0 + 1) + (2 + 3)."""
+    """Sum of squares of [rows, 64] FP32 in the kernel's order: lane c holds dims 8t + 2c + k
+    (`attn2_layout.lane_dims(c)`: the mma's natural C layout), summed in that order (t ascending,
+    k = 0 then 1) from +0.0, then the quad (0 + 1) + (2 + 3)."""
     lanes = []
     for c in range(4):
         acc = torch.zeros(x.shape[0], dtype=torch.float32)
-        for p in range(4):
-            for j in range(4):
-                v = x[:, 16 * p + 4 * c + j]
-                acc = acc + v * v
+        for d in lay.lane_dims(c):
+            v = x[:, d]
+            acc = acc + v * v
         lanes.append(acc)
     return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
 

@@ -21,9 +21,11 @@ wgmma / UMMA / TMEM):
    masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
    order sum, then per n-tile P V = p_hi V + (p_lo V) in a fresh accumulator (16 mma: a page's
    products are truncated at the page's scale, never into the running O) and O = O alpha + P V
-   with FP32 round-to-nearest. V's B fragments come from
-   word loads joined by `prmt`: n-tile 2p carries the even dims of the word pairs, 2p + 1 the
-   odd ones, so a thread ends with dims 16p + 4c .. 16p + 4c + 3 of its rows.
+   with FP32 round-to-nearest. V's B fragments come straight from shared memory through
+   `ldmatrix.x4.trans` (`v_fragment_row`: four per page, each the (b0, b1) of two n-tiles, no
+   `prmt`, bank-conflict free), n-tile t being dims 8t .. 8t + 7, so a thread ends with the
+   natural layout: dims 8t + 2c, 8t + 2c + 1 of its rows g and g + 8 (t = 0 .. 7;
+   `attn2_layout.lane_dims`), the layout a wgmma accumulator has too.
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and the fragment addresses are per-thread constants plus the stage's offset.
@@ -31,15 +33,24 @@ wgmma / UMMA / TMEM):
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
-`combine_groups` threads. Thread (group j, quad c) reads the rows' 16 dims of O, m and l that lane
-c held in each split of its group (skipping splits without pages: (0, -inf, 0), which a merge
+`combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
+from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that lane c held in each
+split of its group (skipping splits without pages: (0, -inf, 0), which a merge
 passes through exactly), merges them as the subtree they are (left child first: w = 2^((m - top)
 scale log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet
 level by level through shared memory, and warp 0 runs the epilogue on the root.
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
-dims, then the butterfly over xor 1, 2), rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 /
-(1 + 2^(-g log2 e)), out = bf16(o rstd sig), 8-byte stores.
+dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
+rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd
+sig), one 4-byte store (gate: one 4-byte load) per n-tile.
+
+Determinism. The layout fixes which lane holds which dim and so the sum of squares' order; it is
+a compile-time constant of the code, the same for every KV head, request, L, tp and launch (eager
+or a graph replay): the layout enters no decision that depends on them. So the properties the
+tests check (a KV head's bits whatever the tp, a row's bits whatever L when it sees the same
+keys, equal bits across calls and replays) hold as before; the output bits differ from the older
+layout's (16p + 4c .. 16p + 4c + 3 a lane) only through that order.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
@@ -78,9 +89,9 @@ SLOT_BYTES = lay.SLOT_WIDTH * BF16_BYTES  # 256
 CHUNKS_PER_SLOT = SLOT_BYTES // VECTOR_BYTES  # 16
 SWIZZLE_MASK = 7  # chunk ^ (slot & 7): K stays in chunks 0-7, V in 8-15
 K_TILES = lay.HEAD_DIM // 16  # 4 k-steps of Q K^T
-V_TILE_PAIRS = lay.HEAD_DIM // 16  # 4 pairs of n-tiles of P V
-V_WORD0 = lay.HEAD_DIM // 2  # V's first word in a slot
-JOIN_LOW, JOIN_HIGH = 0x5410, 0x7632
+V_TILES = lay.HEAD_DIM // lay.TILE_DIMS  # 8 n-tiles of P V: dims 8t .. 8t + 7
+V_TILE_PAIRS = V_TILES // 2  # one ldmatrix.x4.trans each
+V_CHUNK0 = lay.HEAD_DIM * BF16_BYTES // VECTOR_BYTES  # 8: V's first 16-byte chunk in a slot
 ALIGN = 16
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
@@ -104,25 +115,31 @@ class SplitIssue:
       (the XOR swizzle) are computed once, before the page loop, so a page adds only its stage's
       offset (ptxas then reads with [R + UR] addressing); the cp.async source of a zero-filled
       chunk stays its own address in the page (src-size 0: not read) instead of a 64-bit select.
+    - `ldmatrix_keys`: Q K^T's B fragments through `ldmatrix.x4` (`k_fragment_row`: two k-steps of
+      eight keys each, four per copy of the scores) instead of 16 word loads; the same words.
+      Without `lean_addressing` it costs the windowed sm_90a kernel (2 KV heads) a spill (28
+      bytes: the per-page addresses), so `none()` is without it.
 
-    `named("all" | "none" | "mask+rescale+lean" ...)`: a setting by name (the scripts' flags).
+    `named("all" | "none" | "mask+rescale+lean+keys" ...)`: a setting by name (the scripts' flags).
     """
 
     mask_edges_only: bool = True
     skip_unit_rescale: bool = True
     lean_addressing: bool = True
+    ldmatrix_keys: bool = True
 
     @staticmethod
     def none() -> SplitIssue:
         """Every saving off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False)
+        return SplitIssue(False, False, False, False)
 
-    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing"}
+    SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
+                   "keys": "ldmatrix_keys"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
         """"all", "none", or short names joined by "+" (those on, the rest off): "mask",
-        "rescale", "lean". ValueError for anything else."""
+        "rescale", "lean", "keys". ValueError for anything else."""
         if name == "all":
             return SplitIssue()
         if name == "none":
@@ -134,7 +151,7 @@ class SplitIssue:
         return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
 
     def knobs(self) -> dict[str, bool]:
-        return {name: bool(getattr(self, name)) for name in ("mask_edges_only", "skip_unit_rescale", "lean_addressing")}
+        return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
 
 
 @dataclass(frozen=True)
@@ -166,11 +183,12 @@ class _Attn2Kernel:
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
-                 skip_unit_rescale: bool = True, lean_addressing: bool = True) -> None:
+                 skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
         self.lean_addressing = lean_addressing
+        self.ldmatrix_keys = ldmatrix_keys
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.max_pages = max_pages
@@ -229,8 +247,9 @@ class _Attn2Kernel:
     @cute.jit
     def fragment_word(self, stage: Int32, stage_offset: Int32, lean, slot, word, index: tuple,
                       extra: cutlass.Constexpr) -> Uint32:
-        """One word of a K or V fragment in the stage at `stage` (= ring base + `stage_offset`):
-        through the swizzle (`slot_word`), or with lean_addressing from this thread's precomputed
+        """One word of a K fragment (without `ldmatrix_keys`) in the stage at `stage` (= ring base
+        + `stage_offset`): through the swizzle (`slot_word`), or with lean_addressing from this
+        thread's precomputed
         stage-0 address `lean[index]` plus `stage_offset` and `extra` (a constant: 8 slots further
         is + 2048, the same swizzle). Both read the same byte."""
         if cutlass.const_expr(lean is None):
@@ -284,13 +303,24 @@ class _Attn2Kernel:
         # S = Q K^T: s[4 nt + j]
         s = []
         for nt in cutlass.range_constexpr(2):
+            # kb[2h], kb[2h + 1]: b0, b1 of k-step 2 quad + h for keys 8 nt .. 8 nt + 7 (`k_fragment_row`)
             sacc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
             for kk in cutlass.range_constexpr(K_TILES):
-                kb0 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + c, (kk, 0), nt * 8 * SLOT_BYTES)
-                kb1 = self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + 4 + c, (kk, 1),
-                                         nt * 8 * SLOT_BYTES)
+                h = kk % 2
+                if cutlass.const_expr(not self.ldmatrix_keys):
+                    kb = [self.fragment_word(stage, stage_offset, k_words, nt * 8 + g, kk * 8 + 4 * half + c, (kk, half),
+                                             nt * 8 * SLOT_BYTES) for half in range(2)]
+                    h = 0
+                elif cutlass.const_expr(h == 0):
+                    quad = kk // 2
+                    if cutlass.const_expr(k_words is None):
+                        kb = ptx.ldmatrix_sync_aligned_m8n8_x4_shared_b16(stage + k_fragment_row(4 * g + c, nt, quad))
+                    else:
+                        kb = ptx.ldmatrix_sync_aligned_m8n8_x4_shared_b16(k_words[quad] + stage_offset
+                                                                          + nt * 8 * SLOT_BYTES)
                 sacc = list(ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                    a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb0, kb1, sacc[0], sacc[1], sacc[2], sacc[3]))
+                    a[kk][0], a[kk][1], a[kk][2], a[kk][3], kb[2 * h], kb[2 * h + 1], sacc[0], sacc[1], sacc[2],
+                    sacc[3]))
             for j in cutlass.range_constexpr(4):
                 scaled = sacc[j]  # unscaled: the exponent scales the difference from the max
                 if cutlass.const_expr(masked):
@@ -366,17 +396,15 @@ class _Attn2Kernel:
             lsum = [ptx.add_rn_f32(ptx.mul_rn_f32(lsum[half], alpha[half]), local[half]) for half in range(2)]
         else:
             lsum = [ptx.add_rn_f32(lsum[half], local[half]) for half in range(2)]
-        for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-            vword = V_WORD0 + 8 * pp + g
-            vx0 = self.fragment_word(stage, stage_offset, v_words, 2 * c, vword, (pp, 0), 0)
-            vx1 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 1, vword, (pp, 1), 0)
-            vx2 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 8, vword, (pp, 0), 8 * SLOT_BYTES)
-            vx3 = self.fragment_word(stage, stage_offset, v_words, 2 * c + 9, vword, (pp, 1), 8 * SLOT_BYTES)
-            for odd in cutlass.range_constexpr(2):
-                sel = JOIN_HIGH if odd else JOIN_LOW
-                vb0 = ptx.prmt_b32(vx0, vx1, sel)
-                vb1 = ptx.prmt_b32(vx2, vx3, sel)
-                t = 2 * pp + odd
+        for pair in cutlass.range_constexpr(V_TILE_PAIRS):
+            # (b0, b1) of n-tile 2 pair, then of 2 pair + 1 (`v_fragment_row`)
+            if cutlass.const_expr(v_words is None):
+                vb = ptx.ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(stage + v_fragment_row(4 * g + c, pair))
+            else:
+                vb = ptx.ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(v_words[pair] + stage_offset)
+            for h in cutlass.range_constexpr(2):
+                vb0, vb1 = vb[2 * h], vb[2 * h + 1]
+                t = 2 * pair + h
                 # this page's P V in a fresh accumulator, p_lo first (the tensor cores truncate:
                 # a long chain into O would drift toward zero), then O = O alpha + P V in FP32
                 zero = Float32(0.0)
@@ -435,7 +463,7 @@ class _Attn2Kernel:
             low_key = own_key - (self.window - 1)
         m = [Float32(NEG_INF), Float32(NEG_INF)]
         lsum = [Float32(0.0), Float32(0.0)]
-        o = [Float32(0.0) for _ in range(32)]  # o[4 t + j]: n-tile t, fragment element j
+        o = [Float32(0.0) for _ in range(4 * V_TILES)]  # o[4 t + j]: n-tile t, fragment element j
 
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
@@ -460,11 +488,12 @@ class _Attn2Kernel:
         k_words = None
         v_words = None
         if cutlass.const_expr(self.lean_addressing):
-            k_words = [[ring_base + g * SLOT_BYTES + ((2 * kk + h) ^ g) * VECTOR_BYTES + c * WORD_BYTES
-                        for h in range(2)] for kk in range(K_TILES)]
-            v_words = [[ring_base + (2 * c + par) * SLOT_BYTES
-                        + ((V_WORD0 // 4 + 2 * pp + g // 4) ^ (2 * c + par)) * VECTOR_BYTES + (g % 4) * WORD_BYTES
-                        for par in range(2)] for pp in range(V_TILE_PAIRS)]
+            if cutlass.const_expr(self.ldmatrix_keys):
+                k_words = [ring_base + k_fragment_row(lane, 0, quad) for quad in range(K_TILES // 2)]
+            else:
+                k_words = [[ring_base + g * SLOT_BYTES + ((2 * kk + h) ^ g) * VECTOR_BYTES + c * WORD_BYTES
+                            for h in range(2)] for kk in range(K_TILES)]
+            v_words = [ring_base + v_fragment_row(lane, pair) for pair in range(V_TILE_PAIRS)]
 
         for i in cutlass.range(pages, unroll=1):
             ahead = i + (lay.PIPELINE_STAGES - 1)
@@ -491,15 +520,16 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
 
-        # Thread's values in dims order: vec[2 pp + half] = row (g | g + 8) dims 16 pp + 4 c + 0..3.
+        # The partial's vectors (`attn2_layout.partial_vector_dims`): vec[2 p + half] = row g (half
+        # 0) or g + 8, n-tiles 2p and 2p + 1, each the pair 8t + 2c, 8t + 2c + 1 (o[4 t + 2 half + k]).
         vec = []
         for pp in cutlass.range_constexpr(V_TILE_PAIRS):
             for half in cutlass.range_constexpr(2):
-                vec.append([o[4 * (2 * pp) + 2 * half], o[4 * (2 * pp + 1) + 2 * half],
-                            o[4 * (2 * pp) + 2 * half + 1], o[4 * (2 * pp + 1) + 2 * half + 1]])
+                vec.append([o[4 * t + 2 * half + k] for t in (2 * pp, 2 * pp + 1) for k in range(2)])
         if cutlass.const_expr(self.num_splits == 1):
             for half in cutlass.range_constexpr(2):
                 row = req * lay.QUERY_LEN + g
+                # the row's 16 values in the lane's order (`attn2_layout.lane_dims(c)`)
                 values = [vec[2 * pp + half][j] for pp in range(V_TILE_PAIRS) for j in range(4)]
                 head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
                 row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
@@ -524,6 +554,41 @@ def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -
     model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
     split) stays -inf: its weight is 0."""
     return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+def k_fragment_row(lane, nt, quad):
+    """The byte offset, in a ring stage, of the K row `lane` (0 .. 31) addresses in the
+    `ldmatrix.x4` (not transposed) of keys 8 nt .. 8 nt + 7 (nt 0, 1) and k-steps 2 quad,
+    2 quad + 1 (quad 0, 1); ints or DSL Int32 alike, as `v_fragment_row`.
+
+    Matrix i = lane // 8 is dims 16 kk + 8 h .. + 7 (kk = 2 quad + i // 2, h = i % 2: the slot's
+    chunk 4 quad + i, swizzled by the slot) of the 8 keys (rows: slot 8 nt + lane % 8). Result i
+    gives lane 4g + c key 8 nt + g's dims 16 kk + 8h + 2c, + 1: b0 (h 0) or b1 of k-step kk, the
+    Q K^T B fragment. Conflict free as V's: the 8 rows' chunks (4 quad + i) ^ (slot & 7) differ."""
+    matrix = lane // 8
+    slot = 8 * nt + lane % 8
+    return slot * SLOT_BYTES + ((4 * quad + matrix) ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
+
+
+def v_fragment_row(lane, pair):
+    """The byte offset, in a ring stage, of the V row `lane` (0 .. 31) addresses in the
+    `ldmatrix.x4.trans` of n-tile pair `pair` (0 .. 3); the same arithmetic on Python ints (the
+    tests) and on DSL Int32 values (the kernel).
+
+    Matrix i = lane // 8 is keys 8 (i % 2) .. 8 (i % 2) + 7 (rows: slot 8 (i % 2) + lane % 8) of
+    n-tile t = 2 pair + i // 2, dims 8t .. 8t + 7: one 16-byte chunk of the slot, V_CHUNK0 + t,
+    swizzled to (V_CHUNK0 + t) ^ (slot & 7). Transposed, result i gives lane 4g + c the keys
+    2c, 2c + 1 (+ 8 for odd i) of dim 8t + g: b0 of n-tile t for even i, b1 for odd i, the mma's
+    B fragment, with no prmt.
+
+    Bank conflicts: none. A matrix's 8 rows are 8 consecutive slots, slot & 7 = 0 .. 7; a slot is
+    SLOT_BYTES = 256 bytes, a multiple of the 128 bytes the 32 banks span, so a row's bank group
+    (16 bytes, 4 banks) is its swizzled chunk mod 8, (t ^ slot) & 7: 8 different groups, all 32
+    banks once: one shared-memory wavefront per matrix, the least an ldmatrix takes."""
+    matrix = lane // 8
+    slot = lane % 8 + 8 * (matrix % 2)
+    tile = 2 * pair + matrix // 2
+    return slot * SLOT_BYTES + ((V_CHUNK0 + tile) ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
 
 
 @cute.jit
@@ -565,24 +630,30 @@ def merge_into(left: list, right: list) -> None:
 
 @cute.jit
 def load_gate_words(gate: cute.Tensor, row: Int32, head: Int32, c: Int32, gate_row_words: Int32) -> list:
-    """The gate's BF16 pairs of dims 16 pp + 4 c .. + 3 of (row, head), pp = 0 .. 3."""
+    """The gate's BF16 pairs of (row, head) that lane c holds: word t is dims 8t + 2c (low 16
+    bits) and 8t + 2c + 1, t = 0 .. 7 (`attn2_layout.lane_dims`)."""
     gate_base = Int64(gate.iterator.toint()) + Int64(row) * Int64(gate_row_words) * WORD_BYTES
-    return [ptx.ld_global_v2_u32(gate_base + Int64((head * lay.HEAD_DIM + 16 * pp + 4 * c) // 2) * WORD_BYTES)
-            for pp in range(V_TILE_PAIRS)]
+    return [ptx.ld_global_u32(gate_base + Int64((head * lay.HEAD_DIM + lay.TILE_DIMS * t + 2 * c) // 2) * WORD_BYTES)
+            for t in range(V_TILES)]
 
 
 @cute.jit
 def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
                  num_kv_heads: cutlass.Constexpr, eps: cutlass.Constexpr, store: Int32,
                  lanes: cutlass.Constexpr = 32) -> None:
-    """The o-norm and gate of one row, by the 4 lanes 4k .. 4k + 3 of a warp (quad c holds dims
-    16 pp + 4 c + j as values[4 pp + j]); the warp's first `lanes` lanes (all it has) execute it
-    (the butterfly), lanes with `store` 0 write nothing."""
+    """The o-norm and gate of one row, by the 4 lanes 4k .. 4k + 3 of a warp: lane c of the quad
+    holds dims 8t + 2c + k as values[2t + k] (`attn2_layout.lane_dims(c)`) and their gate pairs
+    (`load_gate_words`). The sum of squares: the lane's 16 squares in its order (t ascending,
+    k = 0 then 1) from +0.0, then the butterfly over xor 1 and 2, so every lane of the quad holds
+    (lane 0 + lane 1) + (lane 2 + lane 3) bit for bit (each add is commutative). One 4-byte store
+    per n-tile (dims 8t + 2c, 8t + 2c + 1; a quad's four stores fill the tile's 16 bytes). The
+    warp's first `lanes` lanes (all it has) execute it (the butterfly), lanes with `store` 0 write
+    nothing."""
     mask = (1 << lanes) - 1
     out_row_words = num_kv_heads * lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM // 2
     xs = []
     ss = Float32(0.0)
-    for k in cutlass.range_constexpr(4 * V_TILE_PAIRS):
+    for k in cutlass.range_constexpr(lay.LANE_DIMS):
         ratio = ptx.div_rn_f32(values[k], lsum)
         word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratio)
         x = ptx.bitcast_u32_to_f32(word << 16)
@@ -593,19 +664,17 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
     mean = ptx.add_rn_f32(ptx.mul_rn_f32(ss, Float32(1.0 / lay.HEAD_DIM)), Float32(eps))
     rstd = ptx.div_rn_f32(Float32(1.0), ptx.sqrt_rn_f32(mean))
     out_base = Int64(out.iterator.toint()) + Int64(row) * (out_row_words * WORD_BYTES)
-    for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-        dim_word = (head * lay.HEAD_DIM + 16 * pp + 4 * c) // 2
-        gw = gate_words[pp]
-        gates = [ptx.bitcast_u32_to_f32(gw[0] << 16), ptx.bitcast_u32_to_f32(gw[0] & Uint32(0xFFFF0000)),
-                 ptx.bitcast_u32_to_f32(gw[1] << 16), ptx.bitcast_u32_to_f32(gw[1] & Uint32(0xFFFF0000))]
+    for t in cutlass.range_constexpr(V_TILES):
+        dim_word = (head * lay.HEAD_DIM + lay.TILE_DIMS * t + 2 * c) // 2
+        gw = gate_words[t]
+        gates = [ptx.bitcast_u32_to_f32(gw << 16), ptx.bitcast_u32_to_f32(gw & Uint32(0xFFFF0000))]
         ys = []
-        for j in cutlass.range_constexpr(4):
-            e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[j], Float32(-LOG2_E)))
+        for k in cutlass.range_constexpr(2):
+            e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[k], Float32(-LOG2_E)))
             sig = ptx.div_rn_f32(Float32(1.0), ptx.add_rn_f32(Float32(1.0), e))
-            ys.append(ptx.mul_rn_f32(ptx.mul_rn_f32(xs[4 * pp + j], rstd), sig))
+            ys.append(ptx.mul_rn_f32(ptx.mul_rn_f32(xs[2 * t + k], rstd), sig))
         if store != 0:
-            ptx.st_global_v2_u32(out_base + Int64(dim_word) * WORD_BYTES, ptx.cvt_rn_bf16x2_f32(ys[1], ys[0]),
-                                 ptx.cvt_rn_bf16x2_f32(ys[3], ys[2]))
+            ptx.st_global_u32(out_base + Int64(dim_word) * WORD_BYTES, ptx.cvt_rn_bf16x2_f32(ys[1], ys[0]))
 
 
 class _Attn2CombineKernel:
@@ -642,8 +711,10 @@ class _Attn2CombineKernel:
     @cute.jit
     def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, first_page: Int32,
                   end_page: Int32, source: Int32, half: Int32) -> list:
-        """[16 dims of O, m, l] of the row in split `split` ((0.., -inf, 0) if the split has no page)."""
-        leaf = [Float32(0.0) for _ in range(16)] + [Float32(NEG_INF), Float32(0.0)]
+        """[16 dims of O, m, l] of the row in split `split` ((0.., -inf, 0) if the split has no page):
+        the source lane's vectors 2p + half, p = 0 .. 3, so O comes in `attn2_layout.lane_dims(c)`'s
+        order, the epilogue's."""
+        leaf = [Float32(0.0) for _ in range(lay.LANE_DIMS)] + [Float32(NEG_INF), Float32(0.0)]
         start = first_page + ((split - first_page) & (self.num_splits - 1))
         if start < end_page:
             slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
@@ -652,8 +723,8 @@ class _Attn2CombineKernel:
                 for j in cutlass.range_constexpr(4):
                     leaf[4 * pp + j] = ptx.bitcast_u32_to_f32(words[j])
             stats = slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + source) * VECTOR_BYTES
-            leaf[16] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(half) * WORD_BYTES))
-            leaf[17] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(2 + half) * WORD_BYTES))
+            leaf[lay.LANE_DIMS] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(half) * WORD_BYTES))
+            leaf[lay.LANE_DIMS + 1] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(2 + half) * WORD_BYTES))
         return leaf
 
     @cute.jit
@@ -731,7 +802,7 @@ class _Attn2CombineKernel:
                 cute.arch.barrier()
             mine = self.load_slot(slot_base, Int32(0), c)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
-            row_epilogue(mine[:16], mine[17], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
+            row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
 
 

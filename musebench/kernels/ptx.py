@@ -542,6 +542,33 @@ def ld_shared_u32(shared_address: Int32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def ldmatrix_sync_aligned_m8n8_x4_shared_b16(shared_address: Int32, *, loc=None, ip=None
+                                            ) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ldmatrix.sync.aligned.m8n8.x4.shared.b16`: four 8x8 matrices of 16-bit elements, one warp
+    (every lane executes it). Lanes 8i .. 8i + 7 give the shared addresses (16-byte aligned) of
+    matrix i's rows 0 .. 7, each row 16 contiguous bytes; result i is matrix i's word for this
+    lane: row lane // 4, columns 2 (lane % 4) (low 16 bits) and 2 (lane % 4) + 1. Side effects,
+    as `ld_shared_v4_u32`: a ring stage is refilled between two reads of one address."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_ir(Int32(shared_address), loc, ip)],
+                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                  side_effects=True, loc=loc, ip=ip)
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(shared_address: Int32, *, loc=None, ip=None
+                                                  ) -> tuple[Uint32, Uint32, Uint32, Uint32]:
+    """`ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: as the non-transposed form (lanes
+    8i .. 8i + 7 address matrix i's rows, 16 bytes each), but result i is the transpose's word:
+    rows 2 (lane % 4) (low 16 bits) and 2 (lane % 4) + 1 of matrix i, column lane // 4. With
+    rows = keys and columns = head dims this is an mma.sync B fragment of V (attn2's P V)."""
+    struct = _asm(llvm.StructType.get_literal([T.i32()] * 4), [_ir(Int32(shared_address), loc, ip)],
+                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                  side_effects=True, loc=loc, ip=ip)
+    return _four_u32(struct, loc, ip)
+
+
+@dsl_user_op
 def st_shared_u32(shared_address: Int32, value: Uint32, *, loc=None, ip=None) -> None:
     """`st.shared.u32`: one word of this CTA's shared memory."""
     _asm(None, [_ir(Int32(shared_address), loc, ip), _ir(Uint32(value), loc, ip)], "st.shared.u32 [$0], $1;", "r,r",
@@ -577,14 +604,6 @@ def st_global_v2_u32(address: Int64, w0: Uint32, w1: Uint32, *, loc=None, ip=Non
     """`st.global.v2.u32`: 8 bytes, weak."""
     _asm(None, [_ir(Int64(address), loc, ip), _ir(Uint32(w0), loc, ip), _ir(Uint32(w1), loc, ip)],
          "st.global.v2.u32 [$0], {$1, $2};", "l,r,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def prmt_b32(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
-    """`prmt.b32 d, a, b, selector`: bytes of d picked from {b, a} (a bytes 0-3, b bytes 4-7);
-    0x5410 joins the low halves (a's low), 0x7632 the high halves (a's high low)."""
-    return Uint32(_asm(T.i32(), [_ir(Uint32(a), loc, ip), _ir(Uint32(b), loc, ip)],
-                       f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r", side_effects=False, loc=loc, ip=ip))
 
 
 @dsl_user_op

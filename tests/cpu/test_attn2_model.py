@@ -164,6 +164,37 @@ def test_agreement_fails_on_faults(seq_len):
         assert not agreement(got, want).ok, name
 
 
+def _kernel_sum_squares(x: torch.Tensor, lane_dims) -> torch.Tensor:
+    """The epilogue's sum of squares as the kernel's registers hold a row: lane c's values are
+    the row's dims lane_dims(c) in order (O's n-tiles t ascending, each pair (2c, 2c + 1)), each
+    lane sums its squares from +0.0, the butterfly over xor 1 then xor 2 gives lane 0
+    (l0 + l1) + (l2 + l3)."""
+    lanes = []
+    for c in range(4):
+        acc = torch.zeros(x.shape[0], dtype=torch.float32)
+        for d in lane_dims(c):
+            acc = acc + x[:, d] * x[:, d]
+        lanes.append(acc)
+    after_1 = [lanes[c] + lanes[c ^ 1] for c in range(4)]
+    return after_1[0] + after_1[2]
+
+
+def _old_lane_dims(c: int) -> list[int]:
+    """The layout before ldmatrix: lane c held dims 16p + 4c .. 16p + 4c + 3."""
+    return [16 * p + 4 * c + j for p in range(4) for j in range(4)]
+
+
+def test_sum_of_squares_follows_the_natural_layout():
+    """The model's sum of squares is the kernel's in the natural layout (lane c: dims 8t + 2c,
+    8t + 2c + 1), bit for bit; the older layout's order gives other bits on some rows (so the
+    comparison can fail)."""
+    torch.manual_seed(7)
+    x = (torch.randn(4096, lay.HEAD_DIM) * torch.logspace(-3, 3, lay.HEAD_DIM)).to(torch.bfloat16).float()
+    got = model_module._lane_sum_squares64(x)
+    assert torch.equal(got.view(torch.int32), _kernel_sum_squares(x, lay.lane_dims).view(torch.int32))
+    assert not torch.equal(got.view(torch.int32), _kernel_sum_squares(x, _old_lane_dims).view(torch.int32))
+
+
 def test_equal_scores_weigh_exactly_one():
     """Scores stay unscaled until their difference from the row max is taken: keys with the max's
     score get p = 2^0 = 1 exactly (scaling first and subtracting a rounded scaled max would too;

@@ -1,12 +1,16 @@
 """attn2 compiles for sm_90a and sm_100a with no GPU, with the split kernel's instruction savings
 (`SplitIssue`) all on (the default) and all off (the A/B baseline). PTX assertions: the split
 kernel's mma.sync per page (8 for Q K^T, 16 for P V as two BF16 terms; the Q K^T half twice with
-`mask_edges_only`: a masked and an unmasked copy), the warp vote of `skip_unit_rescale`, the
-cp.async source select `lean_addressing` drops, cp.async only, no local memory (no spills), PDL's
+`mask_edges_only`: a masked and an unmasked copy), V's B fragments through four
+`ldmatrix.x4.trans` and no `prmt`, K's through `ldmatrix.x4` with `ldmatrix_keys` (four per
+copy of the scores), the warp vote of `skip_unit_rescale`, the cp.async source
+select `lean_addressing` drops, cp.async only, no local memory (no spills), PDL's
 wait before the first global read and the release after the main loop, its CTAs per SM, no
 atomics, the partials stored by the split kernel; the combine's wait before the partials' loads
 and its shared-memory tree; ptxas (where installed) reports no spill (its own test). Refusals of
-bad deployments and builds."""
+bad deployments and builds. On ints, no compile: the K and V fragment addresses
+(`k_fragment_row`, `v_fragment_row`) give every lane its mma B fragments through an emulated
+ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from musebench import attn2_layout as lay  # noqa: E402
 from musebench.kernels import attn2  # noqa: E402
 
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+LDMATRIX_TRANS = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
+LDMATRIX = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
 ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none()}
 _PTX: dict[tuple, tuple[str, str | None]] = {}
 
@@ -52,10 +58,10 @@ def _reads_after_wait(ptx, pattern):
 PARTIAL_LOADS = r"ld\.global\.v4"  # the combine's 16-byte loads: the partials
 
 DEPLOYMENTS = [(2, 2048, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
-# (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: with
-# every saving off (the A/B baseline) the one-KV-head split kernel on sm_90a, 108 bytes (the
-# unscaled-score softmax tipped it over 128 registers; lean_addressing frees enough)
-KNOWN_SPILLS: set[tuple] = {("sm_90a", 1, 131072, 0, "none")}
+# (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: none
+# (the one-KV-head sm_90a baseline spilled 108 bytes until V's fragments came through ldmatrix,
+# which holds 4 address registers where the word loads held 8, and needs no prmt temporaries)
+KNOWN_SPILLS: set[tuple] = set()
 
 
 # (KV heads, max_model_len, window): one split (short), the split kernel (tp 8, tp 16), the window
@@ -67,6 +73,11 @@ def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_l
     on = ISSUES[issue]
     assert ptx.count(MMA) == (2 if on.mask_edges_only else 1) * 2 * lay.HEAD_DIM // 16 + 16
     assert ("vote.sync.all.pred" in ptx) == on.skip_unit_rescale
+    assert ptx.count(LDMATRIX_TRANS) == attn2.V_TILE_PAIRS  # P V's B fragments, two n-tiles each
+    # Q K^T's B fragments with ldmatrix_keys: two k-steps of 8 keys an ldmatrix, per copy of the scores
+    assert ptx.count(LDMATRIX) == on.ldmatrix_keys * (2 if on.mask_edges_only else 1) * 2 * attn2.K_TILES // 2
+    assert "ld.shared.u32" in ptx  # the page-table entries only: no fragment word loads left
+    assert "prmt" not in ptx  # the natural layout needs no joining of V's words
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx  # no stack: nothing spilled before ptxas
     assert _reads_after_wait(ptx, r"ld\.global|cp\.async")  # PDL: nothing the previous kernel writes is read before
@@ -145,8 +156,129 @@ def test_refuses_an_issue_that_is_not_a_split_issue():
 def test_split_issue_names():
     named = attn2.SplitIssue.named
     assert named("all") == attn2.SplitIssue() and named("none") == attn2.SplitIssue.none()
-    assert named("mask+lean") == attn2.SplitIssue(mask_edges_only=True, skip_unit_rescale=False, lean_addressing=True)
-    assert named("rescale") == attn2.SplitIssue(False, True, False)
-    for bad in ("", "mask+", "Mask", "all+mask", "fast"):
+    assert named("mask+lean") == attn2.SplitIssue(mask_edges_only=True, skip_unit_rescale=False, lean_addressing=True,
+                                                  ldmatrix_keys=False)
+    assert named("rescale") == attn2.SplitIssue(False, True, False, False)
+    assert named("lean+keys") == attn2.SplitIssue(False, False, True, True)
+    assert named("mask+rescale+lean+keys") == named("all")
+    for bad in ("", "mask+", "Mask", "all+mask", "fast", "key"):
         with pytest.raises(ValueError, match="SplitIssue"):
             named(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# V's fragment addresses, on ints: an emulated ldmatrix.x4.trans over a ring stage whose every
+# 16-bit element says which (slot, dim) of V (or of K) it is.
+
+
+def _stage_image() -> dict[int, tuple]:
+    """byte offset in a stage -> ("K" | "V", slot, dim), laid out as page_load writes it (16-byte
+    chunks of a slot XOR-swizzled by slot & 7)."""
+    image = {}
+    for slot in range(lay.PAGE_TOKENS):
+        for chunk in range(attn2.CHUNKS_PER_SLOT):
+            place = slot * attn2.SLOT_BYTES + (chunk ^ (slot & attn2.SWIZZLE_MASK)) * attn2.VECTOR_BYTES
+            for e in range(attn2.VECTOR_BYTES // attn2.BF16_BYTES):
+                dim = chunk * 8 + e
+                part = "K" if dim < lay.HEAD_DIM else "V"
+                image[place + attn2.BF16_BYTES * e] = (part, slot, dim % lay.HEAD_DIM)
+    return image
+
+
+def _ldmatrix_x4(image, address_of, trans):
+    """Each lane's four results (each a (low, high) pair of elements) of ldmatrix.x4 (.trans when
+    `trans`) whose lane l addresses row l % 8 of matrix l // 8 at address_of(l): lane 4g + c gets
+    row g, columns 2c, 2c + 1; transposed, rows 2c, 2c + 1 of column g."""
+    rows = [[address_of(8 * i + r) for r in range(8)] for i in range(4)]
+    for row in (a for matrix in rows for a in matrix):
+        assert row % attn2.VECTOR_BYTES == 0 and 0 <= row < lay.PAGE_BYTES
+    if trans:
+        return [[tuple(image[rows[i][2 * (lane % 4) + k] + attn2.BF16_BYTES * (lane // 4)] for k in range(2))
+                 for i in range(4)] for lane in range(32)]
+    return [[tuple(image[rows[i][lane // 4] + attn2.BF16_BYTES * (2 * (lane % 4) + k)] for k in range(2))
+             for i in range(4)] for lane in range(32)]
+
+
+def _k_fragments_are_mma_b(address_of) -> bool:
+    """Whether result 2h (2h + 1) of (nt, quad) is, in every lane 4g + c, b0 (b1) of k-step
+    kk = 2 quad + h for keys 8 nt ..: K's key 8 nt + g, dims 16 kk + 2c, + 1 (b1: 8 more)."""
+    image = _stage_image()
+    for nt in range(2):
+        for quad in range(attn2.K_TILES // 2):
+            got = _ldmatrix_x4(image, lambda lane: address_of(lane, nt, quad), trans=False)
+            for lane in range(32):
+                g, c = divmod(lane, 4)
+                for h in range(2):
+                    kk = 2 * quad + h
+                    for b in range(2):
+                        want = tuple(("K", 8 * nt + g, 16 * kk + 8 * b + 2 * c + k) for k in range(2))
+                        if got[lane][2 * h + b] != want:
+                            return False
+    return True
+
+
+def _fragments_are_mma_b(address_of) -> bool:
+    """Whether result 2h (2h + 1) of pair p is, in every lane 4g + c, b0 (b1) of n-tile t = 2p + h:
+    V's keys 2c, 2c + 1 (8 + 2c, 9 + 2c) of dim 8t + g, the lower key in the low half."""
+    image = _stage_image()
+    for pair in range(attn2.V_TILE_PAIRS):
+        got = _ldmatrix_x4(image, lambda lane: address_of(lane, pair), trans=True)
+        for lane in range(32):
+            g, c = divmod(lane, 4)
+            for h in range(2):
+                t = 2 * pair + h
+                for b in range(2):  # b0: keys 2c, 2c + 1; b1: 8 more
+                    want = tuple(("V", 8 * b + 2 * c + k, lay.TILE_DIMS * t + g) for k in range(2))
+                    if got[lane][2 * h + b] != want:
+                        return False
+    return True
+
+
+def _conflict_free(address_of, *selectors) -> bool:
+    """Whether each matrix's 8 rows lie in 8 different 16-byte bank groups (the 32 banks span 128
+    bytes): one shared-memory wavefront per matrix, for every selector tuple (pair; nt, quad)."""
+    return all(len({(address_of(8 * i + r, *sel) // attn2.VECTOR_BYTES) % 8 for r in range(8)}) == 8
+               for sel in selectors for i in range(4))
+
+
+V_SELECTORS = [(pair,) for pair in range(attn2.V_TILE_PAIRS)]
+K_SELECTORS = [(nt, quad) for nt in range(2) for quad in range(attn2.K_TILES // 2)]
+
+
+def test_v_fragment_rows_give_the_mma_b_fragments_without_bank_conflicts():
+    assert _fragments_are_mma_b(attn2.v_fragment_row)
+    assert _conflict_free(attn2.v_fragment_row, *V_SELECTORS)
+
+
+def test_k_fragment_rows_give_the_mma_b_fragments_without_bank_conflicts():
+    assert _k_fragments_are_mma_b(attn2.k_fragment_row)
+    assert _conflict_free(attn2.k_fragment_row, *K_SELECTORS)
+
+
+def test_k_fragment_checks_fail_on_wrong_addresses():
+    """Fault injection: the k-steps of a quad swapped fails the fragment check; rows read
+    unswizzled fail both."""
+    def swapped(lane, nt, quad):
+        return attn2.k_fragment_row((lane + 16) % 32, nt, quad)
+
+    def unswizzled(lane, nt, quad):
+        return (8 * nt + lane % 8) * attn2.SLOT_BYTES + (4 * quad + lane // 8) * attn2.VECTOR_BYTES
+
+    assert _conflict_free(swapped, *K_SELECTORS) and not _k_fragments_are_mma_b(swapped)
+    assert not _k_fragments_are_mma_b(unswizzled) and not _conflict_free(unswizzled, *K_SELECTORS)
+
+
+def test_v_fragment_checks_fail_on_wrong_addresses():
+    """Fault injection: matrices 1 and 2 swapped (keys 8-15 of n-tile 2p read as keys 0-7 of 2p + 1)
+    fails the fragment check; the chunk read unswizzled fails both (other data, and every row of a
+    matrix in one bank group: 8-way conflicts)."""
+    def swapped(lane, pair):
+        i = lane // 8
+        return attn2.v_fragment_row(8 * {1: 2, 2: 1}.get(i, i) + lane % 8, pair)
+
+    def unswizzled(lane, pair):
+        slot = lane % 8 + 8 * (lane // 8 % 2)
+        return slot * attn2.SLOT_BYTES + (attn2.V_CHUNK0 + 2 * pair + lane // 16) * attn2.VECTOR_BYTES
+
+    assert _conflict_free(swapped, *V_SELECTORS) and not _fragments_are_mma_b(swapped)
+    assert not _fragments_are_mma_b(unswizzled) and not _conflict_free(unswizzled, *V_SELECTORS)

@@ -131,7 +131,7 @@ def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, win
 
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
     baseline = _launch_issue(problem, SplitIssue.none())
-    for name in ("all", "mask", "rescale", "lean", "mask+rescale"):
+    for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale"):
         got = _launch_issue(problem, SplitIssue.named(name))
         assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
 
