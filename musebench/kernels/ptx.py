@@ -607,6 +607,14 @@ def st_global_v2_u32(address: Int64, w0: Uint32, w1: Uint32, *, loc=None, ip=Non
 
 
 @dsl_user_op
+def prmt_b32(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """`prmt.b32 d, a, b, selector`: bytes of d picked from {b, a} (a bytes 0-3, b bytes 4-7);
+    0x5410 joins the low halves (a's low), 0x7632 the high halves (a's high low)."""
+    return Uint32(_asm(T.i32(), [_ir(Uint32(a), loc, ip), _ir(Uint32(b), loc, ip)],
+                       f"prmt.b32 $0, $1, $2, {int(selector):#x};", "=r,r,r", side_effects=False, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def max_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """`max.f32`: the larger (-inf loses to everything; no NaN reaches it on the contract's path)."""
     return Float32(_asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "max.f32 $0, $1, $2;",
