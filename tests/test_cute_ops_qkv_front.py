@@ -35,13 +35,13 @@ def test_qkv_front_names_are_exported():
             "hidden_rows_ok"} <= set(cute_ops.__all__)
 
 
-def test_launch_signature_is_supports_calls_with_out_the_tap_and_pdl():
+def test_launch_signature_is_supports_calls_with_out_the_tap_pdl_and_plan():
     from tests._seeds import parameters
 
     got = parameters(cute_ops.launch_qkv_front)
     assert got[:8] == [(n, POS, EMPTY) for n in ("x", "weight", "positions", "cos_sin_cache", "slot_mapping",
                                                   "kv_cache", "num_kv_heads", "out")]
-    assert got[8:] == [("tap", KW, None), ("enable_pdl", KW, True)]
+    assert got[8:] == [("tap", KW, None), ("enable_pdl", KW, True), ("plan", KW, "cluster"), ("workspace", KW, None)]
 
 
 @pytest.mark.parametrize("n, kv, ok", [
