@@ -200,3 +200,21 @@ def test_the_kernel_reuses_the_cluster_kernels_epilogue_and_constants():
     assert shared <= set(vars(qkv_front.FrontEpilogue))
     assert not shared & set(vars(balanced._BalancedFrontKernel))
     assert (balanced.STAGE_K, balanced.STEP_K, balanced.K_CTA) == (qkv_front.STAGE_K, qkv_front.STEP_K, 1024)
+
+
+def test_the_shared_workspace_is_never_allocated_during_capture(monkeypatch):
+    """A launch without a workspace takes the per-device one, allocated at its first eager call; a
+    first request during CUDA-graph capture is refused (allocate before capture)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(balanced, "_WORKSPACES", {})
+    with pytest.raises(RuntimeError, match="workspace before CUDA graph capture"):
+        balanced.shared_workspace(1, torch.device("cuda", 0))
+    assert balanced._WORKSPACES == {}
+    cached = torch.zeros(plan.workspace_bytes(1), dtype=torch.uint8)
+    balanced._WORKSPACES[(0, 1)] = cached
+    assert balanced.shared_workspace(1, torch.device("cuda", 0)) is cached  # found: no allocation, no refusal
+    fresh = balanced.new_workspace(2, "cpu")
+    assert fresh.numel() == plan.workspace_bytes(2) and not fresh.any()
