@@ -14,7 +14,9 @@ What a model executor calls besides the MoE tail (`musebench.kernels.tail`):
 
 - qkv_front (`supports_call`, `unsupported_projection`, `launch_qkv_front`, with `supports_shape`
   and `hidden_rows_ok`): the QKV + o-gate projection of 1 to 16 tokens fused with the qk-norm,
-  RoPE and the KV-cache insert (`musebench.kernels.qkv_front`), checked once per call eagerly.
+  RoPE and the KV-cache insert (`musebench.kernels.qkv_front`; `plan="balanced"`:
+  `musebench.kernels.qkv_front_balanced`, its workspace from `qkv_front_workspace`), checked once
+  per call eagerly.
   The seeds fix supports_call's and unsupported_projection's signatures; launch_qkv_front's
   call site is not in the vLLM 0.33.0 wheel (no specialized_decode there), so its signature is
   supports_call's with `out` required.

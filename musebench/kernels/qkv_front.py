@@ -55,15 +55,16 @@ every MMA chain and the reduction: the bits do not depend on `enable_pdl`. Depen
 released (`griddepcontrol.launch_dependents`) after the stream, before the cluster's reduction:
 their own wait still waits for this grid's end, and every CTA of ours is resident already.
 
-Balance (not built). N = 1152 puts 144 CTAs of equal work on 132 SMs (12 SMs stream twice the
-weight). A balanced variant would have to keep every output element's order: 8 k-slices of 1024,
-each one MMA chain in k order, added in rank order. A chain cannot be cut between CTAs without
-making one wait for the other (the FP32 accumulator would pass through memory mid-chain), so the
-finest units that keep the bits are (head, k-slice, n-tile of 8 columns): 1152 units of 16 KB at
-N = 1152, 8.7 per SM, 9 on the busiest (3% over the mean instead of 2x). Those units no longer
-form a cluster of one head's 8 slices, so the rank-order sum would go through global memory with
-arrival counters (a workspace re-armed per launch) instead of DSMEM; that is a different kernel,
-not a compile-time variant of this one, and is left for later.
+Balance: `kernels.qkv_front_balanced`. N = 1152 puts 144 CTAs of equal work on 132 SMs (12 SMs
+stream twice the weight). The balanced plan keeps every output element's order: 8 k-slices of
+1024, each one MMA chain in k order, added in rank order. A chain cannot be cut between CTAs
+without making one wait for the other (the FP32 accumulator would pass through memory mid-chain),
+so the finest units that keep the bits are (head, k-slice, n-tile of 8 columns): 1152 units of
+16 KB at N = 1152, 8.7 per SM, 9 on the busiest (3% over the mean instead of 83%). Those units no
+longer form a cluster of one head's 8 slices, so the rank-order sum goes through global memory
+with self-re-arming arrival counters instead of DSMEM: a different kernel (`FrontEpilogue`, below,
+is the code both share), selected by `launch_qkv_front(plan=...)`; `qkv_front_plan` has the
+arithmetic.
 
 Epilogue (CTA 0, 16 rows x 8 lanes of 8 consecutive columns: the stock's thread program):
 q and k heads are normed and rotated and written back into `out`; a k head also into the cache's
