@@ -336,3 +336,60 @@ def test_bench_jobs_build_bench_cases(monkeypatch):
     kwargs = dict(name="f", tp=16, tokens=(1, 2), rope=(True,), inputs=("random",), seeds=(0,), check_machine=False)
     assert all(c.bench for c in jobs.make_front_job(**kwargs, measurement="bench").cases)
     assert not any(c.bench for c in jobs.make_front_job(**kwargs).cases)
+
+
+def _fake_launch_with_plan(flip: str | None = None):
+    """A stand-in taking musebench's `enable_pdl`, `plan` and `workspace`, recording each launch's
+    (tap?, pdl, plan, workspace given?); `flip` "out" or "tap": its balanced plan flips one bit there."""
+    faithful = _fake_launch(False)
+    seen = []
+
+    def launch(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=None, enable_pdl=True, plan="cluster",
+               workspace=None):
+        seen.append((tap is not None, enable_pdl, plan, workspace is not None))
+        faithful(x, weight, positions, cos_sin, slots, kv_cache, kv, out, tap=tap)
+        if plan == "balanced" and flip == "out":
+            checks.flip_one_bit(out, index=9)
+        if plan == "balanced" and flip == "tap" and tap is not None:
+            checks.flip_one_bit(tap, index=4)
+        return out
+
+    launch.seen = seen
+    return launch
+
+
+def test_the_balanced_plan_must_write_the_cluster_plans_bits():
+    """Where the launch takes `plan` and the runner has a workspace, bind also launches the
+    balanced plan (with the tap and without) and refuses, naming the rank, one whose out or tap
+    differs by a bit; without a workspace (a launch that takes no plan) it is not asked for it."""
+    case = small_case(inputs="adversarial", tokens=3)
+    inputs = front.make_inputs(case)
+    copies = front._device_copies(case, inputs, 0, torch.device("cpu"))
+    workspace = torch.zeros(front.plan_workspace_bytes(case), dtype=torch.uint8)
+    good = _fake_launch_with_plan()
+    front.check_variants_agree(front.FrontRunner(good, case, **copies, workspace=workspace), rank=1)
+    assert good.seen[-2:] == [(True, True, "balanced", True), (False, True, "balanced", True)]
+    assert all(plan == "cluster" and not given for _, _, plan, given in good.seen[:-2])
+    for flip, output in (("out", "out"), ("tap", "tap")):
+        with pytest.raises(ValueError, match=f"rank 1: the balanced plan's launch with the tap wrote 1 elements "
+                                             f"of {output}"):
+            front.check_variants_agree(
+                front.FrontRunner(_fake_launch_with_plan(flip), case, **copies, workspace=workspace), rank=1)
+    unasked = _fake_launch_with_plan("out")
+    front.check_variants_agree(front.FrontRunner(unasked, case, **copies), rank=1)
+    assert all(plan == "cluster" for _, _, plan, _ in unasked.seen)
+    assert front.takes_plan(good) and not front.takes_plan(_fake_launch_with_pdl(False))
+    assert front.plan_workspace_bytes(small_case()) == 627_344
+
+
+def test_a_bench_runner_with_a_workspace_times_the_balanced_plan():
+    """The bench's `front balanced` path is the deployment's launch (no tap, PDL) with the balanced
+    plan and the runner's workspace."""
+    case = small_case(tokens=3, bench=True)
+    inputs = front.make_inputs(case)
+    launch = _fake_launch_with_plan()
+    runner = front.FrontRunner(launch, case, **front._device_copies(case, inputs, 0, torch.device("cpu")),
+                               workspace=torch.zeros(16, dtype=torch.uint8))
+    runner.launch_with(tap=False, balanced=True)
+    assert launch.seen == [(False, True, "balanced", True)]
+    assert front.BALANCED == "front balanced" and front.BALANCED not in (front.NO_PDL, front.MATMUL)
