@@ -145,7 +145,10 @@ def test_wgmma_matches_mma_sync_bit_for_bit(family, explicit_zero):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fault", ["sbo", "no_swizzle"])
+# "no_swizzle" is not run here: on the H200 (ad89434) that descriptor made wgmma read outside the
+# CTA's shared memory, an illegal address that ends the process's CUDA context (and every test after
+# it in the process); the SBO fault stays in bounds and shows the comparison failing.
+@pytest.mark.parametrize("fault", ["sbo"])
 def test_a_wrong_descriptor_breaks_the_agreement(fault):
     """The comparison can fail: with K's and V's descriptors corrupted, wgmma reads other bytes."""
     _needs_sm90()
