@@ -608,7 +608,6 @@ def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
     """GPU: the QKV front as a deployment launches it (no tap, PDL: the tail column) vs the unfused
     path (torch.matmul, i.e. cuBLAS, then the Triton stock epilogue), torch.matmul alone and the
     same launch built without PDL ('front without PDL': its cell's ratio is PDL / no PDL, same run)
-    and with the balanced plan ('front balanced': its cell's ratio is cluster / balanced, same run)
     on rank 0's weight, CUDA-graph medians; 'with tap' times the tap launch; the roofline column is
     the row's bytes (N x 8192 x 2) / 4.2 TB/s."""
     from musebench.harness.jobs import make_front_job

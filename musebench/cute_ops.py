@@ -14,9 +14,7 @@ What a model executor calls besides the MoE tail (`musebench.kernels.tail`):
 
 - qkv_front (`supports_call`, `unsupported_projection`, `launch_qkv_front`, with `supports_shape`
   and `hidden_rows_ok`): the QKV + o-gate projection of 1 to 16 tokens fused with the qk-norm,
-  RoPE and the KV-cache insert (`musebench.kernels.qkv_front`; `plan="balanced"`:
-  `musebench.kernels.qkv_front_balanced`, its workspace from `qkv_front_workspace`), checked once
-  per call eagerly.
+  RoPE and the KV-cache insert (`musebench.kernels.qkv_front`), checked once per call eagerly.
   The seeds fix supports_call's and unsupported_projection's signatures; launch_qkv_front's
   call site is not in the vLLM 0.33.0 wheel (no specialized_decode there), so its signature is
   supports_call's with `out` required.
@@ -37,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from musebench import attn2_layout, config, qkv_front_plan, routing_metadata
+from musebench import attn2_layout, config, routing_metadata
 
 __all__ = [
     "ATTN2_EPS",
@@ -60,8 +58,7 @@ __all__ = [
     "unavailable",
     "unsupported_router",
 ]
-__all__ += ["hidden_rows_ok", "launch_qkv_front", "qkv_front_workspace", "supports_call", "supports_shape",
-            "unsupported_projection"]
+__all__ += ["hidden_rows_ok", "launch_qkv_front", "supports_call", "supports_shape", "unsupported_projection"]
 
 TOP_K = config.TOP_K
 NUM_EXPERTS = config.NUM_EXPERTS
@@ -458,8 +455,6 @@ def launch_qkv_front(
     *,
     tap: torch.Tensor | None = None,
     enable_pdl: bool = True,
-    plan: str = qkv_front_plan.DEFAULT_PLAN,
-    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch of the QKV front: out = x W^T with the stock's qk-norm and RoPE on the q and k
     heads, k and v inserted into `kv_cache` at `slot_mapping`; returns `out`.
@@ -479,13 +474,6 @@ def launch_qkv_front(
     `enable_pdl` (default True): programmatic dependent launch, the weight's first ring stages
     streamed before the kernel waits for the preceding kernel on the stream (x, positions, slots,
     the table and every write after the wait); False launches without it. Both give the same bits.
-    `plan` (musebench's extension, `qkv_front_plan.PLANS`): "cluster" (the default: a cluster of
-    8 CTAs per head, `kernels.qkv_front`) or "balanced" (fine units reduced through global memory,
-    `kernels.qkv_front_balanced`); both write the same bits. The balanced plan uses `workspace`
-    (uint8 [`qkv_front_plan.workspace_bytes(num_kv_heads)`] on x's device, contiguous, 16-byte
-    aligned, counters zeroed: `qkv_front_workspace`) or, given None, one workspace per device and N
-    allocated at its first eager call; launches that may overlap (other streams) need workspaces of
-    their own. A workspace with the cluster plan is refused.
     The first call of a variant compiles it (never during CUDA-graph capture); later calls are
     graph-capturable and allocate nothing. eps is Muse Spark's rms_norm_eps (1e-5), baked in.
     """
@@ -498,48 +486,13 @@ def launch_qkv_front(
         reason = f"tap must be bf16 {tuple(out.shape)}, contiguous, aligned, on {out.device}"
     if reason is None and not isinstance(enable_pdl, bool):
         reason = f"enable_pdl must be a bool, got {enable_pdl!r}"
-    if reason is None:
-        reason = qkv_front_plan_unsupported(plan, workspace, kv_cache.shape[1], x.device)
     if reason is not None:
         raise ValueError(f"the QKV front cannot take this call: {reason}")
-    if plan == "balanced":
-        from musebench.kernels import qkv_front_balanced  # CuTe DSL: imported at the first launch
-
-        qkv_front_balanced.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap,
-                                  eps=QKV_FRONT_EPS, enable_pdl=enable_pdl, workspace=workspace)
-        return out
     from musebench.kernels import qkv_front  # CuTe DSL: imported at the first launch
 
     qkv_front.launch(x, weight, positions, cos_sin_cache, slot_mapping, kv_cache, out, tap=tap, eps=QKV_FRONT_EPS,
                      enable_pdl=enable_pdl)
     return out
-
-
-def qkv_front_plan_unsupported(plan: object, workspace: object, num_kv_heads: int,
-                               device: torch.device) -> str | None:
-    """Why `plan` and `workspace` cannot serve a QKV front call with `num_kv_heads` on `device`, or
-    None: the plan one of `qkv_front_plan.PLANS`; a workspace only with "balanced", and then a
-    uint8 tensor of at least `qkv_front_plan.workspace_bytes(num_kv_heads)` bytes, contiguous,
-    16-byte aligned, on `device`. Reads no device memory (the counters' zeros are the caller's)."""
-    if not isinstance(plan, str) or plan not in qkv_front_plan.PLANS:
-        return f"plan must be one of {qkv_front_plan.PLANS}, got {plan!r}"
-    if workspace is None:
-        return None
-    if plan != "balanced":
-        return f"a workspace is the balanced plan's; plan {plan!r} takes none"
-    need = qkv_front_plan.workspace_bytes(num_kv_heads)
-    if not (isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
-            and workspace.numel() >= need and _contiguous_aligned(workspace) and workspace.device == device):
-        return (f"workspace must be uint8 [>= {need}] (qkv_front_workspace), contiguous, "
-                f"{QKV_FRONT_ALIGN}-byte aligned, on {device}")
-    return None
-
-
-def qkv_front_workspace(num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
-    """A fresh workspace for the balanced plan's launches at `num_kv_heads` on `device`: uint8
-    [`qkv_front_plan.workspace_bytes`] zeroed (its counters 0; every launch leaves them 0).
-    Allocate before CUDA-graph capture."""
-    return torch.zeros(qkv_front_plan.workspace_bytes(num_kv_heads), dtype=torch.uint8, device=device)
 
 
 # attn2: the verify step's attention with the o-norm and sigmoid gate (issue 15).

@@ -35,13 +35,13 @@ def test_qkv_front_names_are_exported():
             "hidden_rows_ok"} <= set(cute_ops.__all__)
 
 
-def test_launch_signature_is_supports_calls_with_out_the_tap_pdl_and_plan():
+def test_launch_signature_is_supports_calls_with_out_the_tap_and_pdl():
     from tests._seeds import parameters
 
     got = parameters(cute_ops.launch_qkv_front)
     assert got[:8] == [(n, POS, EMPTY) for n in ("x", "weight", "positions", "cos_sin_cache", "slot_mapping",
                                                   "kv_cache", "num_kv_heads", "out")]
-    assert got[8:] == [("tap", KW, None), ("enable_pdl", KW, True), ("plan", KW, "cluster"), ("workspace", KW, None)]
+    assert got[8:] == [("tap", KW, None), ("enable_pdl", KW, True)]
 
 
 @pytest.mark.parametrize("n, kv, ok", [
@@ -237,72 +237,3 @@ def test_unsupported_projections(overrides, reason):
 
 def test_gathered_output_on_one_rank_is_fine():
     assert cute_ops.unsupported_projection(fake_layer(2, **{"proj.gather_output": True, "proj.tp_size": 1})) is None
-
-
-# ---------------------------------------------------------------------------------------------
-# plan and workspace (musebench's extension: the balanced plan).
-
-
-def _stand_in_kernels(monkeypatch):
-    """Stand-ins for both kernel modules, recording (module, keywords) per launch."""
-    import sys
-    import types
-
-    import musebench.kernels
-
-    launched = []
-    for name in ("qkv_front", "qkv_front_balanced"):
-        kernel = types.ModuleType(f"musebench.kernels.{name}")
-        kernel.launch = lambda *a, _name=name, **k: launched.append((_name, k))
-        monkeypatch.setitem(sys.modules, f"musebench.kernels.{name}", kernel)
-        monkeypatch.setattr(musebench.kernels, name, kernel, raising=False)
-    monkeypatch.setattr(cute_ops, "qkv_front_unsupported", lambda *a, **k: None)  # as on a GPU
-    return launched
-
-
-def test_the_plan_picks_the_kernel_and_passes_the_workspace(monkeypatch):
-    launched = _stand_in_kernels(monkeypatch)
-    args = call_args()
-    cute_ops.launch_qkv_front(**args, num_kv_heads=1)
-    workspace = cute_ops.qkv_front_workspace(1, "cpu")
-    cute_ops.launch_qkv_front(**args, num_kv_heads=1, plan="balanced", workspace=workspace)
-    cute_ops.launch_qkv_front(**args, num_kv_heads=1, plan="balanced")
-    assert [name for name, _ in launched] == ["qkv_front", "qkv_front_balanced", "qkv_front_balanced"]
-    assert "workspace" not in launched[0][1]
-    assert launched[1][1]["workspace"] is workspace and launched[2][1]["workspace"] is None
-    assert launched[1][1]["enable_pdl"] is True and launched[1][1]["eps"] == cute_ops.QKV_FRONT_EPS
-
-
-@pytest.mark.parametrize("keywords, reason", [
-    (dict(plan="fast"), "plan must be one of"),
-    (dict(plan=None), "plan must be one of"),
-    (dict(workspace="ws"), "a workspace is the balanced plan's"),
-    (dict(plan="balanced", workspace=torch.zeros(627_344, dtype=torch.int8)), "workspace must be uint8"),
-    (dict(plan="balanced", workspace=torch.zeros(627_343, dtype=torch.uint8)), r"workspace must be uint8 \[>= 627344\]"),
-    (dict(plan="balanced", workspace=torch.zeros(627_360, dtype=torch.uint8)[1:]), "workspace must be .*aligned"),
-    (dict(plan="balanced", workspace=torch.zeros(2, 627_344, dtype=torch.uint8)), "workspace must be uint8"),
-])
-def test_a_plan_or_workspace_that_cannot_serve_is_refused_before_launch(monkeypatch, keywords, reason):
-    launched = _stand_in_kernels(monkeypatch)
-    if isinstance(keywords.get("workspace"), str):  # a valid workspace, with the cluster plan
-        keywords = dict(workspace=cute_ops.qkv_front_workspace(1, "cpu"))
-    with pytest.raises(ValueError, match=f"cannot take this call: {reason}"):
-        cute_ops.launch_qkv_front(**call_args(), num_kv_heads=1, **keywords)
-    assert launched == []
-
-
-def test_a_workspace_on_another_device_is_refused():
-    reason = cute_ops.qkv_front_plan_unsupported("balanced", cute_ops.qkv_front_workspace(2, "cpu"), 2,
-                                                 torch.device("cuda", 0))
-    assert reason is not None and "on cuda:0" in reason
-    assert cute_ops.qkv_front_plan_unsupported("balanced", cute_ops.qkv_front_workspace(2, "cpu"), 2,
-                                               torch.device("cpu")) is None
-
-
-def test_a_fresh_workspace_is_zeroed_and_sized_for_n():
-    from musebench import qkv_front_plan
-
-    for kv in (1, 2, 4):
-        workspace = cute_ops.qkv_front_workspace(kv, "cpu")
-        assert workspace.dtype == torch.uint8 and workspace.numel() == qkv_front_plan.workspace_bytes(kv)
-        assert not workspace.any()

@@ -1,7 +1,7 @@
 """musebench's import layering, read off the source (AST), plus one live import check.
 
 Layers, bottom up: config level (config, layout, numerics, routing_metadata, attn2_layout,
-qkv_front_plan, tp_dispatch) and the stock references (stock/*) import nothing from kernels/, cpu/ (the kernels'
+tp_dispatch) and the stock references (stock/*) import nothing from kernels/, cpu/ (the kernels'
 models), cute_ops (the seeds' API, which launches them), cases/, harness/ or the CLI (the
 references must not depend on the device code they check: the GPU's approximate instructions are
 injected from above, `kernels.approx.hardware_approximations`); kernels/ imports nothing from
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "musebench"
 
 CONFIG_LEVEL = ("musebench.config", "musebench.layout", "musebench.numerics", "musebench.routing_metadata",
-                "musebench.attn2_layout", "musebench.qkv_front_plan",
+                "musebench.attn2_layout",
                 "musebench.tp_dispatch")
 # What the references check (kernels/, their CPU models under cpu/, the seeds' API in cute_ops that
 # launches them) and what runs the checks (cases/, harness/, the CLI): a reference imports none of it.

@@ -10,14 +10,12 @@ driver poisons all three before each call). The launch gets the PAGES pages betw
 index past the last page) lands in a guard page and fails the bitwise check like any stray write.
 
 Checks, raw bits: at bind, the launch without the tap (what a deployment runs: PDL, no tap) and,
-where the implementation's launch takes `enable_pdl`, the build without PDL, and where it takes
-`plan`, the balanced plan (with and without the tap, on the rank's own workspace) write the same
-out and cache bits (and tap) as the tap launch (`check_variants_agree`), so what `expected`
-checks of the tap launch holds of them. A bench case (`FrontCase.bench`, `musebench bench front`) calls the deployment's
+where the implementation's launch takes `enable_pdl`, the build without PDL write the same out and
+cache bits as the tap launch (`check_variants_agree`), so what `expected` checks of the tap launch
+holds of them. A bench case (`FrontCase.bench`, `musebench bench front`) calls the deployment's
 launch itself: its `tail µs` column times that launch, its outputs are out and the cache (the tap
 launch is the part `with tap`, timed apart; the build without PDL the baseline `front without
-PDL`, whose cell carries the PDL build's ratio to it, measured in the same run; the balanced plan
-the baseline `front balanced`, likewise). Then
+PDL`, whose cell carries the PDL build's ratio to it, measured in the same run). Then
 (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
@@ -51,7 +49,6 @@ faults = ("flip", "silent")
 NO_TAP, WITH_TAP = "no tap", "with tap"  # parts: the other launch of a check case / of a bench case
 PARTS = (NO_TAP, WITH_TAP)
 NO_PDL = "front without PDL"  # the bench's baseline: the deployment's launch built without PDL
-BALANCED = "front balanced"  # the bench's baseline: the deployment's launch with the balanced plan
 VIRTUAL_STOCK = PROCESS_STOCK = "unfused"  # torch matmul (cuBLAS), then the Triton stock epilogue
 MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
@@ -167,25 +164,15 @@ def _launcher(impl: Any) -> Any:
     return cute_ops_with(impl, "launch_qkv_front").launch_qkv_front
 
 
-def _takes(launch: Any, name: str) -> bool:
+def takes_pdl(launch: Any) -> bool:
+    """Whether an implementation's launch_qkv_front takes `enable_pdl` (musebench's extension)."""
     import inspect
 
     try:
         parameters = inspect.signature(launch).parameters.values()
     except (TypeError, ValueError):
         return False
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
-
-
-def takes_pdl(launch: Any) -> bool:
-    """Whether an implementation's launch_qkv_front takes `enable_pdl` (musebench's extension)."""
-    return _takes(launch, "enable_pdl")
-
-
-def takes_plan(launch: Any) -> bool:
-    """Whether an implementation's launch_qkv_front takes `plan` and `workspace` (musebench's
-    extension: the balanced plan)."""
-    return _takes(launch, "plan") and _takes(launch, "workspace")
+    return any(p.name == "enable_pdl" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 @dataclass
@@ -203,16 +190,12 @@ class FrontRunner:
     slots: torch.Tensor
     outputs: dict[str, torch.Tensor]
     tap: torch.Tensor
-    workspace: torch.Tensor | None = None  # the balanced plan's, this rank's own (ranks' streams overlap)
 
-    def launch_with(self, *, tap: bool, pdl: bool = True, balanced: bool = False) -> None:
+    def launch_with(self, *, tap: bool, pdl: bool = True) -> None:
         """One launch into `outputs`' out and cache; with `tap`, the projection into `tap`;
-        `pdl` False: the build without PDL (passed only then: the default launch is PDL);
-        `balanced`: the balanced plan with this runner's workspace (passed only then)."""
+        `pdl` False: the build without PDL (passed only then: the default launch is PDL)."""
         o = self.outputs
-        extra: dict[str, Any] = {} if pdl else {"enable_pdl": False}
-        if balanced:
-            extra.update(plan="balanced", workspace=self.workspace)
+        extra = {} if pdl else {"enable_pdl": False}
         self.launch(self.x, self.weight, self.positions, self.cos_sin, self.slots, pool(o[CACHE]), o[CACHE].shape[1],
                     o[OUT], tap=self.tap if tap else None, **extra)
 
@@ -247,29 +230,21 @@ def _device_copies(case: FrontCase, inputs: FrontInputs, rank: int, device: torc
 
 def check_variants_agree(runner: FrontRunner, rank: int) -> None:
     """One eager launch of each form from poisoned outputs: the launch without the tap (PDL) and,
-    where the launch takes `enable_pdl`, the one without the tap built without PDL, and, where it
-    takes `plan` (with the runner's workspace), the balanced plan with the tap (its tap too) and
-    without it, must write the bits of out and of the whole cache buffer the tap launch writes (the
-    tap launch is the one the checks see). ValueError naming the rank, the form, the output and
-    the first mismatch."""
+    where the launch takes `enable_pdl`, the one without the tap built without PDL must write the
+    bits of out and of the whole cache buffer the tap launch writes (the tap launch is the one the
+    checks see). ValueError naming the rank, the form, the output and the first mismatch."""
     o = runner.outputs
 
     def written(**form: bool) -> dict[str, torch.Tensor]:
         for t in (*o.values(), runner.tap):
             checks.poison(t)
         runner.launch_with(**form)
-        got = {name: o[name].clone() for name in (OUT, CACHE)}
-        if form.get("tap"):
-            got[TAP] = runner.tap.clone()
-        return got
+        return {name: o[name].clone() for name in (OUT, CACHE)}
 
     with_tap = written(tap=True)
     forms = {"the launch without the tap": dict(tap=False)}
     if takes_pdl(runner.launch):
         forms["the launch without the tap or PDL"] = dict(tap=False, pdl=False)
-    if runner.workspace is not None:
-        forms["the balanced plan's launch with the tap"] = dict(tap=True, balanced=True)
-        forms["the balanced plan's launch without the tap"] = dict(tap=False, balanced=True)
     for what, form in forms.items():
         for name, got in written(**form).items():
             count, _, first = checks.compare_bits(got, with_tap[name], rank=rank)
@@ -278,22 +253,12 @@ def check_variants_agree(runner: FrontRunner, rank: int) -> None:
                                  f"with it (first: {first})")
 
 
-def plan_workspace_bytes(case: FrontCase) -> int:
-    """The balanced plan's workspace bytes at the case's N (`qkv_front_plan.workspace_bytes`)."""
-    from musebench.qkv_front_plan import workspace_bytes
-
-    return workspace_bytes(kv_heads_for(case.tp))
-
-
 def bind(case: FrontCase, impl: Any, rank: int, boxes: dict[str, Any], inputs: FrontInputs,
          options: RunOptions) -> FrontRunner:
     """This rank's runner; one eager call of each variant compiles both (before any capture) and
     checks that they agree (`check_variants_agree`)."""
     device = torch.device("cuda", torch.cuda.current_device())
-    launch = _launcher(impl)
-    runner = FrontRunner(launch, case, **_device_copies(case, inputs, rank, device))
-    if takes_plan(launch):
-        runner.workspace = torch.zeros(plan_workspace_bytes(case), dtype=torch.uint8, device=device)
+    runner = FrontRunner(_launcher(impl), case, **_device_copies(case, inputs, rank, device))
     check_variants_agree(runner, rank)
     return runner
 
@@ -402,10 +367,7 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     compiles before any capture). Not checked bitwise: cuBLAS's summation order is its own.
     A bench case whose launch takes `enable_pdl` adds `front without PDL`: the deployment's launch
     built without PDL, into the runner's outputs (bind checked its bits equal the PDL build's);
-    its cell's ratio is the PDL build's time over it, both timed in this run. A bench case whose
-    launch takes `plan` adds `front balanced`: the deployment's launch (no tap, PDL) with the
-    balanced plan and the runner's workspace (bind checked its bits, and its tap's, equal the
-    cluster plan's); its cell's ratio is the deployed (cluster) launch's time over it, same run."""
+    its cell's ratio is the PDL build's time over it, both timed in this run."""
     from musebench.cases.tail import Baseline
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
@@ -423,6 +385,4 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     paths = {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
     if case.bench and takes_pdl(runner.launch):
         paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
-    if case.bench and runner.workspace is not None:
-        paths[BALANCED] = Baseline(lambda: runner.launch_with(tap=False, balanced=True))
     return paths

@@ -55,16 +55,17 @@ every MMA chain and the reduction: the bits do not depend on `enable_pdl`. Depen
 released (`griddepcontrol.launch_dependents`) after the stream, before the cluster's reduction:
 their own wait still waits for this grid's end, and every CTA of ours is resident already.
 
-Balance: `kernels.qkv_front_balanced`. N = 1152 puts 144 CTAs of equal work on 132 SMs (12 SMs
-stream twice the weight). The balanced plan keeps every output element's order: 8 k-slices of
-1024, each one MMA chain in k order, added in rank order. A chain cannot be cut between CTAs
-without making one wait for the other (the FP32 accumulator would pass through memory mid-chain),
-so the finest units that keep the bits are (head, k-slice, n-tile of 8 columns): 1152 units of
-16 KB at N = 1152, 8.7 per SM, 9 on the busiest (3% over the mean instead of 83%). Those units no
-longer form a cluster of one head's 8 slices, so the rank-order sum goes through global memory
-with self-re-arming arrival counters instead of DSMEM: a different kernel (`FrontEpilogue`, below,
-is the code both share), selected by `launch_qkv_front(plan=...)`; `qkv_front_plan` has the
-arithmetic.
+Balance (built, measured, not kept). N = 1152 puts 144 CTAs of equal work on 132 SMs (12 SMs
+stream twice the weight). Branch `front-balance` (merged at ad89434, reverted after) built the
+balanced plan: units of (head, k-slice, column group) in CTAs of 1 to 4 warps, each warp this
+kernel's MMA chain over its slice, the partials summed in rank order by the last arriver of a
+self-re-arming counter (busiest SM 3 % over the mean at every N instead of 1.83 / 1.38 / 1.15x).
+On the H200 it gave this kernel's bits exactly (121 GPU tests) and was slower at every N and token
+count (`bench front`, same run, records/2026-12-01-h200-ad89434-bench-front.summary.json):
+N = 1152 7.96-8.36 us against 7.08-7.21, 2304 12.68-13.90 against 9.82-10.16, 4608 22.97-23.86
+against 21.88-22.77. The stream is bound by HBM, not by the busiest SM (an SM pulls its two CTAs'
+256 KB from L2 in about 2 us, inside the 4.5 us of the whole read); the finer units add L2 round
+trips and a longer tail than the imbalance costs.
 
 Epilogue (CTA 0, 16 rows x 8 lanes of 8 consecutive columns: the stock's thread program):
 q and k heads are normed and rotated and written back into `out`; a k head also into the cache's
@@ -147,12 +148,8 @@ def ctas_per_sm(num_kv_heads: int) -> int:
     return SM_SHARED_BYTES // (smem_bytes(num_kv_heads) + 1024)
 
 
-class FrontEpilogue:
-    """What every QKV front kernel shares after its projection (the one copy of the epilogue's
-    arithmetic): the compile-time values of a layer shape, the epilogue row's inputs, the tap's
-    stores and the stock's thread program. `_QkvFrontKernel` (a cluster per head) and
-    `qkv_front_balanced._BalancedFrontKernel` (fine units, reduction through global memory)
-    inherit it, so their out, tap and cache bits come from the same instructions."""
+class _QkvFrontKernel:
+    """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
     def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
@@ -163,97 +160,10 @@ class FrontEpilogue:
         self.tap = bool(tap)
         self.eps = float(eps)
         self.enable_pdl = enable_pdl
+        self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
         self.q_heads = HEADS_PER_KV_HEAD * num_kv_heads
-
-    @cute.jit
-    def slot_and_position(self, slots: Int64, positions: Int64, epilogue_row: Int64):
-        """The epilogue row's slot and (with RoPE; else 0) position, int64 each."""
-        slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
-        position = Int64(0)
-        if cutlass.const_expr(self.rope):
-            position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
-        return slot, position
-
-    @cute.jit
-    def table_words(self, cos_sin: Int64, position: Int64, max_pos: Int64, l8):
-        """Lane l8's cos and sin words (4 each, pairs 4 l8 .. 4 l8 + 3) of the position's row of the
-        table, the position clamped into [0, max_pos) so that no position reads outside the table
-        (the contract: a position outside it rotates by the nearest row); zeros without RoPE."""
-        cos_words = [Uint32(0)] * 4
-        sin_words = [Uint32(0)] * 4
-        if cutlass.const_expr(self.rope):
-            row_of_table = cutlass.select_(position < Int64(0), Int64(0), position)
-            row_of_table = cutlass.select_(row_of_table >= max_pos, max_pos - Int64(1), row_of_table)
-            table = Int64(cos_sin) + (row_of_table * HEAD_DIM + l8 * 4) * F32_BYTES
-            cos_words = list(ptx.ld_global_v4_u32(table))
-            sin_words = list(ptx.ld_global_v4_u32(table + ROTARY_PAIRS * F32_BYTES))
-        return cos_words, sin_words
-
-    @cute.jit
-    def store_tap(self, tap: Int64, row, head, pair, word: Uint32, tokens: Int32) -> None:
-        """With TAP: the BF16 pair `word` (row, columns 2 pair, 2 pair + 1 of the head) into `tap`
-        [T, N] (rows < tokens only)."""
-        if cutlass.const_expr(self.tap):
-            if row < tokens:
-                ptx.st_global_u32(Int64(tap) + (Int64(row) * self.n + head * HEAD_DIM + 2 * pair) * BF16_BYTES, word)
-
-    @cute.jit
-    def thread_program(self, raw, row, l8, head, tokens: Int32, slot: Int64, cos_words, sin_words, kv_cache: Int64,
-                       out: Int64, slot_limit: Int64) -> None:
-        """The stock's thread program on one row of a head: lane l8 (8 consecutive lanes per row,
-        all of them converged: a butterfly over xor 4, 2, 1) owns columns 8 l8 .. 8 l8 + 7, `raw`
-        their 4 BF16 pairs of the projection; q and k heads normed and rotated, v and gate as
-        projected, into `out`; k and v into the cache at `slot` (if 0 <= slot < slot_limit); rows
-        >= tokens compute but store nothing."""
-        values = []
-        for i in cutlass.range_constexpr(4):
-            values.append(ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(raw[i])))
-            values.append(ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(raw[i])))
-        ss = Float32(0.0)
-        for e in cutlass.range_constexpr(8):
-            ss = ptx.fma_rn_f32(values[e], values[e], ss)
-        for offset in cutlass.range_constexpr(3):
-            ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=4 >> offset))
-        r = ptx.rsqrt_approx_f32(ptx.fma_rn_f32(ss, Float32(INV_HEAD_DIM), Float32(self.eps)))
-        y = [ptx.mul_rn_f32(values[e], r) for e in range(8)]
-        row_ok = row < tokens
-        source_row = Int64(cutlass.select_(row_ok, row, Int32(0)))
-        if cutlass.const_expr(self.rope):
-            o = []
-            for p in cutlass.range_constexpr(4):
-                c = ptx.bitcast_u32_to_f32(cos_words[p])
-                s = ptx.bitcast_u32_to_f32(sin_words[p])
-                o.append(ptx.fma_rn_f32(c, y[2 * p], -ptx.mul_rn_f32(s, y[2 * p + 1])))
-                o.append(ptx.fma_rn_f32(s, y[2 * p], ptx.mul_rn_f32(c, y[2 * p + 1])))
-            y = o
-        normed = [ptx.cvt_rn_bf16x2_f32(y[2 * i + 1], y[2 * i]) for i in range(4)]
-        is_qk = head < self.q_heads + self.kv
-        words = [cutlass.select_(is_qk, normed[i], raw[i]) for i in range(4)]
-
-        if row_ok:
-            destination = Int64(out) + (source_row * self.n + head * HEAD_DIM + l8 * 8) * BF16_BYTES
-            ptx.st_global_v4_u32(destination, words[0], words[1], words[2], words[3])
-            is_kv = (head >= self.q_heads) & (head < self.q_heads + 2 * self.kv)
-            if is_kv:
-                if (slot >= Int64(0)) & (slot < slot_limit):
-                    is_v = head >= self.q_heads + self.kv
-                    kv_head = head - self.q_heads - cutlass.select_(is_v, Int32(self.kv), Int32(0))
-                    half = cutlass.select_(is_v, Int32(HEAD_DIM), Int32(0))
-                    page = slot >> 4
-                    within = slot & Int64(CACHE_BLOCK - 1)
-                    cell = ((page * self.kv + Int64(kv_head)) * CACHE_BLOCK + within) * CACHE_WIDTH
-                    address = Int64(kv_cache) + (cell + Int64(half + l8 * 8)) * BF16_BYTES
-                    ptx.st_global_v4_u32(address, words[0], words[1], words[2], words[3])
-
-
-class _QkvFrontKernel(FrontEpilogue):
-    """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
-
-    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True) -> None:
-        super().__init__(num_kv_heads=num_kv_heads, rope=rope, tap=tap, eps=eps, enable_pdl=enable_pdl)
-        self.stages = STAGES[num_kv_heads]
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
@@ -326,7 +236,14 @@ class _QkvFrontKernel(FrontEpilogue):
         # The cos / sin words of the position, clamped into [0, max_pos) so that no position reads
         # outside the table (the contract: a position outside it rotates by the nearest row); their
         # latency hides behind the stream.
-        cos_words, sin_words = self.table_words(cos_sin, position, max_pos, tidx & 7)
+        cos_words = [Uint32(0)] * 4
+        sin_words = [Uint32(0)] * 4
+        if cutlass.const_expr(self.rope):
+            row_of_table = cutlass.select_(position < Int64(0), Int64(0), position)
+            row_of_table = cutlass.select_(row_of_table >= max_pos, max_pos - Int64(1), row_of_table)
+            table = Int64(cos_sin) + (row_of_table * HEAD_DIM + (tidx & 7) * 4) * F32_BYTES
+            cos_words = list(ptx.ld_global_v4_u32(table))
+            sin_words = list(ptx.ld_global_v4_u32(table + ROTARY_PAIRS * F32_BYTES))
         epilogue_inputs = (slot, cos_words, sin_words)
 
         acc = [Float32(0.0) for _ in range(ACCUMULATORS)]
@@ -377,6 +294,15 @@ class _QkvFrontKernel(FrontEpilogue):
                         slot_limit)
 
     @cute.jit
+    def slot_and_position(self, slots: Int64, positions: Int64, epilogue_row: Int64):
+        """The epilogue row's slot and (with RoPE; else 0) position, int64 each."""
+        slot = ptx.ld_global_s64(Int64(slots) + epilogue_row * 8)
+        position = Int64(0)
+        if cutlass.const_expr(self.rope):
+            position = ptx.ld_global_s64(Int64(positions) + epilogue_row * 8)
+        return slot, position
+
+    @cute.jit
     def issue_weight(self, st: int, slot: int, weight_source: Int64, copy_target: Int32) -> None:
         """The weight's cp.async copies of stage `st` (k 1024 r + 64 st ..) into ring slot `slot`."""
         k_bytes = st * LINE_BYTES
@@ -410,7 +336,10 @@ class _QkvFrontKernel(FrontEpilogue):
                 row = g + 8 * half
                 pair = (warp * TILES_PER_WARP + jj) * 4 + t  # column / 2
                 tile[row * (HEAD_DIM // 2) + pair] = word
-                self.store_tap(tap, row, head, pair, word, tokens)
+                if cutlass.const_expr(self.tap):
+                    if row < tokens:
+                        ptx.st_global_u32(Int64(tap) + (Int64(row) * self.n + head * HEAD_DIM + 2 * pair) * BF16_BYTES,
+                                          word)
         cute.arch.barrier()
 
         # The stock's thread program: row = tidx / 8, lane l8 owns columns 8 l8 .. 8 l8 + 7.
@@ -418,7 +347,45 @@ class _QkvFrontKernel(FrontEpilogue):
         row = tidx >> 3
         l8 = tidx & 7
         raw = [tile[row * (HEAD_DIM // 2) + l8 * 4 + i] for i in range(4)]
-        self.thread_program(raw, row, l8, head, tokens, slot, cos_words, sin_words, kv_cache, out, slot_limit)
+        values = []
+        for i in cutlass.range_constexpr(4):
+            values.append(ptx.bitcast_u32_to_f32(ptx.bf16x2_low_bits(raw[i])))
+            values.append(ptx.bitcast_u32_to_f32(ptx.bf16x2_high_bits(raw[i])))
+        ss = Float32(0.0)
+        for e in cutlass.range_constexpr(8):
+            ss = ptx.fma_rn_f32(values[e], values[e], ss)
+        for offset in cutlass.range_constexpr(3):
+            ss = ptx.add_rn_f32(ss, cute.arch.shuffle_sync_bfly(ss, offset=4 >> offset))
+        r = ptx.rsqrt_approx_f32(ptx.fma_rn_f32(ss, Float32(INV_HEAD_DIM), Float32(self.eps)))
+        y = [ptx.mul_rn_f32(values[e], r) for e in range(8)]
+        row_ok = row < tokens
+        source_row = Int64(cutlass.select_(row_ok, row, Int32(0)))
+        if cutlass.const_expr(self.rope):
+            o = []
+            for p in cutlass.range_constexpr(4):
+                c = ptx.bitcast_u32_to_f32(cos_words[p])
+                s = ptx.bitcast_u32_to_f32(sin_words[p])
+                o.append(ptx.fma_rn_f32(c, y[2 * p], -ptx.mul_rn_f32(s, y[2 * p + 1])))
+                o.append(ptx.fma_rn_f32(s, y[2 * p], ptx.mul_rn_f32(c, y[2 * p + 1])))
+            y = o
+        normed = [ptx.cvt_rn_bf16x2_f32(y[2 * i + 1], y[2 * i]) for i in range(4)]
+        is_qk = head < self.q_heads + self.kv
+        words = [cutlass.select_(is_qk, normed[i], raw[i]) for i in range(4)]
+
+        if row_ok:
+            destination = Int64(out) + (source_row * self.n + head * HEAD_DIM + l8 * 8) * BF16_BYTES
+            ptx.st_global_v4_u32(destination, words[0], words[1], words[2], words[3])
+            is_kv = (head >= self.q_heads) & (head < self.q_heads + 2 * self.kv)
+            if is_kv:
+                if (slot >= Int64(0)) & (slot < slot_limit):
+                    is_v = head >= self.q_heads + self.kv
+                    kv_head = head - self.q_heads - cutlass.select_(is_v, Int32(self.kv), Int32(0))
+                    half = cutlass.select_(is_v, Int32(HEAD_DIM), Int32(0))
+                    page = slot >> 4
+                    within = slot & Int64(CACHE_BLOCK - 1)
+                    cell = ((page * self.kv + Int64(kv_head)) * CACHE_BLOCK + within) * CACHE_WIDTH
+                    address = Int64(kv_cache) + (cell + Int64(half + l8 * 8)) * BF16_BYTES
+                    ptx.st_global_v4_u32(address, words[0], words[1], words[2], words[3])
 
 
 def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
