@@ -52,8 +52,9 @@ def loop_paths(sass: str) -> list[int]:
             instrs.append(m.group(2))
     back = [(i, labels[TARGET.search(t).group(1)]) for i, t in enumerate(instrs)
             if "BRA" in t and TARGET.search(t) and labels[TARGET.search(t).group(1)] < i]
-    # the page loop: the backward branch whose body holds the most HMMA
-    end, head = max(back, key=lambda b: sum("HMMA" in t for t in instrs[b[1]:b[0] + 1]))
+    # the page loop: the backward branch whose body holds the most tensor-core instructions
+    # (HMMA: mma.sync; HGMMA: wgmma)
+    end, head = max(back, key=lambda b: sum("MMA" in t for t in instrs[b[1]:b[0] + 1]))
     counts: list[int] = []
 
     def walk(pc: int, n: int, depth: int) -> None:

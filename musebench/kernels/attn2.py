@@ -74,7 +74,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from musebench import attn2_layout as lay
 from musebench import config
-from musebench.kernels import compilation, ptx
+from musebench.kernels import compilation, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
 __all__ = ["Attn2Build", "CompiledAttn2", "SplitIssue", "compile_attn2", "launch", "prepare"]
@@ -167,9 +167,31 @@ class Attn2Build:
     ptx_dir: str | None = None
     num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
     issue: SplitIssue = SplitIssue()
+    tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
+        _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
+                 f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
+
+
+# The split kernel's tensor-core path per target (`Attn2Build.tensor_ops` overrides it): on sm_90a
+# a CTA of 128 threads is one warpgroup and a KV head's 64 rows are wgmma's M, so Q K^T and P V
+# are warpgroup MMAs reading K and V from shared memory by descriptor (`kernels.gmma`: no fragment
+# loads); elsewhere (sm_100a has no wgmma) mma.sync with ldmatrix fragments. Both give the same
+# bits: each k16 step of wgmma equals mma.sync's on the H200 for every input family of
+# tests/kernels/test_gmma_probe_gpu.py, and the chains and their order are the same.
+TENSOR_OPS_CHOICES = ("wgmma", "sync")
+TENSOR_OPS = {"sm_90a": "wgmma"}  # any other target: "sync"
+
+
+def tensor_ops_for(target: str, requested: str | None) -> str:
+    """The split kernel's tensor-core path on `target`: `requested`, or the target's default;
+    ValueError for wgmma off sm_90a (the instruction exists only there)."""
+    chosen = requested or TENSOR_OPS.get(target, "sync")
+    _require(chosen == "sync" or target == "sm_90a",
+             f"tensor_ops 'wgmma' needs sm_90a (wgmma is Hopper's), the target is {target}")
+    return chosen
 
 
 def _require(ok: bool, message: str) -> None:
@@ -183,8 +205,10 @@ class _Attn2Kernel:
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
-                 skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True) -> None:
+                 skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
+                 wgmma: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
         self.lean_addressing = lean_addressing
@@ -199,8 +223,14 @@ class _Attn2Kernel:
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)
         self.ctas_per_sm = ctas_per_sm
 
+    def ring_alignment(self) -> int:
+        """The ring's byte alignment: wgmma's 128-byte swizzle is a function of the absolute shared
+        address, so each stage (4 KB) starts on a 1024-byte swizzle atom (`kernels.gmma`)."""
+        return gmma.ATOM_BYTES if self.wgmma else 128
+
     def smem_bytes(self) -> int:
-        return lay.PIPELINE_STAGES * lay.PAGE_BYTES + -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
+        table = -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
+        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + table
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -232,7 +262,10 @@ class _Attn2Kernel:
             column = chunk % CHUNKS_PER_SLOT
             live = (page * lay.PAGE_TOKENS + slot < seq_len) & in_cache
             source = page_base + Int64(chunk) * VECTOR_BYTES
-            dest = smem_stage + slot * SLOT_BYTES + (column ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
+            if cutlass.const_expr(self.wgmma):
+                dest = smem_stage + gmma.page_offset(slot, column)  # K and V regions, 128-byte swizzle
+            else:
+                dest = smem_stage + slot * SLOT_BYTES + (column ^ (slot & SWIZZLE_MASK)) * VECTOR_BYTES
             if cutlass.const_expr(not self.lean_addressing):
                 source = cutlass.select_(live, source, page_base)
             # zero fill: the source not read (either way an address inside the page at page_base)
@@ -302,7 +335,21 @@ class _Attn2Kernel:
         scale_log2 = Float32(SCALE_LOG2)
         # S = Q K^T: s[4 nt + j]
         s = []
-        for nt in cutlass.range_constexpr(2):
+        if cutlass.const_expr(self.wgmma):
+            # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
+            # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
+            k_start = Int64(stage + gmma.K_REGION) >> 4
+            descriptors = [Int64(gmma.K_MAJOR_KEYS.template_signed()) | (k_start + kk * gmma.K_STEP_BYTES // VECTOR_BYTES)
+                           for kk in range(K_TILES)]
+            sacc = wgmma_chain(lay.PAGE_TOKENS, a, descriptors, 0)
+            for j in cutlass.range_constexpr(8):
+                if cutlass.const_expr(masked):
+                    key = page_key + (j // 4) * 8 + 2 * c + (j % 2)
+                    visible = (key <= own_key) & (key >= low_key)
+                    s.append(cutlass.select_(visible, sacc[j], Float32(NEG_INF)))
+                else:
+                    s.append(sacc[j])
+        for nt in cutlass.range_constexpr(0 if self.wgmma else 2):
             # kb[2h], kb[2h + 1]: b0, b1 of k-step 2 quad + h for keys 8 nt .. 8 nt + 7 (`k_fragment_row`)
             sacc = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
             for kk in cutlass.range_constexpr(K_TILES):
@@ -396,7 +443,16 @@ class _Attn2Kernel:
             lsum = [ptx.add_rn_f32(ptx.mul_rn_f32(lsum[half], alpha[half]), local[half]) for half in range(2)]
         else:
             lsum = [ptx.add_rn_f32(lsum[half], local[half]) for half in range(2)]
-        for pair in cutlass.range_constexpr(V_TILE_PAIRS):
+        if cutlass.const_expr(self.wgmma):
+            # this page's P V from zero: p_lo's step, then p_hi's on top (N-major V, transpose-b)
+            v_descriptor = Int64(gmma.MN_MAJOR_VALUES.template_signed()) | (Int64(stage + gmma.V_REGION) >> 4)
+            pv = wgmma_chain(lay.HEAD_DIM, [al, ah], [v_descriptor, v_descriptor], 1)
+            for k in cutlass.range_constexpr(4 * V_TILES):
+                if cutlass.const_expr(rescale):
+                    o[k] = ptx.add_rn_f32(ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]), pv[k])
+                else:
+                    o[k] = ptx.add_rn_f32(o[k], pv[k])
+        for pair in cutlass.range_constexpr(0 if self.wgmma else V_TILE_PAIRS):
             # (b0, b1) of n-tile 2 pair, then of 2 pair + 1 (`v_fragment_row`)
             if cutlass.const_expr(v_words is None):
                 vb = ptx.ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(stage + v_fragment_row(4 * g + c, pair))
@@ -431,7 +487,7 @@ class _Attn2Kernel:
         c = lane % 4
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint32, cute.make_layout(lay.PIPELINE_STAGES * lay.PAGE_BYTES // WORD_BYTES),
-                                    byte_alignment=128)
+                                    byte_alignment=self.ring_alignment())
         table = smem.allocate_tensor(Int32, cute.make_layout(self.table_entries), byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
         table_smem = Int32(table.iterator.toint())
@@ -487,7 +543,7 @@ class _Attn2Kernel:
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
         v_words = None
-        if cutlass.const_expr(self.lean_addressing):
+        if cutlass.const_expr(self.lean_addressing and not self.wgmma):
             if cutlass.const_expr(self.ldmatrix_keys):
                 k_words = [ring_base + k_fragment_row(lane, 0, quad) for quad in range(K_TILES // 2)]
             else:
@@ -502,6 +558,8 @@ class _Attn2Kernel:
                                ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 1)
+            if cutlass.const_expr(self.wgmma):
+                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
             cute.arch.barrier()
             stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
             page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
@@ -543,6 +601,27 @@ class _Attn2Kernel:
                 ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
                                      ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
                                      ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
+
+
+@cute.jit
+def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr) -> list:
+    """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n64k16, A fragments[i] from
+    registers, B by descriptors[i]): the first step from zero (scale-d 0), the rest on top, then
+    committed and waited; returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8).
+    The A words pass through the fence as tied operands, so whatever computes them (P) is emitted
+    before it, never between the fence and the MMA (`ptx.wgmma_fence_sync_aligned`)."""
+    mma = (ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16 if n == 16
+           else ptx.wgmma_mma_async_sync_aligned_m64n64k16_f32_bf16_bf16)
+    fenced = ptx.wgmma_fence_sync_aligned([w for fragment in fragments for w in fragment])
+    acc = None
+    for i in cutlass.range_constexpr(len(fragments)):
+        words = fenced[4 * i:4 * i + 4]
+        if cutlass.const_expr(i == 0):
+            acc = mma(words, descriptors[i], None, 0, transpose_b)
+        else:
+            acc = mma(words, descriptors[i], acc, 1, transpose_b)
+    ptx.wgmma_commit_group_sync_aligned()
+    return ptx.wgmma_wait_group_sync_aligned(0, acc)
 
 
 @cute.jit
@@ -853,6 +932,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     bf16 = cutlass.BFloat16
 
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
+    split_knobs["wgmma"] = tensor_ops_for(target, build.tensor_ops) == "wgmma"
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
