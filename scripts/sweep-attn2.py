@@ -49,11 +49,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--issue", default="all",
-                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean joined by +")
+                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean joined by +; "
+                             "a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the target's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
-        issues = {name: attn2.SplitIssue.named(name) for name in args.issue.split(",") if name}
+        issues = {}
+        for name in (n for n in args.issue.split(",") if n):
+            setting, _, ops = name.partition("@")
+            issues[name] = (attn2.SplitIssue.named(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
     except ValueError as e:
         print(f"--issue: {e}", file=sys.stderr)
         sys.exit(2)
@@ -87,7 +91,7 @@ def main() -> None:
                         def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue) -> None:
                             attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                          max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
-                                         num_splits=splits, issue=issue)
+                                         num_splits=splits, issue=issue[0], tensor_ops=issue[1])
 
                         us = graph_median_us(call, stream, bench)
                         torch.cuda.synchronize()

@@ -1023,13 +1023,15 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
-           issue: SplitIssue = SplitIssue()) -> None:
+           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits` and `issue`: experiments only (`Attn2Build`)."""
+    the combine, on the current stream. `num_splits`, `issue` and `tensor_ops`: experiments only
+    (`Attn2Build`)."""
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window,
-                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue))
+                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue,
+                                        tensor_ops=tensor_ops))
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
