@@ -8,9 +8,10 @@ p = 2^(fp32(s - m_use) * fp32(scale log2 e)), the difference rounded before the 
 for keys near the max; m_use = m_new, or 0 while a row has seen no key, so a masked page is an
 exact no-op; the merge's weights likewise),
 P split into two BF16 terms (p_hi = bf16(p), p_lo = bf16(p - p_hi): two P V mmas, so P keeps
-about 16 bits where one BF16 P would keep 8), the row sum of p_hi + p_lo in the kernel's lane order
-((p0 + p1) + (p8 + p9) per lane, then the quad butterfly), a page's P V in a fresh accumulator
-(p_lo's mma first, then p_hi's on top) added to O alpha with one FP32 add, the fixed merge tree
+about 16 bits where one BF16 P would keep 8), O and l rescaled by alpha (FP32 products; skipped,
+the same bits, where every alpha of a warp is 1.0) and then accumulated by the tensor cores
+(`accumulate_page`: p_lo's step, then p_hi's, over V with an n-tile of ones beside it whose
+accumulator is l, so the row sums cost no FP32 adds), the fixed merge tree
 (left child first, O = O_L w_L + O_R w_R as two products and one sum), o = O / l rounded to BF16,
 the norm's sum of squares in the kernel's lane order (lane c of a quad holds dims 8t + 2c,
 8t + 2c + 1 of n-tile t, the mma's natural C layout, `attn2_layout.lane_dims`; it sums its 16
@@ -87,16 +88,27 @@ def page_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 def page_values(p_hi: torch.Tensor, p_lo: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """P V of one page in a fresh accumulator: p_lo's step from zero, then p_hi's on top (the
-    small term first: it is truncated at its own scale)."""
+    tensor cores' steps alone: the wgmma probe's reference; the kernel accumulates into O,
+    `accumulate_page`)."""
     zero = torch.zeros(p_hi.shape[0], values.shape[1], dtype=torch.float32)
     return tc_mma(p_hi, values, tc_mma(p_lo, values, zero))
 
 
-def _lane_sum16(p: torch.Tensor) -> torch.Tensor:
-    """Row sums of [rows, 16] FP32 in the kernel's order: lane c holds keys 2c, 2c+1, 8+2c, 9+2c,
-    sums (p[2c] + p[2c+1]) + (p[8+2c] + p[9+2c]); the quad adds lanes (0 + 1) + (2 + 3)."""
-    lanes = [(p[:, 2 * c] + p[:, 2 * c + 1]) + (p[:, 8 + 2 * c] + p[:, 9 + 2 * c]) for c in range(4)]
-    return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+ONES_COLUMNS = 8  # the n-tile of ones beside V: its accumulator is the row sum l
+
+
+def accumulate_page(o: torch.Tensor, lsum: torch.Tensor, p_hi: torch.Tensor, p_lo: torch.Tensor,
+                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, l) after one page, both already rescaled by alpha: the tensor cores accumulate into
+    them, p_lo's step then p_hi's, over V with an n-tile of ones beside it ([16, 64 + 8]: the ones'
+    columns sum each row's P, so l rides in the same chain as O; its 8 columns are equal, and l is
+    the first). Each step truncates at the accumulator's scale, toward zero: a split's chain of n
+    pages (n <= 128: one split holds at most 2048 keys; 32 at 128k with 256 splits) leaves O and l
+    within 2n FP32 ULPs of the rounded sums (2^-16 relative at n = 128, a 256th of a BF16 ULP)."""
+    ones = torch.ones(values.shape[0], ONES_COLUMNS, dtype=torch.float32)
+    acc = torch.cat([o, lsum[:, None].expand(-1, ONES_COLUMNS)], dim=1)
+    acc = tc_mma(p_hi, torch.cat([values, ones], dim=1), tc_mma(p_lo, torch.cat([values, ones], dim=1), acc))
+    return acc[:, : values.shape[1]], acc[:, values.shape[1]]
 
 
 def _lane_sum_squares64(x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +153,7 @@ def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor,
         p = torch.exp2((s - m_use[:, None]) * scale_log2)
         p_hi = p.to(torch.bfloat16).float()
         p_lo = (p - p_hi).to(torch.bfloat16).float()
-        lsum = lsum * alpha + _lane_sum16(p_hi + p_lo)
-        v = slots[:, lay.HEAD_DIM :]
-        o = o * alpha[:, None] + page_values(p_hi, p_lo, v)
+        o, lsum = accumulate_page(o * alpha[:, None], lsum * alpha, p_hi, p_lo, slots[:, lay.HEAD_DIM :])
         m = m_new
     return o, m, lsum
 

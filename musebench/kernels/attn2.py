@@ -90,6 +90,8 @@ CHUNKS_PER_SLOT = SLOT_BYTES // VECTOR_BYTES  # 16
 SWIZZLE_MASK = 7  # chunk ^ (slot & 7): K stays in chunks 0-7, V in 8-15
 K_TILES = lay.HEAD_DIM // 16  # 4 k-steps of Q K^T
 V_TILES = lay.HEAD_DIM // lay.TILE_DIMS  # 8 n-tiles of P V: dims 8t .. 8t + 7
+ACCUMULATOR_COLUMNS = (V_TILES + 1) * lay.TILE_DIMS  # 72: V's 64 dims, then the ones' n-tile (l)
+ACCUMULATORS = 4 * (V_TILES + 1)  # 36 a thread: o[4 t + j]; t = V_TILES holds l (j 0: row g, 2: g + 8)
 V_TILE_PAIRS = V_TILES // 2  # one ldmatrix.x4.trans each
 V_CHUNK0 = lay.HEAD_DIM * BF16_BYTES // VECTOR_BYTES  # 8: V's first 16-byte chunk in a slot
 ALIGN = 16
@@ -230,7 +232,8 @@ class _Attn2Kernel:
 
     def smem_bytes(self) -> int:
         table = -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
-        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + table
+        ones = gmma.ONES_BYTES if self.wgmma else 0
+        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -290,9 +293,10 @@ class _Attn2Kernel:
         return ptx.ld_shared_u32(lean[index[0]][index[1]] + stage_offset + extra)
 
     @cute.jit
-    def page_step(self, stage: Int32, stage_offset: Int32, k_words, v_words, a: list, g: Int32, c: Int32,
-                  page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, lsum: list, o: list):
-        """One page of the online softmax (its stage at `stage`); returns the new (m, lsum, o).
+    def page_step(self, stage: Int32, stage_offset: Int32, k_words, v_words, ones_base: Int32, a: list, g: Int32,
+                  c: Int32, page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, o: list):
+        """One page of the online softmax (its stage at `stage`); returns the new (m, o), o the
+        accumulators of O and, in n-tile 8, of l (`page_values`).
 
         Two halves, each a real branch (large enough that ptxas keeps the jump rather than
         predicating both sides): the scores and P, masked or not (`inside`: every key visible to
@@ -303,35 +307,32 @@ class _Attn2Kernel:
             ah = [Uint32(0) for _ in range(4)]
             al = [Uint32(0) for _ in range(4)]
             alpha = [Float32(0.0), Float32(0.0)]
-            local = [Float32(0.0), Float32(0.0)]
             if inside:
-                m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
-                                                           low_key, m, False)
+                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key,
+                                                    m, False)
             else:
-                m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
-                                                           low_key, m, True)
+                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key,
+                                                    m, True)
         else:
-            m, ah, al, alpha, local = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key,
-                                                       low_key, m, True)
+            m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key, m,
+                                                True)
         if cutlass.const_expr(self.skip_unit_rescale):
             # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
             # every non-NaN x (-0.0 included: -0.0 * 1.0 is -0.0; subnormals: mul.rn.f32 keeps them;
-            # inf), and a NaN O or l turns into the canonical NaN in the add that follows either
-            # way: skipping the 34 multiplies leaves every bit as it is.
+            # inf); a NaN accumulator stays NaN through the tensor cores' step either way: skipping
+            # the 36 multiplies leaves every bit as it is.
             unit = ptx.vote_sync_all_pred((alpha[0] == Float32(1.0)) & (alpha[1] == Float32(1.0)))
-            o, lsum = self.rescale(o, lsum, alpha, unit)
-            o, lsum = self.page_values(stage, stage_offset, v_words, g, c, ah, al, alpha, local, lsum, o, False)
+            o = self.rescale(o, alpha, unit)
         else:
-            o, lsum = self.page_values(stage, stage_offset, v_words, g, c, ah, al, alpha, local, lsum, o, True)
-        return m, lsum, o
+            o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]) for k in range(ACCUMULATORS)]
+        return m, self.page_values(stage, stage_offset, v_words, ones_base, g, c, ah, al, o)
 
     @cute.jit
     def page_scores(self, stage: Int32, stage_offset: Int32, k_words, a: list, g: Int32, c: Int32, page_key: Int32,
                     own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
         """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
         visible to every row: each select would pick its score unchanged), the new row maxima and
-        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row, the
-        rows' page sums of P in lane order)."""
+        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row)."""
         scale_log2 = Float32(SCALE_LOG2)
         # S = Q K^T: s[4 nt + j]
         s = []
@@ -381,7 +382,6 @@ class _Attn2Kernel:
         alpha = []
         p_hi = []
         p_lo = []
-        local_sums = []
         for half in cutlass.range_constexpr(2):  # row g (elements 0, 1), row g + 8 (2, 3)
             e = [s[2 * half], s[2 * half + 1], s[4 + 2 * half], s[4 + 2 * half + 1]]
             top = ptx.max_f32(ptx.max_f32(e[0], e[1]), ptx.max_f32(e[2], e[3]))
@@ -399,81 +399,57 @@ class _Attn2Kernel:
                 pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
                 h0 = ptx.bitcast_u32_to_f32(pword << 16)
                 h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
-                rem0 = ptx.sub_rn_f32(px0, h0)
-                rem1 = ptx.sub_rn_f32(px1, h1)
-                lword = ptx.cvt_rn_bf16x2_f32(rem1, rem0)
-                l0 = ptx.bitcast_u32_to_f32(lword << 16)
-                l1 = ptx.bitcast_u32_to_f32(lword & Uint32(0xFFFF0000))
                 hi.append(pword)
-                lo.append(lword)
-                pair = ptx.add_rn_f32(ptx.add_rn_f32(h0, l0), ptx.add_rn_f32(h1, l1))
-                if cutlass.const_expr(k == 0):
-                    local = pair
-                else:
-                    local = ptx.add_rn_f32(local, pair)
-            local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=1))
-            local = ptx.add_rn_f32(local, cute.arch.shuffle_sync_bfly(local, offset=2))
-            local_sums.append(local)
+                lo.append(ptx.cvt_rn_bf16x2_f32(ptx.sub_rn_f32(px1, h1), ptx.sub_rn_f32(px0, h0)))
             p_hi.append(hi)
             p_lo.append(lo)
         # A fragments of P: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c.., a3 row g + 8.
         ah = [p_hi[0][0], p_hi[1][0], p_hi[0][1], p_hi[1][1]]
         al = [p_lo[0][0], p_lo[1][0], p_lo[0][1], p_lo[1][1]]
-        return m, ah, al, alpha, local_sums
+        return m, ah, al, alpha
 
     @cute.jit
-    def rescale(self, o: list, lsum: list, alpha: list, unit):
-        """(O alpha, l alpha), or (O, l) as they are where `unit` (every alpha of the warp is 1.0:
-        the same bits). The multiplies are pinned in the branch (`pinned`): LLVM would otherwise
-        hoist them above it and select, and ptxas then issues all 34 predicated."""
+    def rescale(self, o: list, alpha: list, unit):
+        """The accumulators (O and l) times alpha, or as they are where `unit` (every alpha of the
+        warp is 1.0: the same bits). The multiplies are pinned in the branch (`pinned`): LLVM would
+        otherwise hoist them above it and select, and ptxas then issues all 36 predicated."""
         if not unit:
-            o = [ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2], pinned=True) for t in range(2 * V_TILE_PAIRS)
-                 for j in range(4)]
-            lsum = [ptx.mul_rn_f32(lsum[half], alpha[half], pinned=True) for half in range(2)]
-        return o, lsum
+            o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2], pinned=True) for k in range(ACCUMULATORS)]
+        return o
 
     @cute.jit
-    def page_values(self, stage: Int32, stage_offset: Int32, v_words, g: Int32, c: Int32, ah: list, al: list,
-                    alpha: list, local: list, lsum: list, o: list, rescale: cutlass.Constexpr):
-        """l = l alpha + the page's sums and O = O alpha + P V (this page's P V in a fresh
-        accumulator); without `rescale` (every alpha of the warp is 1.0) l + sums and O + P V, the
-        same bits. Returns (o, lsum)."""
-        o = list(o)
-        if cutlass.const_expr(rescale):
-            lsum = [ptx.add_rn_f32(ptx.mul_rn_f32(lsum[half], alpha[half]), local[half]) for half in range(2)]
-        else:
-            lsum = [ptx.add_rn_f32(lsum[half], local[half]) for half in range(2)]
+    def page_values(self, stage: Int32, stage_offset: Int32, v_words, ones_base: Int32, g: Int32, c: Int32,
+                    ah: list, al: list, o: list) -> list:
+        """The tensor cores add this page's P V into the accumulators (O, then n-tile 8: l, over an
+        n-tile of ones beside V), p_lo's step then p_hi's (`cpu.attn2.accumulate_page`); `o` is
+        already rescaled. Returns the ACCUMULATORS new values."""
         if cutlass.const_expr(self.wgmma):
-            # this page's P V from zero: p_lo's step, then p_hi's on top (N-major V, transpose-b)
-            v_descriptor = Int64(gmma.MN_MAJOR_VALUES.template_signed()) | (Int64(stage + gmma.V_REGION) >> 4)
-            pv = wgmma_chain(lay.HEAD_DIM, [al, ah], [v_descriptor, v_descriptor], 1)
-            for k in cutlass.range_constexpr(4 * V_TILES):
-                if cutlass.const_expr(rescale):
-                    o[k] = ptx.add_rn_f32(ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]), pv[k])
-                else:
-                    o[k] = ptx.add_rn_f32(o[k], pv[k])
-        for pair in cutlass.range_constexpr(0 if self.wgmma else V_TILE_PAIRS):
-            # (b0, b1) of n-tile 2 pair, then of 2 pair + 1 (`v_fragment_row`)
-            if cutlass.const_expr(v_words is None):
+            # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
+            # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
+            v_start = stage + gmma.V_REGION
+            descriptor = (Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_start) >> 4)
+                          | gmma.leading_offset_field(Int64(ones_base - v_start)))
+            return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
+        o = list(o)
+        ones = Uint32(gmma.BF16_ONES_WORD)
+        for pair in cutlass.range_constexpr(V_TILE_PAIRS + 1):
+            # (b0, b1) of n-tile 2 pair, then of 2 pair + 1 (`v_fragment_row`); the ones' n-tile last
+            if cutlass.const_expr(pair == V_TILE_PAIRS):
+                vb = [ones, ones]
+            elif cutlass.const_expr(v_words is None):
                 vb = ptx.ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(stage + v_fragment_row(4 * g + c, pair))
             else:
                 vb = ptx.ldmatrix_sync_aligned_m8n8_x4_trans_shared_b16(v_words[pair] + stage_offset)
-            for h in cutlass.range_constexpr(2):
-                vb0, vb1 = vb[2 * h], vb[2 * h + 1]
+            for h in cutlass.range_constexpr(1 if pair == V_TILE_PAIRS else 2):
                 t = 2 * pair + h
-                # this page's P V in a fresh accumulator, p_lo first (the tensor cores truncate:
-                # a long chain into O would drift toward zero), then O = O alpha + P V in FP32
-                zero = Float32(0.0)
-                pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                    al[0], al[1], al[2], al[3], vb0, vb1, zero, zero, zero, zero)
-                pv = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
-                    ah[0], ah[1], ah[2], ah[3], vb0, vb1, pv[0], pv[1], pv[2], pv[3])
+                acc = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                    al[0], al[1], al[2], al[3], vb[2 * h], vb[2 * h + 1], o[4 * t], o[4 * t + 1], o[4 * t + 2],
+                    o[4 * t + 3])
+                acc = ptx.mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
+                    ah[0], ah[1], ah[2], ah[3], vb[2 * h], vb[2 * h + 1], *acc)
                 for j in cutlass.range_constexpr(4):
-                    if cutlass.const_expr(rescale):
-                        o[4 * t + j] = ptx.add_rn_f32(ptx.mul_rn_f32(o[4 * t + j], alpha[j // 2]), pv[j])
-                    else:
-                        o[4 * t + j] = ptx.add_rn_f32(o[4 * t + j], pv[j])
-        return o, lsum
+                    o[4 * t + j] = acc[j]
+        return o
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -488,6 +464,11 @@ class _Attn2Kernel:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(Uint32, cute.make_layout(lay.PIPELINE_STAGES * lay.PAGE_BYTES // WORD_BYTES),
                                     byte_alignment=self.ring_alignment())
+        ones_base = Int32(0)
+        if cutlass.const_expr(self.wgmma):  # the n-tile of ones beside V (`gmma.ONES_BYTES`)
+            ones = smem.allocate_tensor(Uint32, cute.make_layout(gmma.ONES_BYTES // WORD_BYTES),
+                                        byte_alignment=gmma.ATOM_BYTES)
+            ones_base = Int32(ones.iterator.toint())
         table = smem.allocate_tensor(Int32, cute.make_layout(self.table_entries), byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
         table_smem = Int32(table.iterator.toint())
@@ -518,8 +499,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.window > 0):
             low_key = own_key - (self.window - 1)
         m = [Float32(NEG_INF), Float32(NEG_INF)]
-        lsum = [Float32(0.0), Float32(0.0)]
-        o = [Float32(0.0) for _ in range(4 * V_TILES)]  # o[4 t + j]: n-tile t, fragment element j
+        o = [Float32(0.0) for _ in range(ACCUMULATORS)]  # o[4 t + j]: n-tile t, fragment element j; t = 8: l
 
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
@@ -533,6 +513,11 @@ class _Attn2Kernel:
             entry = ptx.ld_global_u32(table_base + Int64(cutlass.select_(wanted, page, Int32(0))) * WORD_BYTES)
             if index < self.table_entries:
                 ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
+        if cutlass.const_expr(self.wgmma):
+            for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
+                one = Uint32(gmma.BF16_ONES_WORD)
+                ptx.st_shared_v4_u32(ones_base + (r * lay.CTA_THREADS + tidx) * VECTOR_BYTES, one, one, one, one)
+            ptx.fence_proxy_async_shared_cta()  # the ones, visible to wgmma's reads after the barrier
         cute.arch.barrier()
         for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
             if st < pages:
@@ -570,13 +555,14 @@ class _Attn2Kernel:
                 inside = page_key + (lay.PAGE_TOKENS - 1) <= seq_len - lay.QUERY_LEN
                 if cutlass.const_expr(self.window > 0):
                     inside = inside & (page_key >= seq_len - self.window)
-            m, lsum, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, a, g, c, page_key,
-                                        own_key, low_key, inside, m, lsum, o)
+            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, ones_base, a, g, c,
+                                  page_key, own_key, low_key, inside, m, o)
             cute.arch.barrier()  # the stage is refilled next iteration
 
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
+        lsum = [o[4 * V_TILES], o[4 * V_TILES + 2]]  # l of rows g and g + 8: the ones' n-tile
 
         # The partial's vectors (`attn2_layout.partial_vector_dims`): vec[2 p + half] = row g (half
         # 0) or g + 8, n-tiles 2p and 2p + 1, each the pair 8t + 2c, 8t + 2c + 1 (o[4 t + 2 half + k]).
@@ -604,22 +590,25 @@ class _Attn2Kernel:
 
 
 @cute.jit
-def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr) -> list:
-    """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n64k16, A fragments[i] from
-    registers, B by descriptors[i]): the first step from zero (scale-d 0), the rest on top, then
-    committed and waited; returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8).
-    The A words pass through the fence as tied operands, so whatever computes them (P) is emitted
-    before it, never between the fence and the MMA (`ptx.wgmma_fence_sync_aligned`)."""
-    mma = (ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16 if n == 16
-           else ptx.wgmma_mma_async_sync_aligned_m64n64k16_f32_bf16_bf16)
-    fenced = ptx.wgmma_fence_sync_aligned([w for fragment in fragments for w in fragment])
-    acc = None
+def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr,
+                initial=None) -> list:
+    """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n72k16, A fragments[i] from
+    registers, B by descriptors[i]): the first step from zero (scale-d 0) or onto `initial` (n / 2
+    accumulators), the rest on top, then committed and waited; returns the n / 2 accumulators
+    (mma.sync's C layout per n-tile of 8). The A words and `initial` pass through the fence as tied
+    operands, so whatever computes them (P, the rescale) is emitted before it, never between the
+    fence and the MMA (`ptx.wgmma_fence_sync_aligned`)."""
+    mma = {16: ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16,
+           72: ptx.wgmma_mma_async_sync_aligned_m64n72k16_f32_bf16_bf16}[n]
+    words = [w for fragment in fragments for w in fragment]
+    fenced = ptx.wgmma_fence_sync_aligned(words + (list(initial) if initial is not None else []))
+    acc = fenced[len(words):] if initial is not None else None
     for i in cutlass.range_constexpr(len(fragments)):
-        words = fenced[4 * i:4 * i + 4]
-        if cutlass.const_expr(i == 0):
-            acc = mma(words, descriptors[i], None, 0, transpose_b)
+        step = fenced[4 * i:4 * i + 4]
+        if cutlass.const_expr(acc is None):
+            acc = mma(step, descriptors[i], None, 0, transpose_b)
         else:
-            acc = mma(words, descriptors[i], acc, 1, transpose_b)
+            acc = mma(step, descriptors[i], acc, 1, transpose_b)
     ptx.wgmma_commit_group_sync_aligned()
     return ptx.wgmma_wait_group_sync_aligned(0, acc)
 

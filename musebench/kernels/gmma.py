@@ -129,6 +129,21 @@ K_MAJOR_KEYS = SharedDescriptor(leading_byte_offset=CHUNK_BYTES, stride_byte_off
 # (b) V for P V, N-major (transpose-b = 1): the two 8-key groups one atom apart; LBO (the next
 # 64 dims) not read at N = 64.
 MN_MAJOR_VALUES = SharedDescriptor(leading_byte_offset=V_REGION, stride_byte_offset=ATOM_BYTES)
+# (c) V with an n-tile of ones beside it (N = 72, attn2's P V whose columns 64 .. 71 sum P's rows):
+# columns 64 .. 127 would be the second 64-column block, read at start + LBO, so the kernel sets
+# LBO per stage to the distance from the stage's V region to one block of BF16 ones (ONES_BYTES,
+# 1024-byte aligned, every element 1.0: the swizzle cannot misplace a one). The template's LBO is
+# 0; `leading_offset_field` is what a kernel adds.
+MN_MAJOR_VALUES_WITH_ONES = SharedDescriptor(leading_byte_offset=0, stride_byte_offset=ATOM_BYTES)
+ONES_BYTES = PAGE_SLOTS * ROW_BYTES  # 2048: 16 keys x 64 columns of ones (8 are read)
+BF16_ONES_WORD = 0x3F803F80  # two BF16 1.0
+
+
+def leading_offset_field(byte_offset):
+    """The LBO field (bits 16-29) of a descriptor for a leading byte offset `byte_offset`
+    (a multiple of 16, below 2^18); works on ints and on DSL Int64 values (a kernel's runtime
+    offset)."""
+    return (byte_offset >> 4) << 16
 
 
 def k_step_start(k_region_start: int, kk: int) -> int:

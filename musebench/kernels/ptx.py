@@ -812,6 +812,16 @@ def wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(
 
 
 @dsl_user_op
+def wgmma_mma_async_sync_aligned_m64n72k16_f32_bf16_bf16(
+    a: tuple, b_descriptor: Int64, accumulators, scale_d: int, transpose_b: int, *, loc=None, ip=None,
+) -> list:
+    """`wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16`, A from registers: D (64 x 72 FP32) =
+    A (64 x 16 BF16) B (16 x 72 BF16 by `b_descriptor`) [+ D], 36 accumulators: d[4 j + i] for
+    columns 8 j .. 8 j + 7, j = 0 .. 8 (attn2: V's 64 dims, then an n-tile of ones)."""
+    return _wgmma_rs_bf16(72, tuple(a), b_descriptor, accumulators, scale_d, transpose_b, loc, ip)
+
+
+@dsl_user_op
 def wgmma_mma_async_sync_aligned_m64n64k16_f32_bf16_bf16(
     a: tuple, b_descriptor: Int64, accumulators, scale_d: int, transpose_b: int, *, loc=None, ip=None,
 ) -> list:

@@ -28,7 +28,13 @@ from musebench.kernels import attn2  # noqa: E402
 MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 LDMATRIX_TRANS = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"
 LDMATRIX = "ldmatrix.sync.aligned.m8n8.x4.shared.b16"
-ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none()}
+WGMMA_S = "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16"
+WGMMA_PV = "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16"
+# variant name: (SplitIssue, tensor_ops): every saving on or off with the target's tensor-core path
+# (wgmma on sm_90a), and every saving on with mma.sync forced (sm_90a's other path; on sm_100a
+# the same kernel as "all")
+ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none(), "sync": attn2.SplitIssue()}
+TENSOR_OPS = {"sync": "sync"}
 _PTX: dict[tuple, tuple[str, str | None]] = {}
 
 
@@ -38,7 +44,8 @@ def _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue="all"):
     if key not in _PTX:
         folder = tmp_path_factory.mktemp("attn2")
         attn2.compile_attn2(heads, max_model_len, window,
-                            attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES[issue]))
+                            attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES[issue],
+                                             tensor_ops=TENSOR_OPS.get(issue)))
         split = sorted(folder.glob(f"*_Attn2Kernel_*{arch}*.ptx")) or sorted(folder.glob("*_Attn2Kernel_*.ptx"))
         combine = sorted(folder.glob("*_Attn2CombineKernel_*.ptx"))
         assert split, "no split kernel PTX kept"
@@ -71,17 +78,29 @@ KNOWN_SPILLS: set[tuple] = set()
 def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_len, window, issue):
     ptx, combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue)
     on = ISSUES[issue]
-    assert ptx.count(MMA) == (2 if on.mask_edges_only else 1) * 2 * lay.HEAD_DIM // 16 + 16
+    copies = 2 if on.mask_edges_only else 1  # of the scores: masked and unmasked
+    wgmma = attn2.tensor_ops_for(arch, TENSOR_OPS.get(issue)) == "wgmma"
+    assert wgmma == (arch == "sm_90a" and issue != "sync")
+    if wgmma:
+        # Q K^T: four k16 steps per copy; P V: p_lo's and p_hi's step over V and the ones (N = 72)
+        assert ptx.count(WGMMA_S) == copies * attn2.K_TILES and ptx.count(WGMMA_PV) == 2
+        assert "mma.sync" not in ptx and "ldmatrix" not in ptx  # B by descriptor: no fragment loads
+        assert "fence.proxy.async.shared::cta" in ptx  # the copies and the ones, seen by wgmma
+        assert ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned")
+    else:
+        # Q K^T: 2 n-tiles x 4 k-steps per copy; P V: p_lo and p_hi over 8 n-tiles of V and the ones'
+        assert ptx.count(MMA) == copies * 2 * attn2.K_TILES + 2 * (attn2.V_TILES + 1)
+        assert ptx.count(LDMATRIX_TRANS) == attn2.V_TILE_PAIRS  # P V's B fragments, two n-tiles each
+        # Q K^T's B fragments with ldmatrix_keys: two k-steps of 8 keys an ldmatrix, per copy of the scores
+        assert ptx.count(LDMATRIX) == on.ldmatrix_keys * copies * 2 * attn2.K_TILES // 2
+        assert "wgmma" not in ptx
     assert ("vote.sync.all.pred" in ptx) == on.skip_unit_rescale
-    assert ptx.count(LDMATRIX_TRANS) == attn2.V_TILE_PAIRS  # P V's B fragments, two n-tiles each
-    # Q K^T's B fragments with ldmatrix_keys: two k-steps of 8 keys an ldmatrix, per copy of the scores
-    assert ptx.count(LDMATRIX) == on.ldmatrix_keys * (2 if on.mask_edges_only else 1) * 2 * attn2.K_TILES // 2
     assert "ld.shared.u32" in ptx  # the page-table entries only: no fragment word loads left
     assert "prmt" not in ptx  # the natural layout needs no joining of V's words
     assert "cp.async.cg.shared.global" in ptx
     assert ".local" not in ptx  # no stack: nothing spilled before ptxas
     assert _reads_after_wait(ptx, r"ld\.global|cp\.async")  # PDL: nothing the previous kernel writes is read before
-    assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("mma.sync")  # released after the main loop
+    assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("mma")  # released after the main loop
     assert f".minnctapersm {lay.split_ctas_per_sm(arch)}" in ptx  # the register cap of CTAs an SM
     assert "atom." not in ptx  # no counters: nothing inside a launch waits on another CTA
     split = max_model_len > lay.SHORT_MAX_LEN

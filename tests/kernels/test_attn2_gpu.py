@@ -103,8 +103,9 @@ def test_same_keys_same_bits_at_every_length():
         assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), (seq_len, _first_difference(now[1:], then[:-1]))
 
 
-def _launch_issue(problem, issue, num_splits=None):
-    """The split plan's output (bf16 on the CPU) with one `SplitIssue` setting of the split kernel."""
+def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
+    """The split plan's output (bf16 on the CPU) with one `SplitIssue` setting of the split kernel
+    and its tensor-core path (None: the GPU's default, wgmma on an H200)."""
     from musebench.kernels import attn2
 
     p = problem.to("cuda")
@@ -113,7 +114,7 @@ def _launch_issue(problem, issue, num_splits=None):
     workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
     out = torch.full_like(p.q, float("nan"))
     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
-                 window=p.window, num_splits=num_splits, issue=issue)
+                 window=p.window, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops)
     torch.cuda.synchronize()
     return out.cpu()
 
@@ -126,13 +127,15 @@ def _launch_issue(problem, issue, num_splits=None):
     (4000, 4096, 2048), (3001, 8192, 100), (131072, 131072, 0), (70001, 131072, 4096),
 ])
 def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, window):
-    """Every SplitIssue saving, alone and together, gives the bits of the kernel without them."""
+    """Every SplitIssue saving, alone and together, on the GPU's tensor-core path (wgmma on an
+    H200) and on mma.sync, gives the bits of the mma.sync kernel without them."""
     from musebench.kernels.attn2 import SplitIssue
 
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
-    baseline = _launch_issue(problem, SplitIssue.none())
-    for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale"):
-        got = _launch_issue(problem, SplitIssue.named(name))
+    baseline = _launch_issue(problem, SplitIssue.none(), tensor_ops="sync")
+    for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale", "all@sync", "none@sync"):
+        setting, _, ops = name.partition("@")
+        got = _launch_issue(problem, SplitIssue.named(setting), tensor_ops=ops or None)
         assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
 
 
