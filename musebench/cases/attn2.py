@@ -185,8 +185,8 @@ def accuracy_verdict(got: torch.Tensor, stock: torch.Tensor, exact: torch.Tensor
 
     mine, theirs = ulp_error(got, exact), ulp_error(stock, exact)
     ok = mine.nonfinite == 0 and mine.within(theirs)
-    line = (f"vs FP64: attn2 max {mine.max:.6g} mean {mine.mean:.4f} ULP, stock max {theirs.max:.6g} "
-            f"mean {theirs.mean:.4f} ULP" + (f", attn2 non-finite {mine.nonfinite}" if mine.nonfinite else ""))
+    line = (f"vs FP64: attn2 max {mine.max:.6g} mean {mine.mean:.6f} ULP, stock max {theirs.max:.6g} "
+            f"mean {theirs.mean:.6f} ULP" + (f", attn2 non-finite {mine.nonfinite}" if mine.nonfinite else ""))
     return line, ok
 
 

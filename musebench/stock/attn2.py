@@ -183,11 +183,16 @@ def bf16_ulp(reference: torch.Tensor) -> torch.Tensor:
 
 
 CORRECTLY_ROUNDED_ULP = 0.5  # half a BF16 ULP of the reference: the reference rounded to nearest
-# The FP64 reference's own error, in BF16 ULPs, is below 2^-40 (a few dozen FP64 roundings, each
-# 2^-53 relative, against a BF16 ULP of 2^-8 relative); an output that is a tie of the exact value
-# rounded either way can then measure 0.5 + 1e-13. 2^-20 of a ULP covers that with room and is far
-# below any rounding a BF16 output could be off by (a whole ULP).
-REFERENCE_SLACK_ULP = 2.0**-20
+# How far past half a ULP an output still counts as correctly rounded: the noise of the FP32
+# epilogue every implementation runs (the stock's Triton gate too). o is exact BF16 when the norm
+# starts; rstd (a sum of squares, a product, a sum, sqrt.rn, a division) and sigmoid (ex2.approx,
+# relative error about 2^-22, a sum, a division) and the two products carry about 2^-20 of
+# relative error together, which is at most 2^-12 of a BF16 ULP of the output (a ULP is at least
+# 2^-8 of the value). A value within that of a rounding midpoint can land on either side in any
+# FP32 epilogue: the H200 showed attn2 at 0.500021 against the stock's 0.499979 on one element of
+# `attn --tp 16` (L 17, W 2048, large), both means 0.2501. The FP64 reference's own error (below
+# 2^-40 ULP) is inside it.
+ROUNDING_SLACK_ULP = 2.0**-12
 
 
 @dataclass(frozen=True)
@@ -202,13 +207,13 @@ class UlpError:
     def within(self, other: UlpError) -> bool:
         """Whether this error is at most `other`'s on both counts and has no non-finite element
         that `other` lacks; or has no non-finite element and is within CORRECTLY_ROUNDED_ULP
-        everywhere (up to REFERENCE_SLACK_ULP, the FP64 reference's own error): every element is
-        then the reference rounded to BF16 (a tie either way), and no
+        everywhere (up to ROUNDING_SLACK_ULP, the noise of an FP32 epilogue): every element is
+        then the reference rounded to BF16 (a tie, or a near tie, either way), and no
         BF16 output is more accurate, whatever the other's mean says (the two means can differ in
         the fourth digit by which side of a tie, or of a binade edge, an element fell)."""
         if self.nonfinite > other.nonfinite:
             return False
-        if self.nonfinite == 0 and self.max <= CORRECTLY_ROUNDED_ULP + REFERENCE_SLACK_ULP:
+        if self.nonfinite == 0 and self.max <= CORRECTLY_ROUNDED_ULP + ROUNDING_SLACK_ULP:
             return True
         return self.max <= other.max and self.mean <= other.mean
 
