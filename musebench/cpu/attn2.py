@@ -94,6 +94,15 @@ def page_values(p_hi: torch.Tensor, p_lo: torch.Tensor, values: torch.Tensor) ->
     return tc_mma(p_hi, values, tc_mma(p_lo, values, zero))
 
 
+def weight(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as the split kernel's ex2.approx.ftz takes it: a result below 2^-126 (FP32's
+    smallest normal) is +0.0. What that drops is invisible: a row's weights include its max's, 1.0,
+    so l >= 1 and a weight below 2^-126 moves O / l by less than 2^-100 of a value's scale (unless
+    a V element is within 2^26 of FP32's largest: not a cache a model writes)."""
+    value = torch.exp2(exponent)
+    return torch.where(value < 2.0**-126, torch.zeros((), dtype=value.dtype), value)
+
+
 ONES_COLUMNS = 8  # the n-tile of ones beside V: its accumulator is the row sum l
 
 
@@ -149,8 +158,8 @@ def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor,
         s = torch.where(visible, s, torch.full((), NEG_INF))
         m_new = torch.maximum(m, s.max(dim=1).values)
         m_use = torch.where(m_new == NEG_INF, torch.zeros(()), m_new)
-        alpha = torch.exp2((m - m_use) * scale_log2)
-        p = torch.exp2((s - m_use[:, None]) * scale_log2)
+        alpha = weight((m - m_use) * scale_log2)
+        p = weight((s - m_use[:, None]) * scale_log2)
         p_hi = p.to(torch.bfloat16).float()
         p_lo = (p - p_hi).to(torch.bfloat16).float()
         o, lsum = accumulate_page(o * alpha[:, None], lsum * alpha, p_hi, p_lo, slots[:, lay.HEAD_DIM :])

@@ -293,7 +293,7 @@ class _Attn2Kernel:
         return ptx.ld_shared_u32(lean[index[0]][index[1]] + stage_offset + extra)
 
     @cute.jit
-    def page_step(self, stage: Int32, stage_offset: Int32, k_words, v_words, ones_base: Int32, a: list, g: Int32,
+    def page_step(self, stage: Int32, stage_offset: Int32, k_words, v_words, descriptors, a: list, g: Int32,
                   c: Int32, page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, o: list):
         """One page of the online softmax (its stage at `stage`); returns the new (m, o), o the
         accumulators of O and, in n-tile 8, of l (`page_values`).
@@ -308,13 +308,13 @@ class _Attn2Kernel:
             al = [Uint32(0) for _ in range(4)]
             alpha = [Float32(0.0), Float32(0.0)]
             if inside:
-                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key,
+                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
                                                     m, False)
             else:
-                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key,
+                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
                                                     m, True)
         else:
-            m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, a, g, c, page_key, own_key, low_key, m,
+            m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, m,
                                                 True)
         if cutlass.const_expr(self.skip_unit_rescale):
             # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
@@ -325,10 +325,10 @@ class _Attn2Kernel:
             o = self.rescale(o, alpha, unit)
         else:
             o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]) for k in range(ACCUMULATORS)]
-        return m, self.page_values(stage, stage_offset, v_words, ones_base, g, c, ah, al, o)
+        return m, self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o)
 
     @cute.jit
-    def page_scores(self, stage: Int32, stage_offset: Int32, k_words, a: list, g: Int32, c: Int32, page_key: Int32,
+    def page_scores(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32, page_key: Int32,
                     own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
         """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
         visible to every row: each select would pick its score unchanged), the new row maxima and
@@ -339,10 +339,9 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.wgmma):
             # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
             # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
-            k_start = Int64(stage + gmma.K_REGION) >> 4
-            descriptors = [Int64(gmma.K_MAJOR_KEYS.template_signed()) | (k_start + kk * gmma.K_STEP_BYTES // VECTOR_BYTES)
-                           for kk in range(K_TILES)]
-            sacc = wgmma_chain(lay.PAGE_TOKENS, a, descriptors, 0)
+            step = Int64(stage_offset >> 4)  # the stage's start, in the address field's 16-byte units
+            sacc = wgmma_chain(lay.PAGE_TOKENS, a, [descriptors[0] + (step + kk * gmma.K_STEP_BYTES // VECTOR_BYTES)
+                                                    for kk in range(K_TILES)], 0)
             for j in cutlass.range_constexpr(8):
                 if cutlass.const_expr(masked):
                     key = page_key + (j // 4) * 8 + 2 * c + (j % 2)
@@ -389,13 +388,15 @@ class _Attn2Kernel:
             top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             m_new = ptx.max_f32(m[half], top)
             m_use = cutlass.select_(m_new == Float32(NEG_INF), Float32(0.0), m_new)
-            alpha.append(ptx.ex2_approx_f32(scaled_difference(m[half], m_use, scale_log2)))
+            # ftz: one MUFU each; a weight below 2^-126 is 0 (`cpu.attn2.weight`: nothing an FP32 O / l
+            # with l >= 1 could show)
+            alpha.append(ptx.ex2_approx_ftz_f32(scaled_difference(m[half], m_use, scale_log2)))
             m[half] = m_new
             hi = []
             lo = []
             for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
-                px0 = ptx.ex2_approx_f32(scaled_difference(e[2 * k], m_use, scale_log2))
-                px1 = ptx.ex2_approx_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
+                px0 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k], m_use, scale_log2))
+                px1 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
                 pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
                 h0 = ptx.bitcast_u32_to_f32(pword << 16)
                 h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
@@ -418,7 +419,7 @@ class _Attn2Kernel:
         return o
 
     @cute.jit
-    def page_values(self, stage: Int32, stage_offset: Int32, v_words, ones_base: Int32, g: Int32, c: Int32,
+    def page_values(self, stage: Int32, stage_offset: Int32, v_words, descriptors, g: Int32, c: Int32,
                     ah: list, al: list, o: list) -> list:
         """The tensor cores add this page's P V into the accumulators (O, then n-tile 8: l, over an
         n-tile of ones beside V), p_lo's step then p_hi's (`cpu.attn2.accumulate_page`); `o` is
@@ -426,9 +427,9 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.wgmma):
             # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
             # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
-            v_start = stage + gmma.V_REGION
-            descriptor = (Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_start) >> 4)
-                          | gmma.leading_offset_field(Int64(ones_base - v_start)))
+            # the stage's V region is `step` further than stage 0's and as much nearer the ones
+            step = Int64(stage_offset >> 4)
+            descriptor = descriptors[1] + step - gmma.leading_offset_field(step << 4)
             return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
         o = list(o)
         ones = Uint32(gmma.BF16_ONES_WORD)
@@ -536,6 +537,15 @@ class _Attn2Kernel:
                             for h in range(2)] for kk in range(K_TILES)]
             v_words = [ring_base + v_fragment_row(lane, pair) for pair in range(V_TILE_PAIRS)]
 
+        descriptors = None
+        if cutlass.const_expr(self.wgmma):
+            # stage 0's descriptors (`kernels.gmma`), once: K's (a page adds its stage and its k16
+            # step to the address field: 14 bits of a shared address >> 4, never carried out of), and
+            # V's with the ones block as its second 64-column block (LBO from V's region to it)
+            v_region = ring_base + gmma.V_REGION
+            descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
+                           Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
+                           | gmma.leading_offset_field(Int64(ones_base - v_region)))
         for i in cutlass.range(pages, unroll=1):
             ahead = i + (lay.PIPELINE_STAGES - 1)
             if ahead < pages:
@@ -555,7 +565,7 @@ class _Attn2Kernel:
                 inside = page_key + (lay.PAGE_TOKENS - 1) <= seq_len - lay.QUERY_LEN
                 if cutlass.const_expr(self.window > 0):
                     inside = inside & (page_key >= seq_len - self.window)
-            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, ones_base, a, g, c,
+            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
                                   page_key, own_key, low_key, inside, m, o)
             cute.arch.barrier()  # the stage is refilled next iteration
 

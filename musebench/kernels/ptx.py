@@ -281,6 +281,15 @@ def ex2_approx_f32(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def ex2_approx_ftz_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`ex2.approx.ftz.f32`: 2^x, approximate, one MUFU.EX2: a subnormal input counts as 0 and a
+    result below 2^-126 is +0.0 (the non-ftz form adds a compare and two predicated multiplies
+    around the MUFU to reach the subnormal results)."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False,
+                        loc=loc, ip=ip))
+
+
+@dsl_user_op
 def div_full_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """`div.full.f32`: a / b to about 2 ulp (not IEEE division)."""
     return Float32(
