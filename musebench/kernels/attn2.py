@@ -546,16 +546,21 @@ class _Attn2Kernel:
             descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
                            Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
+        # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
+        # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
+        # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
+        # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
+        # page i + 7's copies go there after it, 7 pages in flight while page i computes.
         for i in cutlass.range(pages, unroll=1):
+            cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
+            if cutlass.const_expr(self.wgmma):
+                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+            cute.arch.barrier()
             ahead = i + (lay.PIPELINE_STAGES - 1)
             if ahead < pages:
                 self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
                                ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 1)
-            if cutlass.const_expr(self.wgmma):
-                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
-            cute.arch.barrier()
             stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
             page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
             inside = None
@@ -567,7 +572,6 @@ class _Attn2Kernel:
                     inside = inside & (page_key >= seq_len - self.window)
             m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
                                   page_key, own_key, low_key, inside, m, o)
-            cute.arch.barrier()  # the stage is refilled next iteration
 
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(self.enable_pdl):
