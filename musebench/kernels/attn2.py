@@ -5,30 +5,36 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 `musebench.cpu.attn2`'s, step for step (its docstring lists what is the same and what is not);
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
-Two kernels, one class each. The split kernel: one CTA of 128 threads per (KV head, split,
-request). Warp w computes rows of heads 2w, 2w + 1 (mma rows g and g + 8, g = lane // 4 the
-token) with `mma.sync.m16n8k16` BF16 -> FP32, so the same code runs on Hopper and Blackwell (no
-wgmma / UMMA / TMEM):
+Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
+head, split, request). Warp w computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g =
+lane // 4 the token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give
+the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
+registers and B (K, V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no
+wgmma) `mma.sync.m16n8k16` with B fragments through `ldmatrix`. Each k16 step of wgmma equals
+mma.sync's on the H200 (`kernels.gmma_probe`), and both paths run the same chains in the same
+order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
 
 1. `griddepcontrol.wait` (PDL), then the Q fragments straight from global memory (16 words).
 2. The split's pages, ascending, through a PIPELINE_STAGES-deep cp.async ring in shared memory
-   (one 4 KB page of K | V per stage; 16-byte chunks XOR-swizzled by slot so the fragment reads
-   are bank-conflict free). Slots at and past L are zero-filled by cp.async's src-size 0 (never
-   read: other requests' data or poison may sit there); pages past L are never touched.
-3. Per page: S = Q K^T (8 mma), the causal and window mask (the same for both rows of a thread),
-   the online softmax on unscaled scores (row maxima of S, weights 2^((s - m) fp32(scale log2 e))
-   with the difference rounded before the product; m_use = 0 while a row has seen nothing, so a
-   masked page is an exact no-op), P = p_hi + p_lo as two BF16 terms, l += the lane
-   order sum, then per n-tile P V = p_hi V + (p_lo V) in a fresh accumulator (16 mma: a page's
-   products are truncated at the page's scale, never into the running O) and O = O alpha + P V
-   with FP32 round-to-nearest. V's B fragments come straight from shared memory through
-   `ldmatrix.x4.trans` (`v_fragment_row`: four per page, each the (b0, b1) of two n-tiles, no
-   `prmt`, bank-conflict free), n-tile t being dims 8t .. 8t + 7, so a thread ends with the
-   natural layout: dims 8t + 2c, 8t + 2c + 1 of its rows g and g + 8 (t = 0 .. 7;
-   `attn2_layout.lane_dims`), the layout a wgmma accumulator has too.
+   (one 4 KB page a stage; wgmma: K and V as two 2 KB regions of 16 rows, 16-byte chunks
+   XOR-swizzled by row, the 128-byte swizzle of `gmma.page_offset`, the ring 1024-byte aligned;
+   mma.sync: K | V per slot, chunks swizzled by slot, so the ldmatrix reads are bank-conflict
+   free). Slots at and past L are zero-filled by cp.async's src-size 0 (never read: other
+   requests' data or poison may sit there); pages past L are never touched. One barrier a page.
+3. Per page: S = Q K^T (four k16 steps from zero), the causal and window mask (the same for both
+   rows of a thread), the online softmax on unscaled scores (row maxima of S, weights
+   2^((s - m) fp32(scale log2 e)) with the difference rounded before the product, by
+   `ex2.approx.ftz`; m_use = 0 while a row has seen nothing, so a masked page is an exact no-op),
+   P = p_hi + p_lo as two BF16 terms; O and l times alpha (FP32), then the tensor cores add
+   p_lo's step and p_hi's step into them (`cpu.attn2.accumulate_page`): B is V with an n-tile
+   of ones beside it (N = 72: wgmma reads the ones from a CTA-wide block that the descriptor
+   reaches as V's second 64-column block; mma.sync takes a constant B fragment), so that
+   n-tile's accumulator is l and a page costs no FP32 adds for O or the row sums. n-tile t of
+   P V is dims 8t .. 8t + 7, so a thread holds dims 8t + 2c, 8t + 2c + 1 of its rows g and
+   g + 8 (t = 0 .. 7; `attn2_layout.lane_dims`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
-   and the fragment addresses are per-thread constants plus the stage's offset.
+   and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
@@ -56,6 +62,8 @@ Memory ordering: PDL. Every global read of either kernel follows its `griddepcon
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
 combine's wait sees finished and flushed); each releases its dependents after its main work.
 
+Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
+instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8).
 Measured on the H200 (`musebench bench attn`, records/): see the README's performance section.
 """
 
