@@ -348,7 +348,7 @@ class _Attn2Kernel:
             # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
             # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
             step = Int64(stage_offset >> 4)  # the stage's start, in the address field's 16-byte units
-            sacc = wgmma_chain(lay.PAGE_TOKENS, a, [descriptors[0] + (step + kk * gmma.K_STEP_BYTES // VECTOR_BYTES)
+            sacc = wgmma_chain(lay.PAGE_TOKENS, a, [gmma.advance_keys_descriptor(descriptors[0], step, kk)
                                                     for kk in range(K_TILES)], 0)
             for j in cutlass.range_constexpr(8):
                 if cutlass.const_expr(masked):
@@ -435,9 +435,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.wgmma):
             # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
             # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
-            # the stage's V region is `step` further than stage 0's and as much nearer the ones
-            step = Int64(stage_offset >> 4)
-            descriptor = descriptors[1] + step - gmma.leading_offset_field(step << 4)
+            descriptor = gmma.advance_values_descriptor(descriptors[1], Int64(stage_offset >> 4))
             return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
         o = list(o)
         ones = Uint32(gmma.BF16_ONES_WORD)

@@ -146,6 +146,20 @@ def leading_offset_field(byte_offset):
     return (byte_offset >> 4) << 16
 
 
+def advance_keys_descriptor(stage0_descriptor, step, kk: int):
+    """K's descriptor of k16 step `kk` in the stage `step` 16-byte units after stage 0 (whose
+    full descriptor is `stage0_descriptor`): the address field moves by the stage and by 32 bytes
+    a step; it never carries out of its 14 bits (a shared address >> 4). Ints or DSL Int64."""
+    return stage0_descriptor + (step + kk * K_STEP_BYTES // CHUNK_BYTES)
+
+
+def advance_values_descriptor(stage0_descriptor, step):
+    """V-with-ones' descriptor (`MN_MAJOR_VALUES_WITH_ONES`) of the stage `step` 16-byte units
+    after stage 0: its V region is that much further and that much nearer the ones block, so the
+    address field grows by `step` and the LBO field shrinks by it. Ints or DSL Int64."""
+    return stage0_descriptor + step - leading_offset_field(step << 4)
+
+
 def k_step_start(k_region_start: int, kk: int) -> int:
     """Start address of k16 step `kk` (dims 16 kk .. 16 kk + 15) of the K-major K region."""
     return k_region_start + kk * K_STEP_BYTES

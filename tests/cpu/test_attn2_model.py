@@ -107,6 +107,35 @@ def test_empty_partials_are_exact_no_ops():
         assert torch.equal(got[0], o) and torch.equal(got[1], m) and torch.equal(got[2], lsum)
 
 
+def test_weights_flush_below_the_smallest_normal():
+    """`weight` is ex2.approx.ftz's 2^x: +0.0 below 2^-126, 2^x at and above it (1.0 exactly at 0:
+    the row max weighs one)."""
+    x = torch.tensor([0.0, -1.0, -126.0, -126.5, -140.0, float("-inf")])
+    w = model_module.weight(x)
+    assert w[:3].tolist() == [1.0, 0.5, 2.0**-126]
+    assert w[3:].tolist() == [0.0, 0.0, 0.0] and not torch.signbit(w[3:]).any()
+
+
+def test_l_rides_in_the_ones_columns_of_the_page_chain():
+    """`accumulate_page`: l is the accumulator of the ones beside V, so it is exactly the chain
+    RZ(RZ(l + sum p_lo) + sum p_hi) a row, what an FP32 sum of the same terms is within 2 ULPs of;
+    O is the same chain over V (its column 0 checked against tc_mma directly)."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(64, 16, generator=g)
+    p_hi = p.to(torch.bfloat16).float()
+    p_lo = (p - p_hi).to(torch.bfloat16).float()
+    values = torch.randn(16, 64, generator=g).to(torch.bfloat16).float()
+    o = torch.randn(64, 64, generator=g)
+    lsum = torch.rand(64, generator=g) * 100
+    new_o, new_l = model_module.accumulate_page(o, lsum, p_hi, p_lo, values)
+    ones = torch.ones(16, 1)
+    want_l = tc_mma(p_hi, ones, tc_mma(p_lo, ones, lsum[:, None]))[:, 0]
+    assert torch.equal(new_l, want_l)
+    assert torch.equal(new_o[:, :1], tc_mma(p_hi, values[:, :1], tc_mma(p_lo, values[:, :1], o[:, :1])))
+    exact = lsum.double() + (p_hi + p_lo).double().sum(dim=1)
+    assert bool(((new_l.double() - exact).abs() <= 2 * torch.finfo(torch.float32).eps * exact).all())
+
+
 def test_tc_mma_truncates_toward_zero():
     """The tensor cores' step as modelled: exact products and sum, one truncation toward zero
     (round to nearest would give the other neighbour in both cases)."""

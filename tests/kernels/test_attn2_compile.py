@@ -161,6 +161,19 @@ def test_issue_knobs_name_distinct_variants():
     assert len(attn2.compilation.CACHE) >= before + 3
 
 
+def test_tensor_ops_per_target_and_refusals():
+    """wgmma is sm_90a's default and only sm_90a's: asked for elsewhere it is refused before any
+    compile, and an unknown path name is refused when the build is made."""
+    assert attn2.tensor_ops_for("sm_90a", None) == "wgmma" and attn2.tensor_ops_for("sm_90a", "sync") == "sync"
+    assert attn2.tensor_ops_for("sm_100a", None) == "sync"
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        attn2.tensor_ops_for("sm_100a", "wgmma")
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        attn2.compile_attn2(2, 4096, 0, attn2.Attn2Build(arch="sm_100a", tensor_ops="wgmma"))
+    with pytest.raises(ValueError, match="tensor_ops must be"):
+        attn2.Attn2Build(tensor_ops="hgmma")
+
+
 @pytest.mark.parametrize("args", [(0, 4096, 0), (2, 4, 0), (2, 4096, -1), (2.0, 4096, 0)])
 def test_refuses_bad_deployments(args):
     with pytest.raises(ValueError):

@@ -92,3 +92,51 @@ def test_wrong_strides_miss():
                for key in range(16) for dim in range(64))
     assert any(gmma.b_element_address(gmma.MN_MAJOR_VALUES, STAGE + gmma.V_REGION, key, dim, 0)
                != _v_byte(STAGE, key, dim) for key in range(16) for dim in range(16))
+
+
+RING = 0x2000  # attn2's ring: PIPELINE_STAGES 4 KB stages, then the ones block
+STAGES = 8
+ONES = RING + STAGES * gmma.PAGE_BYTES
+
+
+def _values_layout(lbo: int) -> gmma.SharedDescriptor:
+    return gmma.SharedDescriptor(lbo, gmma.ATOM_BYTES)
+
+
+def test_values_with_ones_reach_v_then_the_ones_at_every_stage():
+    """attn2's P V over N = 72: the kernel builds stage 0's descriptor once and advances it a stage
+    at a time (`advance_values_descriptor`); at every stage that equals the descriptor of the
+    stage's V region with LBO = the ones block's distance, and through it columns 0..63 are the
+    stage's V and columns 64..71 fall in the ones block (every byte a 1.0 there)."""
+    v0 = RING + gmma.V_REGION
+    first = gmma.MN_MAJOR_VALUES_WITH_ONES.encode(v0) | gmma.leading_offset_field(ONES - v0)
+    for stage in range(STAGES):
+        v_start = RING + stage * gmma.PAGE_BYTES + gmma.V_REGION
+        step = stage * gmma.PAGE_BYTES >> 4
+        want = gmma.SharedDescriptor(ONES - v_start, gmma.ATOM_BYTES).encode(v_start)
+        assert gmma.advance_values_descriptor(first, step) == want, stage
+        layout = _values_layout(ONES - v_start)
+        for key in range(16):
+            for n in range(72):
+                got = gmma.b_element_address(layout, v_start, key, n, 1)
+                if n < 64:
+                    assert got == _v_byte(RING + stage * gmma.PAGE_BYTES, key, n), (stage, key, n)
+                else:
+                    assert ONES <= got < ONES + gmma.ONES_BYTES, (stage, key, n)
+
+
+def test_a_fixed_leading_offset_misses_the_ones_after_stage_0():
+    """The check can fail: stage 0's LBO kept at a later stage reads the ones' columns from past the
+    block (the next stage's bytes or beyond), not from it."""
+    v_start = RING + 3 * gmma.PAGE_BYTES + gmma.V_REGION
+    stale = _values_layout(ONES - (RING + gmma.V_REGION))
+    assert any(not ONES <= gmma.b_element_address(stale, v_start, key, n, 1) < ONES + gmma.ONES_BYTES
+               for key in range(16) for n in range(64, 72))
+
+
+def test_keys_descriptor_advances_by_stage_and_step():
+    k0 = gmma.K_MAJOR_KEYS.encode(RING + gmma.K_REGION)
+    for stage in range(STAGES):
+        for kk in range(4):
+            start = gmma.k_step_start(RING + stage * gmma.PAGE_BYTES + gmma.K_REGION, kk)
+            assert gmma.advance_keys_descriptor(k0, stage * gmma.PAGE_BYTES >> 4, kk) == gmma.K_MAJOR_KEYS.encode(start)
