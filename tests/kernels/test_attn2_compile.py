@@ -1,15 +1,17 @@
 """attn2 compiles for sm_90a and sm_100a with no GPU, with the split kernel's instruction savings
-(`SplitIssue`) all on (the default) and all off (the A/B baseline). PTX assertions: the split
-kernel's mma.sync per page (8 for Q K^T, 16 for P V as two BF16 terms; the Q K^T half twice with
-`mask_edges_only`: a masked and an unmasked copy), V's B fragments through four
-`ldmatrix.x4.trans` and no `prmt`, K's through `ldmatrix.x4` with `ldmatrix_keys` (four per
-copy of the scores), the warp vote of `skip_unit_rescale`, the cp.async source
-select `lean_addressing` drops, cp.async only, no local memory (no spills), PDL's
-wait before the first global read and the release after the main loop, its CTAs per SM, no
-atomics, the partials stored by the split kernel; the combine's wait before the partials' loads
-and its shared-memory tree; ptxas (where installed) reports no spill (its own test). Refusals of
-bad deployments and builds. On ints, no compile: the K and V fragment addresses
-(`k_fragment_row`, `v_fragment_row`) give every lane its mma B fragments through an emulated
+(`SplitIssue`) all on (the default) and all off (the A/B baseline), on the target's tensor-core
+path (wgmma on sm_90a) and on mma.sync forced ("sync"). PTX assertions: wgmma's steps per page
+(4 m64n16k16 for Q K^T per copy of the scores, 2 m64n72k16 for P V over V and the ones), no
+mma.sync or ldmatrix there, the proxy fence, fences matching commits; mma.sync's per page (8 for
+Q K^T per copy, 18 for P V: p_lo and p_hi over 8 n-tiles of V and the ones'), V's B fragments
+through four `ldmatrix.x4.trans` and K's through `ldmatrix.x4` with `ldmatrix_keys`; on both:
+no `prmt`, the warp vote of `skip_unit_rescale`, the cp.async source select `lean_addressing`
+drops, cp.async only, no local memory (no spills), PDL's wait before the first global read and
+the release after the main loop, its CTAs per SM, no atomics, the partials stored by the split
+kernel; the combine's wait before the partials' loads and its shared-memory tree; ptxas (where
+installed) reports no spill (its own test). Refusals of bad deployments, builds and tensor-core
+paths. On ints, no compile: the K and V fragment addresses (`k_fragment_row`, `v_fragment_row`)
+give every lane its mma B fragments through an emulated
 ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions)."""
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def _reads_after_wait(ptx, pattern):
 
 PARTIAL_LOADS = r"ld\.global\.v4"  # the combine's 16-byte loads: the partials
 
+def _wgmma_page(ptx: str, copies: int) -> bool:
+    """The wgmma path's page, read off the split kernel's PTX: Q K^T four k16 steps per copy of the
+    scores, P V p_lo's and p_hi's step over V and the ones (N = 72), B by descriptor (no mma.sync,
+    no ldmatrix), the proxy fence (the copies and the ones, seen by wgmma), a commit per fence."""
+    return (ptx.count(WGMMA_S) == copies * attn2.K_TILES and ptx.count(WGMMA_PV) == 2
+            and "mma.sync" not in ptx and "ldmatrix" not in ptx
+            and "fence.proxy.async.shared::cta" in ptx
+            and ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned"))
+
+
 DEPLOYMENTS = [(2, 2048, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
 # (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: none
 # (the one-KV-head sm_90a baseline spilled 108 bytes until V's fragments came through ldmatrix,
@@ -82,11 +94,7 @@ def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_l
     wgmma = attn2.tensor_ops_for(arch, TENSOR_OPS.get(issue)) == "wgmma"
     assert wgmma == (arch == "sm_90a" and issue != "sync")
     if wgmma:
-        # Q K^T: four k16 steps per copy; P V: p_lo's and p_hi's step over V and the ones (N = 72)
-        assert ptx.count(WGMMA_S) == copies * attn2.K_TILES and ptx.count(WGMMA_PV) == 2
-        assert "mma.sync" not in ptx and "ldmatrix" not in ptx  # B by descriptor: no fragment loads
-        assert "fence.proxy.async.shared::cta" in ptx  # the copies and the ones, seen by wgmma
-        assert ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned")
+        assert _wgmma_page(ptx, copies)
     else:
         # Q K^T: 2 n-tiles x 4 k-steps per copy; P V: p_lo and p_hi over 8 n-tiles of V and the ones'
         assert ptx.count(MMA) == copies * 2 * attn2.K_TILES + 2 * (attn2.V_TILES + 1)
@@ -159,6 +167,17 @@ def test_issue_knobs_name_distinct_variants():
                   and dict(k[3])["max_model_len"] == 4096 and k[1] == "sm_90a" and k[2] is None]
     assert len({tuple(sorted(dict(k[3]).items())) for k in split_keys}) >= 3
     assert len(attn2.compilation.CACHE) >= before + 3
+
+
+def test_the_wgmma_page_check_can_fail(tmp_path_factory):
+    """`_wgmma_page` holds for sm_90a's default kernel and fails on the mma.sync kernel, on a
+    missing proxy fence, and on a dropped P V step (the compiled PTX, edited)."""
+    wgmma, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0)
+    sync, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0, "sync")
+    assert _wgmma_page(wgmma, 2) and not _wgmma_page(sync, 2)
+    assert not _wgmma_page(wgmma.replace("fence.proxy.async.shared::cta", "membar.cta"), 2)
+    step = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n72k16[^;]*;", wgmma).group(0)
+    assert not _wgmma_page(wgmma.replace(step, "", 1), 2)
 
 
 def test_tensor_ops_per_target_and_refusals():
