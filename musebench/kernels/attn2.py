@@ -571,8 +571,7 @@ class _Attn2Kernel:
         which try_wait reports complete at once (the phase "before" phase 0): no test needed."""
         if ahead < pages:
             stage = ahead % lay.PIPELINE_STAGES
-            self.ring_wait(barriers + (lay.PIPELINE_STAGES + stage) * MBARRIER_BYTES,
-                           (ahead // lay.PIPELINE_STAGES + 1) & 1)
+            self.ring_wait(barriers + (lay.PIPELINE_STAGES + stage) * MBARRIER_BYTES, ring_empty_parity(ahead))
             self.page_load(ring_base + stage * lay.PAGE_BYTES, cache_base, table_smem, ahead,
                            start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + stage * MBARRIER_BYTES)
@@ -585,8 +584,7 @@ class _Attn2Kernel:
         through the async proxy, which only a proxy fence after that acquire orders. The writers
         cannot fence: their copies complete asynchronously, after their last instruction about
         them. Each thread of the warpgroup fences, as each issues the collective MMA."""
-        self.ring_wait(barriers + (page % lay.PIPELINE_STAGES) * MBARRIER_BYTES,
-                       (page // lay.PIPELINE_STAGES) & 1)
+        self.ring_wait(barriers + (page % lay.PIPELINE_STAGES) * MBARRIER_BYTES, ring_full_parity(page))
         if cutlass.const_expr(self.wgmma):
             ptx.fence_proxy_async_shared_cta()
 
@@ -881,6 +879,19 @@ def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -
     model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
     split) stays -inf: its weight is 0."""
     return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+def ring_full_parity(page):
+    """The parity of full[page % STAGES]'s phase that completes when page `page`'s copies have
+    landed: phase page // STAGES (the stage's (page // STAGES)-th fill). Ints or DSL Int32."""
+    return (page // lay.PIPELINE_STAGES) & 1
+
+
+def ring_empty_parity(ahead):
+    """The parity of empty[ahead % STAGES]'s phase a thread waits for before copying page `ahead`:
+    phase ahead // STAGES - 1, every thread's reads of page ahead - STAGES done; for the first
+    fill, parity 1 of a barrier in phase 0, which try_wait reports complete. Ints or DSL Int32."""
+    return (ahead // lay.PIPELINE_STAGES + 1) & 1
 
 
 def k_fragment_row(lane, nt, quad):

@@ -415,3 +415,109 @@ def test_v_fragment_checks_fail_on_wrong_addresses():
 
     assert _conflict_free(swapped, *V_SELECTORS) and not _fragments_are_mma_b(swapped)
     assert not _fragments_are_mma_b(unswizzled) and not _conflict_free(unswizzled, *V_SELECTORS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring's phase bookkeeping, on ints: threads following `ring_pages_overlapped`'s order (and
+# `ring_pages`', the same with the arrival one step earlier) under a random schedule, copies
+# landing at random later steps, mbarriers modelled by phase and arrivals (try_wait by parity).
+
+
+class _Barrier:
+    def __init__(self, count):
+        self.count, self.phase, self.arrived = count, 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        if self.arrived == self.count:
+            self.phase, self.arrived = self.phase + 1, 0
+
+    def passed(self, parity):
+        return self.phase % 2 != parity
+
+
+def _ring_run(pages, threads, seed, distance, full_parity, empty_parity, overlap):
+    """None if every thread's every read of page p found page p in its stage and nothing
+    deadlocked, else what went wrong."""
+    import random
+
+    rng = random.Random(seed)
+    stages = lay.PIPELINE_STAGES
+    full = [_Barrier(threads) for _ in range(stages)]
+    empty = [_Barrier(threads) for _ in range(stages)]
+    stage_page = [None] * stages
+    readers = [set() for _ in range(stages)]  # threads whose reads of a stage are not complete
+    landing = []  # (thread, stage, page): copies issued, not landed
+
+    def program(t):
+        def refill(ahead):
+            if ahead < pages:
+                s = ahead % stages
+                while not empty[s].passed(empty_parity(ahead)):
+                    yield "wait"
+                if readers[s]:
+                    yield f"page {ahead} copied into stage {s} while it was read"
+                landing.append((t, s, ahead))
+
+        def read(page):
+            while not full[page % stages].passed(full_parity(page)):
+                yield "wait"
+            if stage_page[page % stages] != page:
+                yield f"thread {t} read stage {page % stages} for page {page}, found {stage_page[page % stages]}"
+            readers[page % stages].add(t)
+
+        for st in range(stages - distance):
+            yield from refill(st)
+        if pages:
+            yield from read(0)
+        for i in range(pages):
+            yield from refill(i + stages - distance)
+            if i + 1 < pages:
+                yield from read(i + 1)
+            yield "step"
+            done = i - 1 if overlap else i  # the reads completed now: P V of page i - 1 (overlap) or i
+            if done >= 0:
+                readers[done % stages].discard(t)
+                empty[done % stages].arrive()
+
+    running = {t: program(t) for t in range(threads)}
+    stalls = 0
+    while running or landing:
+        if landing and rng.random() < 0.3:
+            t, s, page = landing.pop(rng.randrange(len(landing)))
+            stage_page[s] = page  # one thread's chunks stand for all: the stage is the page once all landed
+            full[s].arrive()
+            continue
+        if not running:
+            continue
+        t = rng.choice(sorted(running))
+        event = next(running[t], None)
+        if event is None:
+            del running[t]
+        elif event == "wait":
+            stalls += 1
+            if stalls > 100000:
+                return "deadlock"
+        elif event != "step":
+            return event
+    return None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ring_phases_keep_every_page_and_never_deadlock(overlap):
+    for pages in (0, 1, 5, 6, 7, 8, 9, 17, 40):
+        for seed in range(6):
+            assert _ring_run(pages, 4, seed, attn2.RING_REFILL_DISTANCE, attn2.ring_full_parity,
+                             attn2.ring_empty_parity, overlap) is None, (pages, seed)
+
+
+def test_ring_model_catches_wrong_phases():
+    """Fault injection: the empty parity one phase off lets a copy overwrite a stage still read;
+    refilling at distance 1 with overlap waits on the thread's own arrival (deadlock)."""
+    outcomes = {_ring_run(40, 4, seed, attn2.RING_REFILL_DISTANCE, attn2.ring_full_parity,
+                          lambda ahead: attn2.ring_empty_parity(ahead) ^ 1, True) for seed in range(6)}
+    assert outcomes - {None}
+    assert _ring_run(40, 4, 0, 1, attn2.ring_full_parity, attn2.ring_empty_parity, True) == "deadlock"
+    full_off = {_ring_run(40, 4, seed, attn2.RING_REFILL_DISTANCE, lambda p: attn2.ring_full_parity(p) ^ 1,
+                          attn2.ring_empty_parity, False) for seed in range(6)}
+    assert full_off - {None}
