@@ -6,7 +6,10 @@ cubin with nvdisasm; ptxas -v on the kept PTX reports registers and spills).
 
 Paths: every route from the loop's head to its back edge (the masked / unmasked page, the
 rescale / no rescale; the page load's predicated block counts either way). A predicated-off
-instruction still takes an issue slot, so the counts are what a warp issues per page.
+instruction still takes an issue slot, so the counts are what a warp issues per page. A ring wait
+(`SplitIssue.mbarrier_ring`: an mbarrier try_wait, SASS `SYNCS.PHASECHK...TRYWAIT`) counts as
+succeeding at its first poll: the branch after it is taken, its bounded spin is not walked, and no
+backward branch inside the page loop other than its back edge is followed (a spin, not a page).
 """
 
 from __future__ import annotations
@@ -72,7 +75,12 @@ def loop_paths(sass: str) -> list[int]:
                 target = labels[m.group(1)]
                 if target == pc:  # a trap loop
                     return
-                if t.lstrip().startswith("@"):
+                if t.lstrip().startswith("@") and pc > 0 and "TRYWAIT" in instrs[pc - 1]:
+                    pc = target  # the ring wait's first poll succeeded: past its spin
+                    continue
+                if t.lstrip().startswith("@") and target < pc:
+                    pass  # a spin's backward branch inside the page: not taken
+                elif t.lstrip().startswith("@"):
                     walk(target, n, depth + 1)  # taken; then fall through
                 else:
                     pc = target
@@ -88,7 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--issue", default="none,all",
-                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean joined by +")
+                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean / keys / ring / overlap "
+                             "joined by + ('all+ring': the default savings and the ring)")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)

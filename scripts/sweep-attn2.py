@@ -8,8 +8,9 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
     python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
 
-`--issue none,all` times the split kernel's instruction savings (`kernels.attn2.SplitIssue`:
-"all", "none", or mask / rescale / lean joined by "+") against each other on the same plan; they
+`--issue none,all` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all", "none",
+or mask / rescale / lean / keys / ring / overlap joined by "+"; "all+ring", "all+ring+overlap": the
+default savings with the mbarrier ring, and with overlapped wgmma) against each other on the same plan; they
 must not change a bit, so each point also counts the elements that differ from the first --issue
 setting of its plan (`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
@@ -49,7 +50,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--issue", default="all",
-                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean joined by +; "
+                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean / keys / ring / "
+                             "overlap joined by + (all+ring, all+ring+overlap); "
                              "a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the target's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -20,7 +20,10 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    XOR-swizzled by row, the 128-byte swizzle of `gmma.page_offset`, the ring 1024-byte aligned;
    mma.sync: K | V per slot, chunks swizzled by slot, so the ldmatrix reads are bank-conflict
    free). Slots at and past L are zero-filled by cp.async's src-size 0 (never read: other
-   requests' data or poison may sit there); pages past L are never touched. One barrier a page.
+   requests' data or poison may sit there); pages past L are never touched. One barrier a page;
+   with `SplitIssue.mbarrier_ring` none: a full and an empty mbarrier per stage (`ring_pages`), and
+   with `overlap_mma` page i + 1's Q K^T and page i's P V run beside page i's softmax
+   (`ring_pages_overlapped`). Both are off by default until the H200 A/B.
 3. Per page: S = Q K^T (four k16 steps from zero), the causal and window mask (the same for both
    rows of a thread), the online softmax on unscaled scores (row maxima of S, weights
    2^((s - m) fp32(scale log2 e)) with the difference rounded before the product, by
@@ -63,7 +66,10 @@ the gate and the cache are the QKV front's outputs; the partials are the split k
 combine's wait sees finished and flushed); each releases its dependents after its main work.
 
 Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
-instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8).
+instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8). The
+ring: 139 (the waits' parities and addresses, the empty arrival; no BAR.SYNC, no DEPBAR for the
+copies), 94 registers; the ring with overlap: 150 (the next page's scores move out of the
+registers the following Q K^T writes), 104 registers; no spills, no wgmma serialization.
 Measured on the H200 (`musebench bench attn`, records/): see the README's performance section.
 """
 
@@ -82,6 +88,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from musebench import attn2_layout as lay
 from musebench import config
+from musebench.comm.protocol import DEFAULT_TIMEOUT_NS
 from musebench.kernels import compilation, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
@@ -103,15 +110,28 @@ ACCUMULATORS = 4 * (V_TILES + 1)  # 36 a thread: o[4 t + j]; t = V_TILES holds l
 V_TILE_PAIRS = V_TILES // 2  # one ldmatrix.x4.trans each
 V_CHUNK0 = lay.HEAD_DIM * BF16_BYTES // VECTOR_BYTES  # 8: V's first 16-byte chunk in a slot
 ALIGN = 16
+# mbarrier_ring: the copies of page i + STAGES - RING_REFILL_DISTANCE go, at page i, into the stage page
+# i - RING_REFILL_DISTANCE used (`_Attn2Kernel.kernel`'s ring comment says why 2); every ring wait
+# gives up (trap) after RING_WAIT_BOUND_NS of polling: copies that never land are a fault, not a hang
+RING_REFILL_DISTANCE = 2
+RING_WAIT_BOUND_NS = DEFAULT_TIMEOUT_NS
+MBARRIER_BYTES = 8
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 @dataclass(frozen=True)
 class SplitIssue:
-    """The split kernel's instruction savings, each a compile-time switch (all on by default; each
-    leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them against
-    `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
+    """The split kernel's instruction savings and page-pipeline variants, each a compile-time
+    switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
+    against `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
+    The first four are on by default; `mbarrier_ring` and `overlap_mma` are off until a GPU A/B
+    shows them faster.
 
     - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
       own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
@@ -129,36 +149,61 @@ class SplitIssue:
       eight keys each, four per copy of the scores) instead of 16 word loads; the same words.
       Without `lean_addressing` it costs the windowed sm_90a kernel (2 KV heads) a spill (28
       bytes: the per-page addresses), so `none()` is without it.
+    - `mbarrier_ring` (both tensor-core paths): no CTA barrier a page. Each ring stage has a
+      "full" and an "empty" shared-memory mbarrier (`_Attn2Kernel.kernel`'s ring comment: counts,
+      phases, the refill distance, who fences); the page's copies arrive on "full" as they land
+      (`cp.async.mbarrier.arrive.noinc`), each thread arrives on "empty" once its reads of the
+      page are complete, and every wait is bounded (`RING_WAIT_BOUND_NS`, then `trap`). The same
+      copies, the same MMAs on the same operands in the same order.
+    - `overlap_mma` (wgmma only, with `mbarrier_ring`): page i + 1's S = Q K^T is issued before
+      page i's softmax and page i's P V runs while page i + 1's scores are processed
+      (`wgmma.wait_group 1`); the same MMA chains on the same operands, each accumulator chain in
+      its own order, so the same bits. It needs the ring: with one barrier a page the stage page
+      i - 1 used is refilled right after page i's barrier, while page i - 1's P V may still read it.
 
-    `named("all" | "none" | "mask+rescale+lean+keys" ...)`: a setting by name (the scripts' flags).
+    `named("all" | "none" | "mask+rescale+lean+keys" | "all+ring+overlap" ...)`: a setting by name
+    (the scripts' flags).
     """
 
     mask_edges_only: bool = True
     skip_unit_rescale: bool = True
     lean_addressing: bool = True
     ldmatrix_keys: bool = True
+    mbarrier_ring: bool = False
+    overlap_mma: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.mbarrier_ring or not self.overlap_mma,
+                 "SplitIssue overlap_mma needs mbarrier_ring (name it 'ring+overlap'): with one CTA barrier a page "
+                 "the stage page i - 1 used is refilled after page i's barrier, while page i - 1's P V may still "
+                 "read it")
 
     @staticmethod
     def none() -> SplitIssue:
-        """Every saving off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False)
+        """Every switch off: the split kernel as it was before them (the A/B baseline)."""
+        return SplitIssue(False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys"}
+                   "keys": "ldmatrix_keys", "ring": "mbarrier_ring", "overlap": "overlap_mma"}
+    DEFAULT_ON = ("mask", "rescale", "lean", "keys")  # what "all" turns on: the savings on by default
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all", "none", or short names joined by "+" (those on, the rest off): "mask",
-        "rescale", "lean", "keys". ValueError for anything else."""
-        if name == "all":
-            return SplitIssue()
+        """"all" (the default savings: `DEFAULT_ON`), "none", or short names joined by "+" (those
+        on, the rest off): "mask", "rescale", "lean", "keys", "ring", "overlap"; "all" may lead a
+        "+" list of the switches it leaves off ("all+ring+overlap"). ValueError for anything else
+        (an unknown or repeated name, "all" with a name it already holds, overlap without ring)."""
         if name == "none":
             return SplitIssue.none()
         parts = name.split("+")
-        unknown = [p for p in parts if p not in SplitIssue.SHORT_NAMES]
-        _require(bool(name) and not unknown, f"unknown SplitIssue {name!r}: 'all', 'none' or "
-                 f"{'+'.join(SplitIssue.SHORT_NAMES)} (any of them joined by '+')")
-        return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
+        on = list(parts)
+        if parts[0] == "all":
+            on = list(SplitIssue.DEFAULT_ON) + parts[1:]
+        unknown = [p for p in parts[1 if parts[0] == "all" else 0:] if p not in SplitIssue.SHORT_NAMES]
+        _require(bool(name) and not unknown and len(set(on)) == len(on),
+                 f"unknown SplitIssue {name!r}: 'all', 'none' or {'+'.join(SplitIssue.SHORT_NAMES)} (any of them "
+                 f"joined by '+', each once; 'all' first holds {'+'.join(SplitIssue.DEFAULT_ON)})")
+        return SplitIssue(**{field: short in on for short, field in SplitIssue.SHORT_NAMES.items()})
 
     def knobs(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
@@ -204,11 +249,6 @@ def tensor_ops_for(target: str, requested: str | None) -> str:
     return chosen
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 class _Attn2Kernel:
     """One attn2 variant: `num_kv_heads` KV heads per launch, `num_splits` splits, `max_pages`
     page-table entries per request, `window` (0: none), and `SplitIssue`'s switches (same bits)."""
@@ -216,9 +256,14 @@ class _Attn2Kernel:
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
-                 wgmma: bool = False) -> None:
+                 mbarrier_ring: bool = False, overlap_mma: bool = False, wgmma: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        _require(mbarrier_ring or not overlap_mma, "overlap_mma needs mbarrier_ring (SplitIssue)")
+        _require(wgmma or not overlap_mma, "SplitIssue overlap_mma needs the wgmma path (sm_90a): mma.sync's "
+                 "chains are synchronous, there is nothing to overlap")
         self.wgmma = wgmma
+        self.mbarrier_ring = mbarrier_ring
+        self.overlap_mma = overlap_mma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
         self.lean_addressing = lean_addressing
@@ -241,7 +286,8 @@ class _Attn2Kernel:
     def smem_bytes(self) -> int:
         table = -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
         ones = gmma.ONES_BYTES if self.wgmma else 0
-        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table
+        barriers = 2 * lay.PIPELINE_STAGES * MBARRIER_BYTES if self.mbarrier_ring else 0
+        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table + barriers
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -310,6 +356,16 @@ class _Attn2Kernel:
         predicating both sides): the scores and P, masked or not (`inside`: every key visible to
         every row, a CTA-uniform test; `mask_edges_only`), then P V into O with or without the
         rescale (`skip_unit_rescale`: the warp's vote that every alpha is 1.0)."""
+        m, ah, al, alpha = self.page_weights(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key,
+                                             low_key, inside, m)
+        return m, self.page_accumulate(stage, stage_offset, v_words, descriptors, g, c, ah, al, alpha, o, 0)
+
+    @cute.jit
+    def page_weights(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32,
+                     page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, sacc=None):
+        """The first half of `page_step`: (m, P hi, P lo, alpha) of the page, through the masked or
+        the unmasked copy of `page_scores` (`mask_edges_only`). `sacc`: the page's S = Q K^T
+        already computed and waited for (`overlap_mma`), or None (computed here)."""
         if cutlass.const_expr(self.mask_edges_only):
             # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
             ah = [Uint32(0) for _ in range(4)]
@@ -317,13 +373,21 @@ class _Attn2Kernel:
             alpha = [Float32(0.0), Float32(0.0)]
             if inside:
                 m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, False)
+                                                    m, False, sacc)
             else:
                 m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, True)
+                                                    m, True, sacc)
         else:
             m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, m,
-                                                True)
+                                                True, sacc)
+        return m, ah, al, alpha
+
+    @cute.jit
+    def page_accumulate(self, stage: Int32, stage_offset: Int32, v_words, descriptors, g: Int32, c: Int32, ah: list,
+                        al: list, alpha: list, o: list, pending: cutlass.Constexpr):
+        """The second half of `page_step`: O and l times alpha (or not, `skip_unit_rescale`), then
+        the page's P V into them (`page_values`; `pending` as there). `o` must be readable (no MMA
+        writing it in flight)."""
         if cutlass.const_expr(self.skip_unit_rescale):
             # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
             # every non-NaN x (-0.0 included: -0.0 * 1.0 is -0.0; subnormals: mul.rn.f32 keeps them;
@@ -333,23 +397,23 @@ class _Attn2Kernel:
             o = self.rescale(o, alpha, unit)
         else:
             o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]) for k in range(ACCUMULATORS)]
-        return m, self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o)
+        return self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o, pending)
 
     @cute.jit
     def page_scores(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32, page_key: Int32,
-                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr, sacc=None):
         """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
         visible to every row: each select would pick its score unchanged), the new row maxima and
-        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row)."""
+        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row).
+        `sacc` (wgmma only): S already computed (`page_scores_chain`, waited for), or None."""
         scale_log2 = Float32(SCALE_LOG2)
         # S = Q K^T: s[4 nt + j]
         s = []
         if cutlass.const_expr(self.wgmma):
             # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
             # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
-            step = Int64(stage_offset >> 4)  # the stage's start, in the address field's 16-byte units
-            sacc = wgmma_chain(lay.PAGE_TOKENS, a, [gmma.advance_keys_descriptor(descriptors[0], step, kk)
-                                                    for kk in range(K_TILES)], 0)
+            if cutlass.const_expr(sacc is None):
+                sacc = self.page_scores_chain(stage_offset, descriptors, a, 0)
             for j in cutlass.range_constexpr(8):
                 if cutlass.const_expr(masked):
                     key = page_key + (j // 4) * 8 + 2 * c + (j % 2)
@@ -418,6 +482,16 @@ class _Attn2Kernel:
         return m, ah, al, alpha
 
     @cute.jit
+    def page_scores_chain(self, stage_offset: Int32, descriptors, a: list, pending: cutlass.Constexpr) -> list:
+        """wgmma: the page's S = Q K^T, four k16 steps from zero (scale-d 0), K-major K from the
+        stage's K region: step kk starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is
+        mma.sync's s[4 nt + j]. Committed as one group; `pending` as `wgmma_chain`'s (None: not
+        waited for, the accumulators in flight)."""
+        step = Int64(stage_offset >> 4)  # the stage's start, in the address field's 16-byte units
+        return wgmma_chain(lay.PAGE_TOKENS, a, [gmma.advance_keys_descriptor(descriptors[0], step, kk)
+                                                for kk in range(K_TILES)], 0, None, pending)
+
+    @cute.jit
     def rescale(self, o: list, alpha: list, unit):
         """The accumulators (O and l) times alpha, or as they are where `unit` (every alpha of the
         warp is 1.0: the same bits). The multiplies are pinned in the branch (`pinned`): LLVM would
@@ -428,15 +502,17 @@ class _Attn2Kernel:
 
     @cute.jit
     def page_values(self, stage: Int32, stage_offset: Int32, v_words, descriptors, g: Int32, c: Int32,
-                    ah: list, al: list, o: list) -> list:
+                    ah: list, al: list, o: list, pending: cutlass.Constexpr = 0) -> list:
         """The tensor cores add this page's P V into the accumulators (O, then n-tile 8: l, over an
         n-tile of ones beside V), p_lo's step then p_hi's (`cpu.attn2.accumulate_page`); `o` is
-        already rescaled. Returns the ACCUMULATORS new values."""
+        already rescaled. Returns the ACCUMULATORS new values; wgmma with `pending` None: still
+        in flight (`wgmma_chain`), mma.sync: `pending` must be 0."""
         if cutlass.const_expr(self.wgmma):
             # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
             # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
             descriptor = gmma.advance_values_descriptor(descriptors[1], Int64(stage_offset >> 4))
-            return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
+            return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o, pending)
+        assert pending == 0, "mma.sync is synchronous"
         o = list(o)
         ones = Uint32(gmma.BF16_ONES_WORD)
         for pair in cutlass.range_constexpr(V_TILE_PAIRS + 1):
@@ -457,6 +533,142 @@ class _Attn2Kernel:
                 for j in cutlass.range_constexpr(4):
                     o[4 * t + j] = acc[j]
         return o
+
+    @cute.jit
+    def page_inside(self, page_key: Int32, seq_len: Int32):
+        """`mask_edges_only`'s CTA-uniform test: every key of the page (keys page_key ..
+        page_key + 15) visible to every row of the CTA: token 0's causal limit (the smallest own
+        key) and token 7's window start (the largest low key)."""
+        inside = page_key + (lay.PAGE_TOKENS - 1) <= seq_len - lay.QUERY_LEN
+        if cutlass.const_expr(self.window > 0):
+            inside = inside & (page_key >= seq_len - self.window)
+        return inside
+
+    @cute.jit
+    def ring_wait(self, barrier: Int32, parity: Int32) -> None:
+        """Wait until the phase of parity `parity` of the mbarrier at `barrier` has completed
+        (acquire), polling at most RING_WAIT_BOUND_NS after the first failed poll, then `trap`:
+        copies that never land, or an arrival that never comes, end the launch with an error
+        instead of a hang. The first poll is the whole cost when the phase is already complete."""
+        done = ptx.mbarrier_try_wait_parity_shared_cta_b64(barrier, parity)
+        if done == 0:
+            started = ptx.read_globaltimer_u64()
+            while done == 0:
+                done = ptx.mbarrier_try_wait_parity_shared_cta_b64(barrier, parity)
+                # The timer is read in the same iteration as the poll: the wait is bounded.
+                if done == 0:
+                    if ptx.read_globaltimer_u64() - started > Int64(RING_WAIT_BOUND_NS):
+                        ptx.trap()
+
+    @cute.jit
+    def ring_refill(self, ahead: Int32, pages: Int32, ring_base: Int32, barriers: Int32, cache_base: Int64,
+                    table_smem: Int32, start: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32,
+                    tidx: Int32) -> None:
+        """mbarrier_ring: this thread's copies of the split's page `ahead` (if it has one) into stage
+        s = ahead % STAGES, after the stage's previous page (ahead - STAGES) is consumed by every
+        thread (empty[s], phase ahead // STAGES - 1), then its arrival on full[s] when they land.
+        The stage's first fill (ahead < STAGES) asks for parity 1 of a barrier still in phase 0,
+        which try_wait reports complete at once (the phase "before" phase 0): no test needed."""
+        if ahead < pages:
+            stage = ahead % lay.PIPELINE_STAGES
+            self.ring_wait(barriers + (lay.PIPELINE_STAGES + stage) * MBARRIER_BYTES, ring_empty_parity(ahead))
+            self.page_load(ring_base + stage * lay.PAGE_BYTES, cache_base, table_smem, ahead,
+                           start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+            ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + stage * MBARRIER_BYTES)
+
+    @cute.jit
+    def ring_full_wait(self, page: Int32, barriers: Int32) -> None:
+        """Wait for page `page`'s copies by every thread (full[page % STAGES], phase page // STAGES),
+        then, on the wgmma path, this thread's fence: the bytes other threads' cp.async wrote are
+        visible to this thread through the barrier's acquire (generic proxy), and wgmma reads them
+        through the async proxy, which only a proxy fence after that acquire orders. The writers
+        cannot fence: their copies complete asynchronously, after their last instruction about
+        them. Each thread of the warpgroup fences, as each issues the collective MMA."""
+        self.ring_wait(barriers + (page % lay.PIPELINE_STAGES) * MBARRIER_BYTES, ring_full_parity(page))
+        if cutlass.const_expr(self.wgmma):
+            ptx.fence_proxy_async_shared_cta()
+
+    @cute.jit
+    def ring_pages(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, k_words, v_words,
+                   descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
+                   seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32, m: list,
+                   o: list):
+        """mbarrier_ring's page loop (either tensor-core path): per page i, the refill of page
+        i + STAGES - RING_REFILL_DISTANCE, the wait for page i, `page_step`, then this thread's
+        arrival on empty[i % STAGES] (its reads of the stage are complete: the MMAs that read it
+        were waited for, mma.sync's ldmatrix results consumed; the arrival releases them).
+        Returns (m, o)."""
+        for i in cutlass.range(pages, unroll=1):
+            self.ring_refill(i + (lay.PIPELINE_STAGES - RING_REFILL_DISTANCE), pages, ring_base, barriers, cache_base,
+                             table_smem, start, kv_head, seq_len, cache_pages, tidx)
+            self.ring_full_wait(i, barriers)
+            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+            page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
+            inside = None
+            if cutlass.const_expr(self.mask_edges_only):
+                inside = self.page_inside(page_key, seq_len)
+            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
+                                  page_key, own_key, low_key, inside, m, o)
+            ptx.mbarrier_arrive_shared_cta_b64(barriers + (lay.PIPELINE_STAGES + i % lay.PIPELINE_STAGES)
+                                               * MBARRIER_BYTES)
+        return m, o
+
+    @cute.jit
+    def ring_pages_overlapped(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32,
+                              descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
+                              seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32,
+                              m: list, o: list):
+        """overlap_mma's page loop (wgmma, mbarrier_ring). Page 0's S is computed before the loop;
+        page i (S_i complete) then runs:
+
+        1. the refill of page i + 6 (as `ring_pages`);
+        2. the wait for page i + 1 and S_{i+1} issued (committed, not waited for): always issued,
+           so no in-flight accumulator crosses a branch; at i + 1 = pages it reads the stage page
+           pages - 8 left (no copy is in flight into it: no page at or past `pages` is copied) and
+           its result is dropped;
+        3. page i's softmax on S_i (`page_weights`), while P V_{i-1} and S_{i+1} run;
+        4. `wgmma.wait_group 1`: every group but the newest (S_{i+1}) complete, so P V_{i-1} is, and
+           O is readable; this thread arrives on empty for page i - 1's stage (S_{i-1} completed in
+           page i - 1's step 6, P V_{i-1} now: its last reads of the stage);
+        5. O and l times alpha_i, then P V_i issued (committed, not waited for);
+        6. `wgmma.wait_group 1`: S_{i+1} complete (groups complete in commit order; P V_i, the newest,
+           may run on into page i + 1's steps 1-3).
+        After the loop, `wait_group 0` completes the last P V. The order of every accumulator
+        chain is `page_step`'s (S from zero; O rescaled, then p_lo's step, p_hi's), on the same
+        operands: the same bits.
+
+        Stage lifetime: a stage is read by S_i (issued at page i - 1) and by P V_i (complete at
+        page i + 1's step 4, where the arrival is). The refill at page i writes the stage of page
+        i - 2, whose arrivals came at page i - 1's step 4, so RING_REFILL_DISTANCE = 2 is the least
+        that never waits on this thread's own arrival. Returns (m, o)."""
+        sacc = [Float32(0.0) for _ in range(2 * lay.PAGE_TOKENS // 4)]
+        if pages > 0:
+            self.ring_full_wait(Int32(0), barriers)
+            sacc = self.page_scores_chain(Int32(0), descriptors, a, 0)
+        for i in cutlass.range(pages, unroll=1):
+            self.ring_refill(i + (lay.PIPELINE_STAGES - RING_REFILL_DISTANCE), pages, ring_base, barriers, cache_base,
+                             table_smem, start, kv_head, seq_len, cache_pages, tidx)
+            following = i + 1
+            if following < pages:
+                self.ring_full_wait(following, barriers)
+            following_scores = self.page_scores_chain((following % lay.PIPELINE_STAGES) * lay.PAGE_BYTES,
+                                                      descriptors, a, None)
+            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+            page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
+            inside = None
+            if cutlass.const_expr(self.mask_edges_only):
+                inside = self.page_inside(page_key, seq_len)
+            m, ah, al, alpha = self.page_weights(ring_base + stage_offset, stage_offset, None, descriptors, a, g, c,
+                                                 page_key, own_key, low_key, inside, m, sacc)
+            o = ptx.wgmma_wait_group_sync_aligned(1, o)
+            if i > 0:
+                ptx.mbarrier_arrive_shared_cta_b64(
+                    barriers + (lay.PIPELINE_STAGES + (i - 1) % lay.PIPELINE_STAGES) * MBARRIER_BYTES)
+            o = self.page_accumulate(ring_base + stage_offset, stage_offset, None, descriptors, g, c, ah, al, alpha,
+                                     o, None)
+            sacc = ptx.wgmma_wait_group_sync_aligned(1, following_scores)
+        o = ptx.wgmma_wait_group_sync_aligned(0, o)
+        return m, o
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -479,6 +691,11 @@ class _Attn2Kernel:
         table = smem.allocate_tensor(Int32, cute.make_layout(self.table_entries), byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
         table_smem = Int32(table.iterator.toint())
+        barriers = Int32(0)  # mbarrier_ring: full[s] at barriers + 8 s, empty[s] 8 STAGES further
+        if cutlass.const_expr(self.mbarrier_ring):
+            ring_barriers = smem.allocate_tensor(Int64, cute.make_layout(2 * lay.PIPELINE_STAGES),
+                                                 byte_alignment=MBARRIER_BYTES)
+            barriers = Int32(ring_barriers.iterator.toint())
 
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
@@ -525,12 +742,23 @@ class _Attn2Kernel:
                 one = Uint32(gmma.BF16_ONES_WORD)
                 ptx.st_shared_v4_u32(ones_base + (r * lay.CTA_THREADS + tidx) * VECTOR_BYTES, one, one, one, one)
             ptx.fence_proxy_async_shared_cta()  # the ones, visible to wgmma's reads after the barrier
+        if cutlass.const_expr(self.mbarrier_ring):
+            if tidx == 0:  # every stage's two barriers, published to the CTA by the barrier below
+                for st in cutlass.range_constexpr(2 * lay.PIPELINE_STAGES):
+                    ptx.mbarrier_init_shared_cta_b64(barriers + st * MBARRIER_BYTES, Int32(lay.CTA_THREADS))
         cute.arch.barrier()
-        for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
-            if st < pages:
-                self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
-                               start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.mbarrier_ring):
+            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - RING_REFILL_DISTANCE):
+                if st < pages:
+                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
+                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                    ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + st * MBARRIER_BYTES)
+        else:
+            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
+                if st < pages:
+                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
+                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -552,34 +780,38 @@ class _Attn2Kernel:
             descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
                            Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
-        # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
-        # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
-        # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
-        # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
-        # page i + 7's copies go there after it, 7 pages in flight while page i computes.
-        for i in cutlass.range(pages, unroll=1):
-            cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
-            if cutlass.const_expr(self.wgmma):
-                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
-            cute.arch.barrier()
-            ahead = i + (lay.PIPELINE_STAGES - 1)
-            if ahead < pages:
-                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                               ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-            cute.arch.cp_async_commit_group()
-            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
-            page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
-            inside = None
-            if cutlass.const_expr(self.mask_edges_only):
-                # every key of the page visible to every row of the CTA: token 0's causal limit
-                # (the smallest own key) and token 7's window start (the largest low key)
-                inside = page_key + (lay.PAGE_TOKENS - 1) <= seq_len - lay.QUERY_LEN
-                if cutlass.const_expr(self.window > 0):
-                    inside = inside & (page_key >= seq_len - self.window)
-            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
-                                  page_key, own_key, low_key, inside, m, o)
+        if cutlass.const_expr(self.overlap_mma):
+            m, o = self.ring_pages_overlapped(ring_base, barriers, cache_base, table_smem, descriptors, a, g, c,
+                                              start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+        elif cutlass.const_expr(self.mbarrier_ring):
+            m, o = self.ring_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g,
+                                   c, start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+        else:
+            # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
+            # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
+            # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
+            # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
+            # page i + 7's copies go there after it, 7 pages in flight while page i computes.
+            for i in cutlass.range(pages, unroll=1):
+                cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
+                if cutlass.const_expr(self.wgmma):
+                    ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+                cute.arch.barrier()
+                ahead = i + (lay.PIPELINE_STAGES - 1)
+                if ahead < pages:
+                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                                   ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
+                stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+                page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
+                inside = None
+                if cutlass.const_expr(self.mask_edges_only):
+                    inside = self.page_inside(page_key, seq_len)
+                m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
+                                      page_key, own_key, low_key, inside, m, o)
 
-        cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(0)
+
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
         lsum = [o[4 * V_TILES], o[4 * V_TILES + 2]]  # l of rows g and g + 8: the ones' n-tile
@@ -611,13 +843,16 @@ class _Attn2Kernel:
 
 @cute.jit
 def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr,
-                initial=None) -> list:
+                initial=None, pending: cutlass.Constexpr = 0) -> list:
     """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n72k16, A fragments[i] from
     registers, B by descriptors[i]): the first step from zero (scale-d 0) or onto `initial` (n / 2
-    accumulators), the rest on top, then committed and waited; returns the n / 2 accumulators
-    (mma.sync's C layout per n-tile of 8). The A words and `initial` pass through the fence as tied
-    operands, so whatever computes them (P, the rescale) is emitted before it, never between the
-    fence and the MMA (`ptx.wgmma_fence_sync_aligned`)."""
+    accumulators), the rest on top, then committed as one group and waited for until at most
+    `pending` groups are in flight (0: this one complete; None: no wait, the accumulators are in
+    flight and must be read only through a later `ptx.wgmma_wait_group_sync_aligned` that covers
+    this group); returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8). The A words
+    and `initial` pass through the fence as tied operands, so whatever computes them (P, the
+    rescale) is emitted before it, never between the fence and the MMA
+    (`ptx.wgmma_fence_sync_aligned`)."""
     mma = {16: ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16,
            72: ptx.wgmma_mma_async_sync_aligned_m64n72k16_f32_bf16_bf16}[n]
     words = [w for fragment in fragments for w in fragment]
@@ -630,7 +865,9 @@ def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transp
         else:
             acc = mma(step, descriptors[i], acc, 1, transpose_b)
     ptx.wgmma_commit_group_sync_aligned()
-    return ptx.wgmma_wait_group_sync_aligned(0, acc)
+    if cutlass.const_expr(pending is None):
+        return acc
+    return ptx.wgmma_wait_group_sync_aligned(pending, acc)
 
 
 @cute.jit
@@ -642,6 +879,19 @@ def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -
     model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
     split) stays -inf: its weight is 0."""
     return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
+
+
+def ring_full_parity(page):
+    """The parity of full[page % STAGES]'s phase that completes when page `page`'s copies have
+    landed: phase page // STAGES (the stage's (page // STAGES)-th fill). Ints or DSL Int32."""
+    return (page // lay.PIPELINE_STAGES) & 1
+
+
+def ring_empty_parity(ahead):
+    """The parity of empty[ahead % STAGES]'s phase a thread waits for before copying page `ahead`:
+    phase ahead // STAGES - 1, every thread's reads of page ahead - STAGES done; for the first
+    fill, parity 1 of a barrier in phase 0, which try_wait reports complete. Ints or DSL Int32."""
+    return (ahead // lay.PIPELINE_STAGES + 1) & 1
 
 
 def k_fragment_row(lane, nt, quad):
@@ -942,6 +1192,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
 
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
     split_knobs["wgmma"] = tensor_ops_for(target, build.tensor_ops) == "wgmma"
+    _require(split_knobs["wgmma"] or not build.issue.overlap_mma,
+             f"SplitIssue overlap_mma needs the wgmma path (sm_90a; the target is {target}, tensor_ops "
+             f"{build.tensor_ops or 'default'}): mma.sync's chains are synchronous, there is nothing to overlap")
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(

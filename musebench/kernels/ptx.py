@@ -838,3 +838,56 @@ def wgmma_mma_async_sync_aligned_m64n64k16_f32_bf16_bf16(
     A (64 x 16 BF16) B (16 x 64 BF16 by `b_descriptor`) [+ D]. The fragments as for m64n16k16, with
     32 accumulators: d[4 j + i] for columns 8 j .. 8 j + 7, j = 0 .. 7."""
     return _wgmma_rs_bf16(64, tuple(a), b_descriptor, accumulators, scale_d, transpose_b, loc, ip)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory mbarriers (sm_80+; attn2's page ring): an 8-byte object in this CTA's shared
+# memory with an expected arrival count; a phase completes when that many arrivals have come, and
+# a waiter asks by parity whether the phase it waits for has completed. Arrivals release (the
+# arriving thread's earlier accesses happen before the phase's completion) and a successful wait
+# acquires (`.release.cta` / `.acquire.cta`, the instructions' defaults).
+
+
+@dsl_user_op
+def mbarrier_init_shared_cta_b64(barrier: Int32, count: Int32, *, loc=None, ip=None) -> None:
+    """`mbarrier.init.shared::cta.b64 [barrier], count`: phase 0, `count` arrivals expected per
+    phase (1 .. 2^20 - 1). One thread initialises; a CTA barrier then publishes the object."""
+    _asm(None, [_ir(Int32(barrier), loc, ip), _ir(Int32(count), loc, ip)], "mbarrier.init.shared::cta.b64 [$0], $1;",
+         "r,r", side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_arrive_shared_cta_b64(barrier: Int32, *, loc=None, ip=None) -> None:
+    """`mbarrier.arrive.shared::cta.b64 _, [barrier]`: one arrival (release: this thread's earlier
+    shared-memory reads are complete before the phase it counts toward completes)."""
+    _asm(None, [_ir(Int32(barrier), loc, ip)], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r", side_effects=True,
+         loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_mbarrier_arrive_noinc_shared_cta_b64(barrier: Int32, *, loc=None, ip=None) -> None:
+    """`cp.async.mbarrier.arrive.noinc.shared::cta.b64 [barrier]`: one arrival, made when every
+    cp.async this thread issued before it has completed (its bytes written to shared memory).
+    `.noinc`: the pending count is not raised first, so this arrival is one of the `count` the
+    barrier was initialised with."""
+    _asm(None, [_ir(Int32(barrier), loc, ip)], "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", "r",
+         side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def mbarrier_try_wait_parity_shared_cta_b64(barrier: Int32, parity: Int32, *, loc=None, ip=None) -> Int32:
+    """`mbarrier.try_wait.parity.shared::cta.b64`: 1 if the phase of parity `parity` (0 or 1) has
+    completed (the current phase's parity differs), else 0 after a hardware-bounded suspension; on
+    1 it acquires (the arrivals' released writes are visible to this thread). Only meaningful when
+    the barrier is at most one phase past the one asked for: the caller waits every phase in order.
+    Side effects: a poll is never merged with another or hoisted out of its loop."""
+    return Int32(_asm(T.i32(), [_ir(Int32(barrier), loc, ip), _ir(Int32(parity), loc, ip)],
+                      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2;\nselp.u32 $0, 1, 0, p;\n}",
+                      "=r,r,r", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """`trap`: abort the kernel (the launch fails with an error the host sees at its next
+    synchronisation). For a bounded wait that ran out where the kernel has no fault record."""
+    _asm(None, [], "trap;", "", side_effects=True, loc=loc, ip=ip)

@@ -35,8 +35,11 @@ WGMMA_PV = "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16"
 # variant name: (SplitIssue, tensor_ops): every saving on or off with the target's tensor-core path
 # (wgmma on sm_90a), and every saving on with mma.sync forced (sm_90a's other path; on sm_100a
 # the same kernel as "all")
-ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none(), "sync": attn2.SplitIssue()}
-TENSOR_OPS = {"sync": "sync"}
+ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none(), "sync": attn2.SplitIssue(),
+          "ring": attn2.SplitIssue.named("all+ring"), "ring@sync": attn2.SplitIssue.named("all+ring"),
+          "overlap": attn2.SplitIssue.named("all+ring+overlap")}
+TENSOR_OPS = {"sync": "sync", "ring@sync": "sync"}
+WGMMA_ONLY = {"overlap"}  # refused on sm_100a (test_overlap_mma_refused_without_wgmma)
 _PTX: dict[tuple, tuple[str, str | None]] = {}
 
 
@@ -83,17 +86,74 @@ DEPLOYMENTS = [(2, 2048, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
 KNOWN_SPILLS: set[tuple] = set()
 
 
+ARCH_ISSUES = [(arch, issue) for arch in ("sm_90a", "sm_100a") for issue in sorted(ISSUES)
+               if arch == "sm_90a" or issue not in WGMMA_ONLY]
+
+
+def _ring_failures(ptx: str, wgmma: bool) -> list[str]:
+    """What `SplitIssue.mbarrier_ring`'s PTX lacks (empty: nothing): a full and an empty mbarrier
+    per stage, the copies' arrivals (STAGES - RING_REFILL_DISTANCE before the loop, one in it), the
+    consumers' arrivals, bounded waits (try_wait, the timer, trap), no cp.async group bookkeeping,
+    one CTA barrier (the prologue's: none a page), and on the wgmma path a proxy fence between the
+    last wait before each Q K^T chain and that chain."""
+    failures = []
+    if ptx.count("mbarrier.init.shared::cta.b64") != 2 * lay.PIPELINE_STAGES:
+        failures.append("a full and an empty mbarrier per stage")
+    if ptx.count("cp.async.mbarrier.arrive.noinc.shared::cta.b64") != lay.PIPELINE_STAGES - attn2.RING_REFILL_DISTANCE + 1:
+        failures.append("the copies' arrivals")
+    if "mbarrier.arrive.shared::cta.b64" not in ptx:
+        failures.append("the consumers' arrivals on empty")
+    if "mbarrier.try_wait.parity.shared::cta.b64" not in ptx or "%globaltimer" not in ptx or "trap;" not in ptx:
+        failures.append("bounded waits (try_wait, the timer, trap)")
+    if "cp.async.wait_group" in ptx or "cp.async.commit_group" in ptx:
+        failures.append("cp.async groups left")
+    if ptx.count("bar.sync") != 1:
+        failures.append(f"{ptx.count('bar.sync')} CTA barriers (the prologue's only)")
+    if wgmma:
+        waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait", ptx)]
+        for chain in (m.start() for m in re.finditer(re.escape(WGMMA_S), ptx)):
+            before = [w for w in waits if w < chain]
+            if before and "fence.proxy.async.shared::cta" not in ptx[before[-1]:chain]:
+                failures.append("a Q K^T chain after a ring wait without a proxy fence")
+                break
+    return failures
+
+
+def _overlap_failures(ptx: str) -> list[str]:
+    """What `SplitIssue.overlap_mma`'s PTX lacks: page 0's Q K^T before the loop and the next
+    page's in it (one copy each: the scores' masked / unmasked halves take them waited), P V's two
+    steps, and the waits that leave one group in flight (P V's O, then the next page's S)."""
+    failures = []
+    if ptx.count(WGMMA_S) != 2 * attn2.K_TILES or ptx.count(WGMMA_PV) != 2:
+        failures.append("Q K^T before the loop and in it, P V once")
+    if ptx.count("wgmma.wait_group.sync.aligned 1;") != 2:
+        failures.append("two waits leaving one group in flight")
+    if ptx.count("wgmma.commit_group.sync.aligned") != 3:
+        failures.append("three commit groups (S before the loop, S and P V in it)")
+    return failures
+
+
 # (KV heads, max_model_len, window): one split (short), the split kernel (tp 8, tp 16), the window
-@pytest.mark.parametrize("issue", sorted(ISSUES))
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("arch, issue", ARCH_ISSUES)
 @pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
 def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_len, window, issue):
     ptx, combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue)
     on = ISSUES[issue]
     copies = 2 if on.mask_edges_only else 1  # of the scores: masked and unmasked
     wgmma = attn2.tensor_ops_for(arch, TENSOR_OPS.get(issue)) == "wgmma"
-    assert wgmma == (arch == "sm_90a" and issue != "sync")
-    if wgmma:
+    assert wgmma == (arch == "sm_90a" and issue not in TENSOR_OPS)
+    if on.mbarrier_ring:
+        assert _ring_failures(ptx, wgmma) == []
+    else:
+        assert "mbarrier" not in ptx and "trap;" not in ptx
+    if on.overlap_mma:
+        assert _overlap_failures(ptx) == []
+    elif wgmma:
+        assert "wgmma.wait_group.sync.aligned 1;" not in ptx
+    if wgmma and on.overlap_mma:
+        assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+        assert ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned")
+    elif wgmma:
         assert _wgmma_page(ptx, copies)
     else:
         # Q K^T: 2 n-tiles x 4 k-steps per copy; P V: p_lo and p_hi over 8 n-tiles of V and the ones'
@@ -136,6 +196,42 @@ def test_ptx_order_check_catches_an_early_partial_read(tmp_path_factory):
     assert not _reads_after_wait(early, r"ld\.global|cp\.async")
 
 
+def test_ring_and_overlap_checks_fail_on_broken_ptx(tmp_path_factory):
+    """Fault injection: each PTX assertion of the ring and the overlap can fail. The compiled PTX,
+    edited: a CTA barrier a page back in, the spin's trap gone, the proxy fence gone, a stage's
+    barrier not initialised; a wait_group 1 turned into 0, a second P V chain."""
+    ring, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0, "ring")
+    overlap, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0, "overlap")
+    assert _ring_failures(ring, True) == [] and _ring_failures(overlap, True) == [] and _overlap_failures(overlap) == []
+    edits = {
+        "barrier": ring.replace("mbarrier.arrive.shared::cta.b64", "bar.sync 0;\n\tmbarrier.arrive.shared::cta.b64", 1),
+        "trap": ring.replace("trap;", ""),
+        "fence": re.sub(r"fence\.proxy\.async\.shared::cta;", "", ring),
+        "init": ring.replace("mbarrier.init.shared::cta.b64", "// removed", 1),
+        "arrive": ring.replace("mbarrier.arrive.shared::cta.b64", "// removed"),
+        "groups": ring.replace("trap;", "trap;\n\tcp.async.commit_group;", 1),
+    }
+    for name, edited in edits.items():
+        assert _ring_failures(edited, True), name
+    assert _overlap_failures(overlap.replace("wgmma.wait_group.sync.aligned 1;", "wgmma.wait_group.sync.aligned 0;", 1))
+    assert _overlap_failures(overlap + WGMMA_PV)
+    assert _overlap_failures(ring)  # the ring alone overlaps nothing
+
+
+def test_overlap_mma_refused_without_wgmma_or_ring():
+    """overlap_mma is refused, before any compile, on mma.sync (sm_100a's path, or sm_90a's forced)
+    and without the ring; unknown and repeated names are refused."""
+    overlap = attn2.SplitIssue.named("all+ring+overlap")
+    with pytest.raises(ValueError, match="needs the wgmma path"):
+        attn2.compile_attn2(2, 4096, 0, attn2.Attn2Build(arch="sm_100a", issue=overlap))
+    with pytest.raises(ValueError, match="needs the wgmma path"):
+        attn2.compile_attn2(2, 4096, 0, attn2.Attn2Build(arch="sm_90a", issue=overlap, tensor_ops="sync"))
+    with pytest.raises(ValueError, match="needs mbarrier_ring"):
+        attn2.SplitIssue(overlap_mma=True)
+    with pytest.raises(ValueError, match="needs mbarrier_ring"):
+        attn2.SplitIssue.named("all+overlap")
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
     """lean_addressing: no 64-bit select of the cp.async source at any of the PIPELINE_STAGES page
@@ -145,15 +241,16 @@ def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
     assert off.count("selp.b64") - on.count("selp.b64") == 2 * lay.PIPELINE_STAGES
 
 
-@pytest.mark.parametrize("issue", sorted(ISSUES))
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("arch, issue", ARCH_ISSUES)
 @pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
 def test_ptxas_assembles_without_spills(request, tmp_path, tmp_path_factory, arch, heads, max_model_len, window,
                                        issue):
     if (arch, heads, max_model_len, window, issue) in KNOWN_SPILLS:
         request.applymarker(pytest.mark.xfail(strict=True, reason="ptxas spills here under the register cap"))
     ptx, combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue)
-    assert_no_spills(assemble(ptx, arch, tmp_path, "attn2"))
+    report = assemble(ptx, arch, tmp_path, "attn2")
+    assert_no_spills(report)
+    assert "Performance Loss" not in report  # e.g. wgmma serialized: ptxas waited where the code did not
     if combine is not None:
         assert_no_spills(assemble(combine, arch, tmp_path, "attn2_combine"))
 
@@ -212,7 +309,11 @@ def test_split_issue_names():
     assert named("rescale") == attn2.SplitIssue(False, True, False, False)
     assert named("lean+keys") == attn2.SplitIssue(False, False, True, True)
     assert named("mask+rescale+lean+keys") == named("all")
-    for bad in ("", "mask+", "Mask", "all+mask", "fast", "key"):
+    assert named("all") == attn2.SplitIssue() and not named("all").mbarrier_ring and not named("all").overlap_mma
+    assert named("all+ring") == attn2.SplitIssue(mbarrier_ring=True)
+    assert named("all+ring+overlap") == attn2.SplitIssue(mbarrier_ring=True, overlap_mma=True)
+    assert named("ring+overlap") == attn2.SplitIssue(False, False, False, False, True, True)
+    for bad in ("", "mask+", "Mask", "all+mask", "fast", "key", "all+ring+ring", "ring+all", "none+ring"):
         with pytest.raises(ValueError, match="SplitIssue"):
             named(bad)
 
@@ -333,3 +434,109 @@ def test_v_fragment_checks_fail_on_wrong_addresses():
 
     assert _conflict_free(swapped, *V_SELECTORS) and not _fragments_are_mma_b(swapped)
     assert not _fragments_are_mma_b(unswizzled) and not _conflict_free(unswizzled, *V_SELECTORS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring's phase bookkeeping, on ints: threads following `ring_pages_overlapped`'s order (and
+# `ring_pages`', the same with the arrival one step earlier) under a random schedule, copies
+# landing at random later steps, mbarriers modelled by phase and arrivals (try_wait by parity).
+
+
+class _Barrier:
+    def __init__(self, count):
+        self.count, self.phase, self.arrived = count, 0, 0
+
+    def arrive(self):
+        self.arrived += 1
+        if self.arrived == self.count:
+            self.phase, self.arrived = self.phase + 1, 0
+
+    def passed(self, parity):
+        return self.phase % 2 != parity
+
+
+def _ring_run(pages, threads, seed, distance, full_parity, empty_parity, overlap):
+    """None if every thread's every read of page p found page p in its stage and nothing
+    deadlocked, else what went wrong."""
+    import random
+
+    rng = random.Random(seed)
+    stages = lay.PIPELINE_STAGES
+    full = [_Barrier(threads) for _ in range(stages)]
+    empty = [_Barrier(threads) for _ in range(stages)]
+    stage_page = [None] * stages
+    readers = [set() for _ in range(stages)]  # threads whose reads of a stage are not complete
+    landing = []  # (thread, stage, page): copies issued, not landed
+
+    def program(t):
+        def refill(ahead):
+            if ahead < pages:
+                s = ahead % stages
+                while not empty[s].passed(empty_parity(ahead)):
+                    yield "wait"
+                if readers[s]:
+                    yield f"page {ahead} copied into stage {s} while it was read"
+                landing.append((t, s, ahead))
+
+        def read(page):
+            while not full[page % stages].passed(full_parity(page)):
+                yield "wait"
+            if stage_page[page % stages] != page:
+                yield f"thread {t} read stage {page % stages} for page {page}, found {stage_page[page % stages]}"
+            readers[page % stages].add(t)
+
+        for st in range(stages - distance):
+            yield from refill(st)
+        if pages:
+            yield from read(0)
+        for i in range(pages):
+            yield from refill(i + stages - distance)
+            if i + 1 < pages:
+                yield from read(i + 1)
+            yield "step"
+            done = i - 1 if overlap else i  # the reads completed now: P V of page i - 1 (overlap) or i
+            if done >= 0:
+                readers[done % stages].discard(t)
+                empty[done % stages].arrive()
+
+    running = {t: program(t) for t in range(threads)}
+    stalls = 0
+    while running or landing:
+        if landing and rng.random() < 0.3:
+            t, s, page = landing.pop(rng.randrange(len(landing)))
+            stage_page[s] = page  # one thread's chunks stand for all: the stage is the page once all landed
+            full[s].arrive()
+            continue
+        if not running:
+            continue
+        t = rng.choice(sorted(running))
+        event = next(running[t], None)
+        if event is None:
+            del running[t]
+        elif event == "wait":
+            stalls += 1
+            if stalls > 100000:
+                return "deadlock"
+        elif event != "step":
+            return event
+    return None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ring_phases_keep_every_page_and_never_deadlock(overlap):
+    for pages in (0, 1, 5, 6, 7, 8, 9, 17, 40):
+        for seed in range(6):
+            assert _ring_run(pages, 4, seed, attn2.RING_REFILL_DISTANCE, attn2.ring_full_parity,
+                             attn2.ring_empty_parity, overlap) is None, (pages, seed)
+
+
+def test_ring_model_catches_wrong_phases():
+    """Fault injection: the empty parity one phase off lets a copy overwrite a stage still read;
+    refilling at distance 1 with overlap waits on the thread's own arrival (deadlock)."""
+    outcomes = {_ring_run(40, 4, seed, attn2.RING_REFILL_DISTANCE, attn2.ring_full_parity,
+                          lambda ahead: attn2.ring_empty_parity(ahead) ^ 1, True) for seed in range(6)}
+    assert outcomes - {None}
+    assert _ring_run(40, 4, 0, 1, attn2.ring_full_parity, attn2.ring_empty_parity, True) == "deadlock"
+    full_off = {_ring_run(40, 4, seed, attn2.RING_REFILL_DISTANCE, lambda p: attn2.ring_full_parity(p) ^ 1,
+                          attn2.ring_empty_parity, False) for seed in range(6)}
+    assert full_off - {None}
