@@ -16,6 +16,9 @@
 #   parity      musebench parity scenarios/parity.toml
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
+#   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
+#               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
+#               overrides the list), bench attn, and (ncu) the 128k split kernel's stalls per setting
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
@@ -28,7 +31,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|attn2|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -125,6 +128,22 @@ case $part in
       run ncu-routing 180 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/profile-routing.py
     else
       echo "== ncu-routing: no ncu on this machine" | tee -a "$log"
+    fi
+    ;;
+  attn2)
+    gpu_tests pytest-attn2 300 tests/kernels/test_attn2_gpu.py tests/kernels/test_gmma_probe_gpu.py tests/cases/test_attn2.py
+    issues=${ATTN2_ISSUES:-all@sync,all,all+ring,all+ring+overlap}
+    run sweep-attn2 200 python3 scripts/sweep-attn2.py --splits 256 --tp 8,16 --lengths 8192,32768,131072 \
+      --issue "$issues" --json "$out/$day-$gpu-sweep-attn2.json"
+    run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
+    if command -v ncu > /dev/null; then
+      for issue in ${issues//,/ }; do
+        run "ncu-attn2-$issue" 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
+          --metrics "regex:smsp__warp_issue_stalled_.*_per_warp_active.pct,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum" \
+          python3 scripts/profile-attn2.py --lengths 131072 --issue "$issue"
+      done
+    else
+      echo "== ncu-attn2: no ncu on this machine" | tee -a "$log"
     fi
     ;;
   multi-gpu)  # TP=N (default: every GPU) runs on the first N GPUs, one process each

@@ -10,6 +10,10 @@ or where the time goes (warp stall reasons, issue activity, memory throughput) o
         --section MemoryWorkloadAnalysis --section Occupancy --launch-skip 1 --launch-count 1 \
         python3 scripts/profile-attn2.py --lengths 131072
 
+`--issue all+ring` (a `SplitIssue` name, optionally `@wgmma` / `@sync`) profiles the split kernel
+with other compile-time switches than the deployment's (`kernels.attn2.launch`'s experiment
+arguments); the default is the deployment's build, through `cute_ops`.
+
 Why: the bench times a CUDA graph of attn2 calls; it cannot say whether a call is bound by its
 HBM stream, by its per-page arithmetic or by its merge. Each length prints a marker line before its
 launches. Inputs are the bench's (`cases.attn2_inputs.make_problem`, random family, one request),
@@ -19,11 +23,13 @@ this rank's KV heads at `--tp`.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from musebench import cute_ops
-from musebench.cases.attn2 import runner_for
+from musebench.cases.attn2 import OUT, out_rows, runner_for
+from musebench.kernels import attn2
 from musebench.cases.attn2_inputs import for_rank, make_problem
 
 LAUNCHES = 3  # per length, after one warm-up launch
@@ -33,17 +39,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
     parser.add_argument("--tp", type=int, default=8, help="2, 4, 8 or 16 (8 .. 1 KV heads)")
+    parser.add_argument("--issue", default=None, help="a SplitIssue name (all, all+ring, ...), optionally @wgmma|@sync")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()
+    build = None
+    if args.issue:
+        setting, _, ops = args.issue.partition("@")
+        try:
+            build = (attn2.SplitIssue.named(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
+        except ValueError as e:
+            sys.exit(f"--issue: {e}")  # exit 1 with the reason, before any GPU work
     device = torch.device("cuda")
     for length in (int(x) for x in args.lengths.split(",")):
         problem = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, args.tp)
         runner = runner_for(cute_ops, problem, device)
+        p = runner.problem
+
+        def call() -> None:
+            if build is None:
+                runner.call()
+            else:
+                attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out_rows(runner.outputs[OUT]),
+                             runner.workspace, max_model_len=p.max_model_len, window=p.window, issue=build[0],
+                             tensor_ops=build[1])
+
         for launch in range(LAUNCHES + 1):  # the first compiles and loads outside the count
             if launch == 1:
-                print(f"== attn2 tp {args.tp} L {length}: {LAUNCHES} launches", flush=True)
-            runner.call()
+                print(f"== attn2 tp {args.tp} L {length} {args.issue or 'deployment'}: {LAUNCHES} launches",
+                      flush=True)
+            call()
             torch.cuda.synchronize()
 
 
