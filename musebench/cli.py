@@ -603,8 +603,12 @@ def front(tp, tokens, rope, inputs, seed, seeds, json_path, junit_path, inject, 
 @click.option("--tokens", default="1,2,4,8,16", show_default=True)
 @click.option("--calls", type=int, default=20, show_default=True)
 @click.option("--replays", type=int, default=30, show_default=True)
+@click.option("--cold-weights", is_flag=True,
+              help="Also time the launch with every call of the graph reading its own weight copy (none "
+                   "L2-resident: a deployment's layers), the 'cold weights' column; needs --calls >= 13 / 7 / 4 "
+                   "at tp 16 / 8 / 4.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
-def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
+def bench_front_command(tp_list, tokens, calls, replays, cold_weights, json_path) -> None:
     """GPU: the QKV front as a deployment launches it (no tap, PDL: the tail column) vs the unfused
     path (torch.matmul, i.e. cuBLAS, then the Triton stock epilogue), torch.matmul alone and the
     same launch built without PDL ('front without PDL': its cell's ratio is PDL / no PDL, same run)
@@ -621,8 +625,14 @@ def bench_front_command(tp_list, tokens, calls, replays, json_path) -> None:
     try:
         if calls < 1 or replays < 1:
             raise ValueError("--calls and --replays must be >= 1")
+        if cold_weights:  # every tp's copies before any job looks at the machine
+            from musebench.cases.qkv_front import cold_copies_for
+
+            for tp in tps:
+                cold_copies_for(tp, calls)
         jobs = [make_front_job(name=f"bench front tp={tp}", tp=tp, tokens=_parse_ints(tokens, "--tokens"), rope=(True,),
-                               inputs=("random",), seeds=(0,), measurement="bench", bench=options) for tp in tps]
+                               inputs=("random",), seeds=(0,), measurement="bench", bench=options,
+                               cold_weights=cold_weights) for tp in tps]
     except ValueError as error:
         _usage_error(str(error))
     note = f"{jobs[0].backend_note}; roofline = N x 8192 x 2 B / 4.2 TB/s (N 1152: 4.5 µs, 2304: 9.0 µs, 4608: 18.0 µs)"

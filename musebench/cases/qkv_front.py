@@ -15,7 +15,13 @@ cache bits as the tap launch (`check_variants_agree`), so what `expected` checks
 holds of them. A bench case (`FrontCase.bench`, `musebench bench front`) calls the deployment's
 launch itself: its `tail µs` column times that launch, its outputs are out and the cache (the tap
 launch is the part `with tap`, timed apart; the build without PDL the baseline `front without
-PDL`, whose cell carries the PDL build's ratio to it, measured in the same run). Then
+PDL`, whose cell carries the PDL build's ratio to it, measured in the same run). With cold weights
+(`FrontCase.cold_copies`, `bench front --cold-weights`) the baseline `cold weights` times the
+deployment's launch with each of the graph's calls reading its own copy of the weight
+(`cold_copies` = --calls copies, at least COLD_L2_FACTOR L2s of weight between two reads of a
+copy): what a deployment sees, where every layer's weight is another, beside the tail column's
+one weight (L2-resident at N 1152 and 2304); every copy's launch is checked once to write the
+tail launch's bits (`check_cold_copies_agree`). Then
 (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
@@ -52,6 +58,10 @@ NO_PDL = "front without PDL"  # the bench's baseline: the deployment's launch bu
 VIRTUAL_STOCK = PROCESS_STOCK = "unfused"  # torch matmul (cuBLAS), then the Triton stock epilogue
 MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
+COLD = "cold weights"  # the bench's baseline: the deployment's launch, every call reading another weight copy
+L2_BYTES = 50 * 1024 * 1024  # H200 L2 (the weights of N 1152 and 2304 fit)
+COLD_L2_FACTOR = 4  # a cold call's copy was last read at least this many L2s of weight ago
+COLD_MAX_BYTES = 16 * 1024 ** 3  # weight copies a cold bench may hold on the GPU
 OUT, TAP, CACHE = "out", "tap", "kv_cache"
 INPUT_FAMILIES = ("random", "adversarial")
 TP_KV_HEADS = {4: 4, 8: 2, 16: 1}  # tp -> KV heads per rank (Muse Spark: 16 KV heads)
@@ -79,10 +89,12 @@ class FrontCase:
     inputs: str = "random"
     seed: int = 0
     bench: bool = False  # the call is the deployment's launch (no tap, PDL), not the tap launch
+    cold_copies: int = 0  # a bench case's `cold weights` baseline: weight copies rotated (0: none)
     family: str = "qkv_front"
 
     def label(self) -> str:
         launch = " deployed launch" if self.bench else ""
+        launch += f" cold weights x{self.cold_copies}" if self.cold_copies else ""
         return (f"qkv_front tp={self.tp} b={self.tokens} {'rope' if self.rope else 'nope'} {self.inputs} "
                 f"seed={self.seed}{launch}")
 
@@ -339,6 +351,45 @@ def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approxim
     return Expected(per_rank, f"tap + torch stock epilogue; {lines[0]}")
 
 
+def cold_copies_for(tp: int, calls: int) -> int:
+    """The weight copies of a cold-weights bench at `tp` with `calls` calls per graph: one per call
+    (a copy is read once a replay, `calls` - 1 other copies after its last read). ValueError, with
+    the reason, where that is fewer than COLD_L2_FACTOR L2s of weight (too few calls to evict a
+    copy: the option would time warm launches) or more than COLD_MAX_BYTES of copies."""
+    size = 1152 * kv_heads_for(tp) * HIDDEN * 2
+    needed = -(-COLD_L2_FACTOR * L2_BYTES // size) + 1
+    if calls < needed:
+        raise ValueError(f"--cold-weights reads one weight copy per call of the graph: at tp {tp} (a weight of "
+                         f"{size / 1e6:.1f} MB) it needs --calls >= {needed} so that {COLD_L2_FACTOR} x the "
+                         f"{L2_BYTES >> 20} MiB L2 of other copies lie between two reads of one copy, got --calls {calls}")
+    if calls * size > COLD_MAX_BYTES:
+        raise ValueError(f"--cold-weights at tp {tp} with --calls {calls} would hold {calls * size / 1e9:.1f} GB of "
+                         f"weight copies (at most {COLD_MAX_BYTES >> 30} GiB); use fewer --calls")
+    return calls
+
+
+def check_cold_copies_agree(runner: FrontRunner, copies: list[torch.Tensor]) -> None:
+    """One eager deployment launch per weight copy from poisoned outputs, each compared bitwise
+    with the launch on the runner's own weight (out and the whole cache buffer): the cold path
+    times the tail's work. ValueError naming the copy, the output and the first mismatch."""
+    o = runner.outputs
+
+    def written(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        for t in o.values():
+            checks.poison(t)
+        runner.launch(runner.x, weight, runner.positions, runner.cos_sin, runner.slots, pool(o[CACHE]),
+                      o[CACHE].shape[1], o[OUT])
+        return {name: o[name].clone() for name in (OUT, CACHE)}
+
+    want = written(runner.weight)
+    for index, weight in enumerate(copies):
+        for name, got in written(weight).items():
+            count, _, first = checks.compare_bits(got, want[name])
+            if count:
+                raise ValueError(f"cold weights: the launch on weight copy {index} wrote {count} elements of {name} "
+                                 f"other than the launch on the weight (first: {first})")
+
+
 def bytes_moved(case: FrontCase) -> int:
     """The weight one rank streams: N x 8192 x 2 bytes (the roofline's numerator)."""
     return 1152 * kv_heads_for(case.tp) * HIDDEN * 2
@@ -346,6 +397,7 @@ def bytes_moved(case: FrontCase) -> int:
 
 def row_fields(case: FrontCase, options: RunOptions) -> dict[str, Any]:
     mode = ("rope" if case.rope else "nope") + (", deployed launch (no tap, PDL)" if case.bench else "")
+    mode += f", cold weights: {case.cold_copies} copies" if case.cold_copies else ""
     return dict(kernel=name, mode=mode, tp=case.tp, tokens=case.tokens,
                 weight_dtype="bf16", norm="qk", inputs=case.inputs, seed=case.seed, stock="torch")
 
@@ -367,7 +419,10 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     compiles before any capture). Not checked bitwise: cuBLAS's summation order is its own.
     A bench case whose launch takes `enable_pdl` adds `front without PDL`: the deployment's launch
     built without PDL, into the runner's outputs (bind checked its bits equal the PDL build's);
-    its cell's ratio is the PDL build's time over it, both timed in this run."""
+    its cell's ratio is the PDL build's time over it, both timed in this run. A bench case with
+    `cold_copies` adds `cold weights`: the deployment's launch, call j of the graph (its capture
+    included) reading copy j mod cold_copies, each copy checked first (`check_cold_copies_agree`);
+    its cell's ratio is the one-weight tail over it."""
     from musebench.cases.tail import Baseline
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
@@ -385,4 +440,25 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     paths = {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
     if case.bench and takes_pdl(runner.launch):
         paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
+    if case.bench and case.cold_copies:
+        paths[COLD] = Baseline(cold_launch(runner, case.cold_copies))
     return paths
+
+
+def cold_launch(runner: FrontRunner, count: int) -> Any:
+    """A call that launches the deployment's launch into the runner's outputs on the next of
+    `count` copies of its weight (checked first: `check_cold_copies_agree`): captured `count`
+    times in a graph, each captured launch reads a copy of its own."""
+    copies = [runner.weight.clone() for _ in range(count)]
+    check_cold_copies_agree(runner, copies)
+    turn = [0]
+    o = runner.outputs
+
+    def call() -> None:
+        weight = copies[turn[0] % count]
+        turn[0] += 1
+        runner.launch(runner.x, weight, runner.positions, runner.cos_sin, runner.slots, pool(o[CACHE]),
+                      o[CACHE].shape[1], o[OUT])
+
+    call.copies = copies
+    return call

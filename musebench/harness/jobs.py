@@ -440,14 +440,24 @@ def make_front_job(
     impl: str = "musebench",
     measurement: str = "check",
     bench: BenchOptions | None = None,
+    cold_weights: bool = False,
 ) -> Job:
     """Validate everything and build a QKV front job (virtual ranks of one GPU); ValueError names
     the first bad value: tp outside 4, 8, 16 (N = 4608, 2304, 1152), tokens outside 1..16, an
     unknown input family, a fault the family cannot inject. Two calls per rank: repeatability.
-    A bench job's cases call the deployment's launch (`FrontCase.bench`: no tap, PDL)."""
-    from musebench.cases.qkv_front import INPUT_FAMILIES, MAX_TOKENS, FrontCase, faults as front_faults, kv_heads_for
+    A bench job's cases call the deployment's launch (`FrontCase.bench`: no tap, PDL); with
+    `cold_weights` they also time it on one weight copy per call of the graph
+    (`cases.qkv_front.cold_copies_for`: refused, before the machine is looked at, outside a bench
+    or where bench.calls cannot keep a copy out of L2)."""
+    from musebench.cases.qkv_front import (INPUT_FAMILIES, MAX_TOKENS, FrontCase, cold_copies_for,
+                                           faults as front_faults, kv_heads_for)
 
     kv_heads_for(tp)
+    cold_copies = 0
+    if cold_weights:
+        if measurement != "bench" or bench is None:
+            raise ValueError("--cold-weights times the bench's launches: it needs a bench job")
+        cold_copies = cold_copies_for(tp, bench.calls)
     bad_tokens = [m for m in tokens if not 1 <= m <= MAX_TOKENS]
     if bad_tokens or not tokens:
         raise ValueError(f"qkv_front takes 1 to {MAX_TOKENS} tokens, got {list(tokens)}")
@@ -463,7 +473,8 @@ def make_front_job(
         from musebench.harness.impl import cute_ops_with
 
         cute_ops_with(impl, "launch_qkv_front")  # ImplError (exit 2) before anything launches
-    cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed, bench=measurement == "bench")
+    cases = tuple(FrontCase(tp=tp, tokens=m, rope=r, inputs=family, seed=seed, bench=measurement == "bench",
+                            cold_copies=cold_copies)
                   for r in rope for family in inputs for m in tokens for seed in seeds)
     options = RunOptions(backend=resolved if resolved != "skipped" else backend, launcher="virtual", iters=2,
                          warmup=0, timeout_s=timeout_s, faults=faults, impl=impl)

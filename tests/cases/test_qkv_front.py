@@ -336,3 +336,88 @@ def test_bench_jobs_build_bench_cases(monkeypatch):
     kwargs = dict(name="f", tp=16, tokens=(1, 2), rope=(True,), inputs=("random",), seeds=(0,), check_machine=False)
     assert all(c.bench for c in jobs.make_front_job(**kwargs, measurement="bench").cases)
     assert not any(c.bench for c in jobs.make_front_job(**kwargs).cases)
+
+
+def test_cold_weights_copies_keep_every_copy_out_of_l2_or_are_refused():
+    """One copy per call of the graph: calls - 1 other copies between two reads of one copy must be
+    at least COLD_L2_FACTOR L2s (13, 7, 4 calls at tp 16, 8, 4); more than COLD_MAX_BYTES of copies
+    is refused too."""
+    for tp, least in ((16, 13), (8, 7), (4, 4)):
+        size = front.bytes_moved(front.FrontCase(tp=tp, tokens=1))
+        assert (least - 1) * size >= front.COLD_L2_FACTOR * front.L2_BYTES > (least - 2) * size
+        assert front.cold_copies_for(tp, least) == least
+        with pytest.raises(ValueError, match=f"needs --calls >= {least} .* got --calls {least - 1}"):
+            front.cold_copies_for(tp, least - 1)
+    with pytest.raises(ValueError, match="GiB"):
+        front.cold_copies_for(4, 1000)
+
+
+def test_cold_weights_need_a_bench_job_and_enough_calls():
+    from musebench.harness import jobs
+    from musebench.harness.measure import BenchOptions
+
+    kwargs = dict(name="f", tp=16, tokens=(1,), rope=(True,), inputs=("random",), seeds=(0,), check_machine=False)
+    with pytest.raises(ValueError, match="needs a bench job"):
+        jobs.make_front_job(**kwargs, cold_weights=True)
+    with pytest.raises(ValueError, match="--calls >= 13"):
+        jobs.make_front_job(**kwargs, measurement="bench", bench=BenchOptions(calls=12), cold_weights=True)
+    job = jobs.make_front_job(**kwargs, measurement="bench", bench=BenchOptions(calls=20), cold_weights=True)
+    assert [c.cold_copies for c in job.cases] == [20] and "cold weights x20" in job.cases[0].label()
+    plain = jobs.make_front_job(**kwargs, measurement="bench", bench=BenchOptions(calls=20))
+    assert [c.cold_copies for c in plain.cases] == [0]
+
+
+@pytest.mark.parametrize("argv", [["--tp", "16", "--calls", "12"], ["--tp", "4,8", "--calls", "6"]])
+def test_bench_front_cold_weights_with_too_few_calls_exits_2_before_anything_launches(no_gpu, argv):
+    """The refusal comes from the options alone (here no GPU exists; the option is refused first)."""
+    from click.testing import CliRunner
+
+    from musebench.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "front", "--cold-weights", *argv], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert "--cold-weights reads one weight copy per call" in result.output
+    assert "needs a CUDA GPU" not in result.output
+
+
+def test_cold_launch_reads_a_copy_of_its_own_per_captured_call_and_checks_every_copy():
+    """`cold_launch(runner, k)`: k calls read k distinct copies (never the runner's weight), into
+    the runner's outputs; a copy whose launch writes other bits than the launch on the weight is
+    refused, naming the copy (fault injection: a corrupted copy, a launch that ignores nothing)."""
+    case = small_case(tokens=3, bench=True, cold_copies=4)
+    inputs = front.make_inputs(case)
+    copies = front._device_copies(case, inputs, 0, torch.device("cpu"))
+    faithful = _fake_launch(False)
+    read = []
+
+    def launch(x, weight, *args, **kwargs):
+        read.append(weight.data_ptr())
+        return faithful(x, weight, *args, **kwargs)
+
+    runner = front.FrontRunner(launch, case, **copies)
+    call = front.cold_launch(runner, 4)
+    assert len(read) == 5  # the check: the weight, then every copy
+    read.clear()
+    for _ in range(4):
+        call()
+    assert sorted(read) == sorted(c.data_ptr() for c in call.copies) and len(set(read)) == 4
+    assert runner.weight.data_ptr() not in read
+    bad = [c.clone() for c in call.copies]
+    bad[2][7, 100] = -bad[2][7, 100] if bad[2][7, 100] != 0 else 1.0
+    with pytest.raises(ValueError, match="weight copy 2 wrote .* elements of out"):
+        front.check_cold_copies_agree(runner, bad)
+    front.check_cold_copies_agree(runner, [c.clone() for c in call.copies])
+
+
+def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch):
+    import musebench.stock.triton_qkv_epilogue as triton_stock
+
+    monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
+    inputs = front.make_inputs(small_case(tokens=2))
+    for copies, want in ((0, False), (13, True)):
+        case = small_case(tokens=2, bench=True, cold_copies=copies)
+        runner = front.FrontRunner(_fake_launch(False), case,
+                                   **front._device_copies(case, inputs, 0, torch.device("cpu")))
+        paths = front.baselines(case, inputs, 0, runner, None)
+        assert (front.COLD in paths) == want
+        assert front.NO_PDL not in paths  # the stand-in takes no enable_pdl
