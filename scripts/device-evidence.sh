@@ -16,6 +16,11 @@
 #   parity      musebench parity scenarios/parity.toml
 #   routing     the routing kernel's GPU tests, routing --tp 8, bench routing and (ncu) the kernel
 #               durations of scripts/profile-routing.py
+#   front       qkv_front's GPU tests, bench front with the cold-weight column, and (ncu, caches not
+#               flushed between launches) each launch's duration and DRAM / L2 bytes
+#               (scripts/profile-qkv-front.py, warm and cold weights); FRONT_TREE=DIR (optional):
+#               another musebench tree (e.g. `git archive front-profile musebench`, carried) benched
+#               the same way, alternating with the checkout, for an A/B on one lease
 #   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
 #               overrides the list), bench attn, and (ncu) the 128k split kernel's stalls per setting
@@ -31,7 +36,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|attn2|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -128,6 +133,25 @@ case $part in
       run ncu-routing 180 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/profile-routing.py
     else
       echo "== ncu-routing: no ncu on this machine" | tee -a "$log"
+    fi
+    ;;
+  front)
+    gpu_tests pytest-front 300 tests/kernels/test_qkv_front_gpu.py tests/cases/test_qkv_front.py
+    rounds=1
+    [ -n "${FRONT_TREE:-}" ] && rounds=2
+    for round in $(seq 1 "$rounds"); do
+      run "bench-front-$round" 200 musebench bench front --cold-weights --json "$out/$day-$gpu-bench-front-$round.json"
+      if [ -n "${FRONT_TREE:-}" ]; then
+        run "bench-front-tree-$round" 200 env -C "$FRONT_TREE" MUSEBENCH_GIT_COMMIT="${FRONT_COMMIT:-tree}" \
+          musebench bench front --cold-weights --json "$out/$day-$gpu-bench-front-tree-$round.json"
+      fi
+    done
+    if command -v ncu > /dev/null; then
+      run ncu-front 200 ncu --cache-control none --clock-control none --kernel-name regex:QkvFront \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
+        python3 scripts/profile-qkv-front.py
+    else
+      echo "== ncu-front: no ncu on this machine" | tee -a "$log"
     fi
     ;;
   attn2)
