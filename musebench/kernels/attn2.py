@@ -130,8 +130,8 @@ class SplitIssue:
     """The split kernel's instruction savings and page-pipeline variants, each a compile-time
     switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
     against `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
-    The first four are on by default; `mbarrier_ring` and `overlap_mma` are off until a GPU A/B
-    shows them faster.
+    The first four are on by default; `mbarrier_ring`, `overlap_mma` and `trim_combine` are off
+    until a GPU A/B shows them faster.
 
     - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
       own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
@@ -155,6 +155,13 @@ class SplitIssue:
       (`cp.async.mbarrier.arrive.noinc`), each thread arrives on "empty" once its reads of the
       page are complete, and every wait is bounded (`RING_WAIT_BOUND_NS`, then `trap`). The same
       copies, the same MMAs on the same operands in the same order.
+    - `trim_combine` (the combine kernel's, off until a GPU A/B): the merge tree's levels above the
+      smallest subtree that holds every split with pages are not run. Above it every merge has an
+      empty sibling ((0, -inf, 0): weight 2^-inf = 0, its own 2^0 = 1), which passes the live node
+      through as O + 0 and l + 0: one add of +0.0 (a -0.0 becomes +0.0, as those merges make it)
+      gives the same bits. The live splits are a cyclic range of the plan (from first_page mod S,
+      min(S, pages) long); a range that wraps runs every level. A request of L <= 512 without a
+      window runs 3 of the 6 levels at S = 256, a single page none.
     - `overlap_mma` (wgmma only, with `mbarrier_ring`): page i + 1's S = Q K^T is issued before
       page i's softmax and page i's P V runs while page i + 1's scores are processed
       (`wgmma.wait_group 1`); the same MMA chains on the same operands, each accumulator chain in
@@ -171,6 +178,7 @@ class SplitIssue:
     ldmatrix_keys: bool = True
     mbarrier_ring: bool = False
     overlap_mma: bool = False
+    trim_combine: bool = False
 
     def __post_init__(self) -> None:
         _require(self.mbarrier_ring or not self.overlap_mma,
@@ -184,7 +192,8 @@ class SplitIssue:
         return SplitIssue(False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "ring": "mbarrier_ring", "overlap": "overlap_mma"}
+                   "keys": "ldmatrix_keys", "ring": "mbarrier_ring", "overlap": "overlap_mma",
+                   "trim": "trim_combine"}
     DEFAULT_ON = ("mask", "rescale", "lean", "keys")  # what "all" turns on: the savings on by default
 
     @staticmethod
@@ -1020,8 +1029,9 @@ class _Attn2CombineKernel:
     requests), COMBINE_QUADS x `combine_groups(num_splits)` threads."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool) -> None:
+                 enable_pdl: bool, trim_combine: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
+        self.trim_combine = trim_combine
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.groups = lay.combine_groups(num_splits)
@@ -1064,6 +1074,26 @@ class _Attn2CombineKernel:
             leaf[lay.LANE_DIMS] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(half) * WORD_BYTES))
             leaf[lay.LANE_DIMS + 1] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(2 + half) * WORD_BYTES))
         return leaf
+
+    @cute.jit
+    def first_live_group(self, first_page: Int32) -> Int32:
+        """The group of the first split with pages: split first_page mod S (`page_range`)."""
+        return (first_page & (self.num_splits - 1)) // self.leaves
+
+    @cute.jit
+    def levels_needed(self, first_page: Int32, end_page: Int32, levels: cutlass.Constexpr) -> Int32:
+        """The merge tree's levels (of `levels`) up to the smallest subtree holding every group with
+        a split with pages: the level where the first and the last live group meet; all of them
+        when the live splits wrap past split S - 1 (`SplitIssue.trim_combine`)."""
+        count = cutlass.min(end_page - first_page, Int32(self.num_splits))
+        first = first_page & (self.num_splits - 1)
+        last = (first + count - 1) & (self.num_splits - 1)
+        a = first // self.leaves
+        b = last // self.leaves
+        needed = Int32(0)
+        for k in cutlass.range_constexpr(levels):
+            needed = needed + cutlass.select_((a >> k) != (b >> k), Int32(1), Int32(0))
+        return cutlass.select_(first + count > self.num_splits, Int32(levels), needed)
 
     @cute.jit
     def subtree(self, leaves: list, lo: cutlass.Constexpr, n: cutlass.Constexpr) -> list:
@@ -1126,19 +1156,32 @@ class _Attn2CombineKernel:
         if cutlass.const_expr(self.groups > 1):
             self.store_slot(slot_base, group, c, mine)
             cute.arch.barrier()
+            levels = int(math.log2(self.groups))
+            needed = Int32(levels)
+            if cutlass.const_expr(self.trim_combine):
+                needed = self.levels_needed(first_page, end_page, levels)
             span = self.groups
-            for _ in cutlass.range_constexpr(int(math.log2(self.groups))):
+            for level in cutlass.range_constexpr(levels):
                 span //= 2
-                live = group < span
-                pick = cutlass.select_(live, group, Int32(0))
-                left = self.load_slot(slot_base, 2 * pick, c)
-                right = self.load_slot(slot_base, 2 * pick + 1, c)
-                merge_into(left, right)
-                cute.arch.barrier()  # every read of this level before any write
-                if live:
-                    self.store_slot(slot_base, group, c, left)
-                cute.arch.barrier()
-            mine = self.load_slot(slot_base, Int32(0), c)
+                if level < needed:  # CTA-uniform: every thread takes the same side of each barrier
+                    live = group < span
+                    pick = cutlass.select_(live, group, Int32(0))
+                    left = self.load_slot(slot_base, 2 * pick, c)
+                    right = self.load_slot(slot_base, 2 * pick + 1, c)
+                    merge_into(left, right)
+                    cute.arch.barrier()  # every read of this level before any write
+                    if live:
+                        self.store_slot(slot_base, group, c, left)
+                    cute.arch.barrier()
+            if cutlass.const_expr(self.trim_combine):
+                # the live subtree's node at level `needed` is at slot (first live group) >> needed;
+                # the levels above it pass it through as O + 0 and l + 0 (m as it is)
+                mine = self.load_slot(slot_base, self.first_live_group(first_page) >> needed, c)
+                passed = needed < levels
+                mine = [cutlass.select_(passed, ptx.add_rn_f32(x, Float32(0.0)), x) if k != lay.LANE_DIMS else x
+                        for k, x in enumerate(mine)]
+            else:
+                mine = self.load_slot(slot_base, Int32(0), c)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
             row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
@@ -1186,6 +1229,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits)
     knobs["enable_pdl"] = bool(build.enable_pdl)
     split_knobs = dict(knobs, **build.issue.knobs())
+    trim_combine = split_knobs.pop("trim_combine")
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1211,6 +1255,8 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         )
 
     combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
+    if trim_combine:  # in the key only when on: the default combine's key (and cache) as before
+        combine_knobs["trim_combine"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(

@@ -246,3 +246,66 @@ def test_unscaled_differences_keep_ill_conditioned_rows_accurate():
     _, exact = attn2_reference(head)
     err = ulp_error(attn2_model(head), exact)
     assert err.nonfinite == 0 and err.max < 32 and err.mean < 0.3, err
+
+
+def _levels_needed(first_page: int, end_page: int, splits: int, leaves: int, levels: int) -> int:
+    """`_Attn2CombineKernel.levels_needed` on ints: the level where the first and the last group
+    holding a split with pages meet; every level when the live splits wrap past split S - 1."""
+    count = min(end_page - first_page, splits)
+    first = first_page % splits
+    last = (first + count - 1) % splits
+    a, b = first // leaves, last // leaves
+    if first + count > splits:
+        return levels
+    return sum((a >> k) != (b >> k) for k in range(levels))
+
+
+def _trimmed_tree(partials: list, scale_log2, first_page: int, end_page: int, leaves: int) -> tuple:
+    """The combine with `SplitIssue.trim_combine`: each group's leaves merged in registers, then
+    only the needed shared-memory levels, then the live node passed through as O + 0, l + 0."""
+    splits = len(partials)
+    groups = [merge_tree(partials[g * leaves:(g + 1) * leaves], scale_log2) for g in range(splits // leaves)]
+    levels = (len(groups) - 1).bit_length()
+    needed = _levels_needed(first_page, end_page, splits, leaves, levels)
+    for _ in range(needed):
+        groups = [model_module.merge(groups[2 * j], groups[2 * j + 1], scale_log2) for j in range(len(groups) // 2)]
+    o, m, lsum = groups[(first_page % splits) // leaves >> needed]
+    if needed < levels:
+        o, lsum = o + 0.0, lsum + 0.0
+    return o, m, lsum, needed
+
+
+@pytest.mark.parametrize("seq_len, window, needed", [
+    (8, 0, 0), (17, 0, 0), (64, 0, 0), (80, 0, 1), (512, 0, 3), (3000, 0, 6), (3000, 100, 2),
+    (4500, 2048, 6),  # the live splits wrap past split 255: every level
+])
+def test_a_trimmed_merge_tree_gives_the_full_trees_bits(seq_len, window, needed):
+    """`trim_combine`: the levels above the smallest subtree of live splits only pass the live node
+    through (an empty sibling weighs 0, the node 2^0 = 1), so running the needed levels and adding
+    +0.0 once gives the bits of the whole tree, -0.0 included (tiny inputs hold -0.0)."""
+    splits, leaves = 256, 4
+    problem = make_problem("tiny", seq_len, 8192, window=window, num_kv_heads=1)
+    scale_log2 = model_module._f32(config.ATTN_SCALE * model_module.LOG2_E)
+    q = problem.q.reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)
+    partials = [model_module.split_partial(q, problem.kv_cache, problem.page_table[0], 0, seq_len, window, s, splits,
+                                           scale_log2) for s in range(splits)]
+    first, end = lay.visible_keys(seq_len, window)
+    first_page, end_page = first // lay.PAGE_TOKENS, lay.max_pages(end)
+    o, m, lsum, got_needed = _trimmed_tree(partials, scale_log2, first_page, end_page, leaves)
+    assert got_needed == needed
+    want = merge_tree(partials, scale_log2)
+    for got, full in zip((o, m, lsum), want):
+        assert torch.equal(got.view(torch.int32), full.view(torch.int32))
+
+
+def test_the_trimmed_tree_check_can_fail():
+    """Without the +0.0 a -0.0 in the live node survives where the full tree makes it +0.0; and one
+    level too few leaves a live split out: either way the comparison above sees other bits."""
+    scale_log2 = model_module._f32(config.ATTN_SCALE * model_module.LOG2_E)
+    live = (torch.tensor([[-0.0, 1.0]]), torch.tensor([0.5]), torch.tensor([1.0]))
+    empty = (torch.zeros(1, 2), torch.tensor([float("-inf")]), torch.zeros(1))
+    full = merge_tree([live, empty], scale_log2)
+    assert not torch.equal(live[0].view(torch.int32), full[0].view(torch.int32))  # -0.0 became +0.0
+    other = (torch.tensor([[2.0, 3.0]]), torch.tensor([0.25]), torch.tensor([1.0]))
+    both = merge_tree([live, other], scale_log2)
+    assert not torch.equal(live[0].view(torch.int32), both[0].view(torch.int32))  # a level skipped too many

@@ -540,3 +540,21 @@ def test_ring_model_catches_wrong_phases():
     full_off = {_ring_run(40, 4, seed, attn2.RING_REFILL_DISTANCE, lambda p: attn2.ring_full_parity(p) ^ 1,
                           attn2.ring_empty_parity, False) for seed in range(6)}
     assert full_off - {None}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_trim_combine_compiles_its_own_combine_without_spills(tmp_path, arch):
+    """`trim_combine` builds another combine (its key holds the switch; the split kernel is the
+    default's): the tree's levels behind a CTA-uniform test, the +0.0 pass-through, no spill."""
+    folder = tmp_path / "trim"
+    folder.mkdir()
+    attn2.compile_attn2(2, 131072, 2048, attn2.Attn2Build(arch=arch, ptx_dir=str(folder),
+                                                          issue=attn2.SplitIssue.named("all+trim")))
+    combine = next(folder.glob("*_Attn2CombineKernel_*.ptx")).read_text()
+    default = tmp_path / "default"
+    default.mkdir()
+    attn2.compile_attn2(2, 131072, 2048, attn2.Attn2Build(arch=arch, ptx_dir=str(default)))
+    plain = next(default.glob("*_Attn2CombineKernel_*.ptx")).read_text()
+    assert combine.count("add.rn.f32") > plain.count("add.rn.f32")  # the pass-through's + 0.0
+    assert combine.count("bra") > plain.count("bra")  # the levels behind the test
+    assert_no_spills(assemble(combine, arch, tmp_path, "attn2_combine_trim"))

@@ -129,13 +129,15 @@ def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
 def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, window):
     """Every SplitIssue switch, alone and together, on the GPU's tensor-core path (wgmma on an
     H200) and on mma.sync, gives the bits of the mma.sync kernel without them: the savings, the
-    mbarrier ring (both paths) and the ring with overlapped wgmma (wgmma only)."""
+    mbarrier ring (both paths), the ring with overlapped wgmma (wgmma only) and the trimmed merge
+    tree of the combine."""
     from musebench.kernels.attn2 import SplitIssue
 
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
     baseline = _launch_issue(problem, SplitIssue.none(), tensor_ops="sync")
     for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale", "all@sync", "none@sync",
-                 "ring", "all+ring", "all+ring@sync", "ring@sync", "ring+overlap", "all+ring+overlap"):
+                 "ring", "all+ring", "all+ring@sync", "ring@sync", "ring+overlap", "all+ring+overlap", "all+trim",
+                 "all+ring+overlap+trim", "trim@sync"):
         setting, _, ops = name.partition("@")
         got = _launch_issue(problem, SplitIssue.named(setting), tensor_ops=ops or None)
         assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
