@@ -50,18 +50,9 @@ STAGES_PER_CTA = 16
 
 
 def nvdisasm() -> str:
-    found = shutil.which("nvdisasm")
-    if found:
-        return found
-    try:
-        import nvidia.cu13  # noqa: F401  (the pip wheel's binaries)
+    from musebench.kernels.compilation import nvdisasm as find
 
-        path = Path(next(iter(nvidia.cu13.__path__))) / "bin" / "nvdisasm"
-        if path.exists():
-            return str(path)
-    except ImportError:
-        pass
-    sys.exit("nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
+    return find() or sys.exit("nvdisasm not found (PATH, or the nvidia-cuda-nvdisasm wheel)")
 
 
 def instructions(sass: str) -> list[str]:

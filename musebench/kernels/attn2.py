@@ -544,6 +544,19 @@ class _Attn2Kernel:
         return o
 
     @cute.jit
+    def page_at(self, i: Int32, ring_base: Int32, start: Int32, seq_len: Int32, k_words, v_words, descriptors,
+                a: list, g: Int32, c: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
+        """The split's page i (its stage i % STAGES of the ring, its keys from (start + i S) 16)
+        through `page_step`, masked or not (`page_inside`); returns (m, o)."""
+        stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+        page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
+        inside = None
+        if cutlass.const_expr(self.mask_edges_only):
+            inside = self.page_inside(page_key, seq_len)
+        return self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
+                              page_key, own_key, low_key, inside, m, o)
+
+    @cute.jit
     def page_inside(self, page_key: Int32, seq_len: Int32):
         """`mask_edges_only`'s CTA-uniform test: every key of the page (keys page_key ..
         page_key + 15) visible to every row of the CTA: token 0's causal limit (the smallest own
@@ -611,13 +624,8 @@ class _Attn2Kernel:
             self.ring_refill(i + (lay.PIPELINE_STAGES - RING_REFILL_DISTANCE), pages, ring_base, barriers, cache_base,
                              table_smem, start, kv_head, seq_len, cache_pages, tidx)
             self.ring_full_wait(i, barriers)
-            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
-            page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
-            inside = None
-            if cutlass.const_expr(self.mask_edges_only):
-                inside = self.page_inside(page_key, seq_len)
-            m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
-                                  page_key, own_key, low_key, inside, m, o)
+            m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                low_key, m, o)
             ptx.mbarrier_arrive_shared_cta_b64(barriers + (lay.PIPELINE_STAGES + i % lay.PIPELINE_STAGES)
                                                * MBARRIER_BYTES)
         return m, o
@@ -811,13 +819,8 @@ class _Attn2Kernel:
                     self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
                                    ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
                 cute.arch.cp_async_commit_group()
-                stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
-                page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
-                inside = None
-                if cutlass.const_expr(self.mask_edges_only):
-                    inside = self.page_inside(page_key, seq_len)
-                m, o = self.page_step(ring_base + stage_offset, stage_offset, k_words, v_words, descriptors, a, g, c,
-                                      page_key, own_key, low_key, inside, m, o)
+                m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                    low_key, m, o)
 
             cute.arch.cp_async_wait_group(0)
 

@@ -149,3 +149,17 @@ def cute_view(tensor: torch.Tensor, align: int) -> cute.Tensor:
 
 def cute_flat(tensor: torch.Tensor, align: int, divisibility: int) -> cute.Tensor:
     return cute_view(tensor.view(-1), align).mark_compact_shape_dynamic(mode=0, divisibility=divisibility)
+
+
+def nvdisasm() -> str | None:
+    """The nvdisasm binary (PATH, or the nvidia-cuda-nvdisasm wheel's), for the scripts that count
+    a kernel's SASS (scripts/attn2-sass.py, scripts/qkv-front-sass.py); None where there is none."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia.cu13  # noqa: F401  (the pip wheel's binaries)
+    except ImportError:
+        return None
+    path = Path(next(iter(nvidia.cu13.__path__))) / "bin" / "nvdisasm"
+    return str(path) if path.exists() else None
