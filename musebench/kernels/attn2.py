@@ -41,6 +41,13 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
 4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
+`Attn2Build.heads_per_cta` (an experiment, default 1: the kernel above): the grid's x is
+num_kv_heads / heads_per_cta and a CTA runs KV heads x heads_per_cta + j, j ascending, of its
+split one after the other, each steps 1-4 as above from a fresh (m, O, l) (the page table is
+prefetched once): the same chain per (head, split), the same bits whatever heads_per_cta. The
+ring restarts per head (its copies drained, a barrier, the prologue again); the mbarrier ring is
+refused with heads_per_cta > 1.
+
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
 from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that lane c held in each
