@@ -41,6 +41,13 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
 4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
 
+`Attn2Build.heads_per_cta` (an experiment, default 1: the kernel above): the grid's x is
+num_kv_heads / heads_per_cta and a CTA runs KV heads x heads_per_cta + j, j ascending, of its
+split one after the other, each steps 1-4 as above from a fresh (m, O, l) (the page table is
+prefetched once): the same chain per (head, split), the same bits whatever heads_per_cta. The
+ring restarts per head (its copies drained, a barrier, the prologue again); the mbarrier ring is
+refused with heads_per_cta > 1.
+
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
 from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that lane c held in each
@@ -232,9 +239,13 @@ class Attn2Build:
     num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
     issue: SplitIssue = SplitIssue()
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
+    heads_per_cta: int | None = None  # experiments only: KV heads a split CTA runs in turn (None: 1; same bits)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
+        _require(self.heads_per_cta is None or not isinstance(self.heads_per_cta, bool)
+                 and isinstance(self.heads_per_cta, int) and self.heads_per_cta >= 1,
+                 f"heads_per_cta must be None or an int >= 1, got {self.heads_per_cta!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -258,6 +269,20 @@ def tensor_ops_for(target: str, requested: str | None) -> str:
     return chosen
 
 
+def check_heads_per_cta(heads_per_cta: int, num_kv_heads: int, mbarrier_ring: bool) -> None:
+    """Refuse (ValueError) a split-kernel heads_per_cta the kernel does not run: not an int >= 1, not
+    a divisor of the launch's KV heads (the grid's x is num_kv_heads / heads_per_cta), or > 1 with
+    `SplitIssue.mbarrier_ring` (and so `overlap_mma`): the ring's parities count one head's pages and
+    its restart per head is not built."""
+    _require(not isinstance(heads_per_cta, bool) and isinstance(heads_per_cta, int) and heads_per_cta >= 1,
+             f"heads_per_cta must be an int >= 1, got {heads_per_cta!r}")
+    _require(num_kv_heads % heads_per_cta == 0,
+             f"heads_per_cta {heads_per_cta} does not divide the launch's {num_kv_heads} KV heads")
+    _require(heads_per_cta == 1 or not mbarrier_ring,
+             f"heads_per_cta {heads_per_cta} with SplitIssue mbarrier_ring (or overlap_mma) is not supported: the "
+             "ring's mbarrier parities count one head's pages; only the barrier-a-page ring restarts per head")
+
+
 class _Attn2Kernel:
     """One attn2 variant: `num_kv_heads` KV heads per launch, `num_splits` splits, `max_pages`
     page-table entries per request, `window` (0: none), and `SplitIssue`'s switches (same bits)."""
@@ -265,8 +290,11 @@ class _Attn2Kernel:
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
-                 mbarrier_ring: bool = False, overlap_mma: bool = False, wgmma: bool = False) -> None:
+                 mbarrier_ring: bool = False, overlap_mma: bool = False, wgmma: bool = False,
+                 heads_per_cta: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        check_heads_per_cta(heads_per_cta, num_kv_heads, mbarrier_ring)
+        self.heads_per_cta = heads_per_cta
         _require(mbarrier_ring or not overlap_mma, "overlap_mma needs mbarrier_ring (SplitIssue)")
         _require(wgmma or not overlap_mma, "SplitIssue overlap_mma needs the wgmma path (sm_90a): mma.sync's "
                  "chains are synchronous, there is nothing to overlap")
@@ -303,7 +331,7 @@ class _Attn2Kernel:
                  seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                  gate_row_words: Int32, num_reqs: Int32, stream: cuda.CUstream) -> None:
         self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
-            grid=[self.num_kv_heads, self.num_splits, num_reqs],
+            grid=[self.num_kv_heads // self.heads_per_cta, self.num_splits, num_reqs],
             block=[lay.CTA_THREADS, 1, 1],
             smem=self.smem_bytes(),
             stream=stream,
@@ -687,11 +715,129 @@ class _Attn2Kernel:
         o = ptx.wgmma_wait_group_sync_aligned(0, o)
         return m, o
 
+    @cute.jit
+    def load_q_fragments(self, q: cute.Tensor, kv_head: Int32, warp: Int32, req: Int32, g: Int32, c: Int32,
+                         q_row_words: Int32) -> list:
+        """KV head `kv_head`'s Q A fragments of this thread (16 words): row g of the tile is (token
+        g, head 2 warp), row g + 8 (token g, head 2 warp + 1)."""
+        head0 = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp
+        row = req * lay.QUERY_LEN + g
+        q_base = Int64(q.iterator.toint()) + Int64(row) * Int64(q_row_words) * WORD_BYTES
+        a = []
+        for kk in cutlass.range_constexpr(K_TILES):
+            w_lo = kk * 8 + c
+            w_hi = kk * 8 + 4 + c
+            r0 = q_base + Int64(head0 * (lay.HEAD_DIM // 2) + w_lo) * WORD_BYTES
+            r1 = q_base + Int64((head0 + 1) * (lay.HEAD_DIM // 2) + w_lo) * WORD_BYTES
+            r2 = q_base + Int64(head0 * (lay.HEAD_DIM // 2) + w_hi) * WORD_BYTES
+            r3 = q_base + Int64((head0 + 1) * (lay.HEAD_DIM // 2) + w_hi) * WORD_BYTES
+            a.append([ptx.ld_global_u32(r0), ptx.ld_global_u32(r1), ptx.ld_global_u32(r2), ptx.ld_global_u32(r3)])
+        return a
+
+    @cute.jit
+    def prefetch_table(self, page_table: cute.Tensor, table_smem: Int32, req: Int32, start: Int32,
+                       tidx: Int32) -> None:
+        """The split's page-table entries (its page i is start + i S), all at once into shared
+        memory: no table read on the pipeline's critical path. The same for every KV head."""
+        table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
+        for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
+            index = tidx + r * lay.CTA_THREADS
+            page = start + index * self.num_splits
+            wanted = (index < self.table_entries) & (page < self.max_pages)
+            entry = ptx.ld_global_u32(table_base + Int64(cutlass.select_(wanted, page, Int32(0))) * WORD_BYTES)
+            if index < self.table_entries:
+                ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
+
+    @cute.jit
+    def ring_prologue(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, start: Int32,
+                      pages: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
+        """The ring's first copies of KV head `kv_head`'s pages of the split (every stage free)."""
+        if cutlass.const_expr(self.mbarrier_ring):
+            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - RING_REFILL_DISTANCE):
+                if st < pages:
+                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
+                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                    ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + st * MBARRIER_BYTES)
+        else:
+            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
+                if st < pages:
+                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
+                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def split_pages(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, k_words, v_words,
+                    descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
+                    seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32, m: list,
+                    o: list):
+        """KV head `kv_head`'s pages of the split through the ring (after `ring_prologue`), from
+        (m, o); returns (m, o). Every copy of the ring has landed when it returns; other warps may
+        still read the last stages (a barrier before the ring is refilled)."""
+        if cutlass.const_expr(self.overlap_mma):
+            m, o = self.ring_pages_overlapped(ring_base, barriers, cache_base, table_smem, descriptors, a, g, c,
+                                              start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+        elif cutlass.const_expr(self.mbarrier_ring):
+            m, o = self.ring_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g,
+                                   c, start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+        else:
+            # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
+            # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
+            # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
+            # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
+            # page i + 7's copies go there after it, 7 pages in flight while page i computes.
+            for i in cutlass.range(pages, unroll=1):
+                cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
+                if cutlass.const_expr(self.wgmma):
+                    ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+                cute.arch.barrier()
+                ahead = i + (lay.PIPELINE_STAGES - 1)
+                if ahead < pages:
+                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                                   ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
+                m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                    low_key, m, o)
+
+            cute.arch.cp_async_wait_group(0)
+        return m, o
+
+    @cute.jit
+    def head_result(self, gate: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, gate_row_words: Int32,
+                    kv_head: Int32, split: Int32, req: Int32, warp: Int32, g: Int32, c: Int32, tidx: Int32,
+                    pages: Int32, m: list, o: list) -> None:
+        """KV head `kv_head`'s result of the split: with one split the epilogue (out), otherwise,
+        if the split has pages, the partial (O, m, l) into its workspace slot."""
+        lsum = [o[4 * V_TILES], o[4 * V_TILES + 2]]  # l of rows g and g + 8: the ones' n-tile
+
+        # The partial's vectors (`attn2_layout.partial_vector_dims`): vec[2 p + half] = row g (half
+        # 0) or g + 8, n-tiles 2p and 2p + 1, each the pair 8t + 2c, 8t + 2c + 1 (o[4 t + 2 half + k]).
+        vec = []
+        for pp in cutlass.range_constexpr(V_TILE_PAIRS):
+            for half in cutlass.range_constexpr(2):
+                vec.append([o[4 * t + 2 * half + k] for t in (2 * pp, 2 * pp + 1) for k in range(2)])
+        if cutlass.const_expr(self.num_splits == 1):
+            for half in cutlass.range_constexpr(2):
+                row = req * lay.QUERY_LEN + g
+                # the row's 16 values in the lane's order (`attn2_layout.lane_dims(c)`)
+                values = [vec[2 * pp + half][j] for pp in range(V_TILE_PAIRS) for j in range(4)]
+                head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
+                row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
+                             c, self.num_kv_heads, self.eps, Int32(1))
+        else:
+            if pages > 0:  # a split without pages writes nothing: the combine never reads its slot
+                slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
+                for v in cutlass.range_constexpr(lay.PARTIAL_O_VECTORS):
+                    ptx.st_global_v4_u32(slot + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
+                                         *[ptx.bitcast_f32_to_u32(x) for x in vec[v]])
+                ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
+                                     ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
+                                     ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
+
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
                seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                gate_row_words: Int32) -> None:
-        kv_head, split, req = cute.arch.block_idx()
+        head_group, split, req = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -721,19 +867,11 @@ class _Attn2Kernel:
         start = first_page + ((split - first_page) & (self.num_splits - 1))
         pages = cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits
 
-        # Q fragments: row g of the tile is (token g, head 2 warp), row g + 8 (token g, head 2 warp + 1).
-        head0 = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp
-        row = req * lay.QUERY_LEN + g
-        q_base = Int64(q.iterator.toint()) + Int64(row) * Int64(q_row_words) * WORD_BYTES
-        a = []
-        for kk in cutlass.range_constexpr(K_TILES):
-            w_lo = kk * 8 + c
-            w_hi = kk * 8 + 4 + c
-            r0 = q_base + Int64(head0 * (lay.HEAD_DIM // 2) + w_lo) * WORD_BYTES
-            r1 = q_base + Int64((head0 + 1) * (lay.HEAD_DIM // 2) + w_lo) * WORD_BYTES
-            r2 = q_base + Int64(head0 * (lay.HEAD_DIM // 2) + w_hi) * WORD_BYTES
-            r3 = q_base + Int64((head0 + 1) * (lay.HEAD_DIM // 2) + w_hi) * WORD_BYTES
-            a.append([ptx.ld_global_u32(r0), ptx.ld_global_u32(r1), ptx.ld_global_u32(r2), ptx.ld_global_u32(r3)])
+        # heads_per_cta 1: the CTA's KV head is blockIdx.x (the Q fragments load before the table's
+        # prefetch, as always); otherwise each head's just before its pages
+        a = None
+        if cutlass.const_expr(self.heads_per_cta == 1):
+            a = self.load_q_fragments(q, head_group, warp, req, g, c, q_row_words)
 
         own_key = seq_len - lay.QUERY_LEN + g  # both rows of this thread are token g
         low_key = Int32(0)
@@ -744,16 +882,7 @@ class _Attn2Kernel:
 
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
-        table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
-        # The split's page-table entries (its page i is start + i S), all at once into shared
-        # memory: no table read on the pipeline's critical path.
-        for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
-            index = tidx + r * lay.CTA_THREADS
-            page = start + index * self.num_splits
-            wanted = (index < self.table_entries) & (page < self.max_pages)
-            entry = ptx.ld_global_u32(table_base + Int64(cutlass.select_(wanted, page, Int32(0))) * WORD_BYTES)
-            if index < self.table_entries:
-                ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
+        self.prefetch_table(page_table, table_smem, req, start, tidx)
         if cutlass.const_expr(self.wgmma):
             for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
                 one = Uint32(gmma.BF16_ONES_WORD)
@@ -764,18 +893,9 @@ class _Attn2Kernel:
                 for st in cutlass.range_constexpr(2 * lay.PIPELINE_STAGES):
                     ptx.mbarrier_init_shared_cta_b64(barriers + st * MBARRIER_BYTES, Int32(lay.CTA_THREADS))
         cute.arch.barrier()
-        if cutlass.const_expr(self.mbarrier_ring):
-            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - RING_REFILL_DISTANCE):
-                if st < pages:
-                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
-                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                    ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + st * MBARRIER_BYTES)
-        else:
-            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
-                if st < pages:
-                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
-                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.heads_per_cta == 1):
+            self.ring_prologue(ring_base, barriers, cache_base, table_smem, start, pages, head_group, seq_len,
+                               cache_pages, tidx)
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -797,60 +917,30 @@ class _Attn2Kernel:
             descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
                            Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
-        if cutlass.const_expr(self.overlap_mma):
-            m, o = self.ring_pages_overlapped(ring_base, barriers, cache_base, table_smem, descriptors, a, g, c,
-                                              start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
-        elif cutlass.const_expr(self.mbarrier_ring):
-            m, o = self.ring_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g,
-                                   c, start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+        if cutlass.const_expr(self.heads_per_cta == 1):
+            m, o = self.split_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g, c,
+                                    start, pages, head_group, seq_len, cache_pages, tidx, own_key, low_key, m, o)
+            if cutlass.const_expr(self.enable_pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+            self.head_result(gate, out, workspace, gate_row_words, head_group, split, req, warp, g, c, tidx, pages,
+                             m, o)
         else:
-            # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
-            # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
-            # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
-            # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
-            # page i + 7's copies go there after it, 7 pages in flight while page i computes.
-            for i in cutlass.range(pages, unroll=1):
-                cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
-                if cutlass.const_expr(self.wgmma):
-                    ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+            # heads_per_cta KV heads one after the other, each today's chain from a fresh (m, O, l):
+            # the ring restarts per head (the copies drained by split_pages, then a barrier: every
+            # warp's reads of the last stages done before the next head's prologue refills them)
+            for j in cutlass.range(self.heads_per_cta, unroll=1):
+                kv_head = head_group * self.heads_per_cta + j
+                head_a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
+                self.ring_prologue(ring_base, barriers, cache_base, table_smem, start, pages, kv_head, seq_len,
+                                   cache_pages, tidx)
+                head_m, head_o = self.split_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words,
+                                                  descriptors, head_a, g, c, start, pages, kv_head, seq_len,
+                                                  cache_pages, tidx, own_key, low_key, list(m), list(o))
+                self.head_result(gate, out, workspace, gate_row_words, kv_head, split, req, warp, g, c, tidx, pages,
+                                 head_m, head_o)
                 cute.arch.barrier()
-                ahead = i + (lay.PIPELINE_STAGES - 1)
-                if ahead < pages:
-                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                                   ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                cute.arch.cp_async_commit_group()
-                m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
-                                    low_key, m, o)
-
-            cute.arch.cp_async_wait_group(0)
-
-        if cutlass.const_expr(self.enable_pdl):
-            cute.arch.griddepcontrol_launch_dependents()
-        lsum = [o[4 * V_TILES], o[4 * V_TILES + 2]]  # l of rows g and g + 8: the ones' n-tile
-
-        # The partial's vectors (`attn2_layout.partial_vector_dims`): vec[2 p + half] = row g (half
-        # 0) or g + 8, n-tiles 2p and 2p + 1, each the pair 8t + 2c, 8t + 2c + 1 (o[4 t + 2 half + k]).
-        vec = []
-        for pp in cutlass.range_constexpr(V_TILE_PAIRS):
-            for half in cutlass.range_constexpr(2):
-                vec.append([o[4 * t + 2 * half + k] for t in (2 * pp, 2 * pp + 1) for k in range(2)])
-        if cutlass.const_expr(self.num_splits == 1):
-            for half in cutlass.range_constexpr(2):
-                row = req * lay.QUERY_LEN + g
-                # the row's 16 values in the lane's order (`attn2_layout.lane_dims(c)`)
-                values = [vec[2 * pp + half][j] for pp in range(V_TILE_PAIRS) for j in range(4)]
-                head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
-                row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
-                             c, self.num_kv_heads, self.eps, Int32(1))
-        else:
-            if pages > 0:  # a split without pages writes nothing: the combine never reads its slot
-                slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
-                for v in cutlass.range_constexpr(lay.PARTIAL_O_VECTORS):
-                    ptx.st_global_v4_u32(slot + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
-                                         *[ptx.bitcast_f32_to_u32(x) for x in vec[v]])
-                ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
-                                     ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
-                                     ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
+            if cutlass.const_expr(self.enable_pdl):
+                cute.arch.griddepcontrol_launch_dependents()
 
 
 @cute.jit
@@ -1238,6 +1328,10 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     bf16 = cutlass.BFloat16
 
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
+    heads_per_cta = build.heads_per_cta or 1
+    check_heads_per_cta(heads_per_cta, knobs["num_kv_heads"], build.issue.mbarrier_ring)
+    if heads_per_cta > 1:  # in the key only when > 1: the default split kernel's key (and cache) as before
+        split_knobs["heads_per_cta"] = heads_per_cta
     split_knobs["wgmma"] = tensor_ops_for(target, build.tensor_ops) == "wgmma"
     _require(split_knobs["wgmma"] or not build.issue.overlap_mma,
              f"SplitIssue overlap_mma needs the wgmma path (sm_90a; the target is {target}, tensor_ops "
@@ -1334,15 +1428,17 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
-           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None) -> None:
+           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, heads_per_cta: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`, `issue` and `tensor_ops`: experiments only
-    (`Attn2Build`)."""
+    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops` and `heads_per_cta`:
+    experiments only (`Attn2Build`; heads_per_cta is refused before any compile or launch unless it
+    divides the KV heads)."""
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits)
-    compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window,
-                             Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue,
-                                        tensor_ops=tensor_ops))
+    build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
+                       heads_per_cta=heads_per_cta)
+    check_heads_per_cta(build.heads_per_cta or 1, int(kv_cache.shape[1]), issue.mbarrier_ring)
+    compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)

@@ -558,3 +558,108 @@ def test_trim_combine_compiles_its_own_combine_without_spills(tmp_path, arch):
     assert combine.count("add.rn.f32") > plain.count("add.rn.f32")  # the pass-through's + 0.0
     assert combine.count("bra") > plain.count("bra")  # the levels behind the test
     assert_no_spills(assemble(combine, arch, tmp_path, "attn2_combine_trim"))
+
+
+# heads_per_cta (`Attn2Build.heads_per_cta`): (arch, issue, KV heads, heads_per_cta, max_model_len, window,
+# num_splits); issue "all" is the target's tensor-core path, "sync" mma.sync forced on sm_90a
+HEADS_VARIANTS = [(arch, issue, heads, per_cta, mml, window, splits)
+                  for arch in ("sm_90a", "sm_100a") for issue in ("all", "sync", "none")
+                  if not (arch == "sm_100a" and issue == "sync")
+                  for heads, per_cta, mml, window, splits in [(2, 2, 131072, 0, None), (4, 4, 131072, 0, 512),
+                                                               (4, 2, 131072, 2048, None), (2, 2, 2048, 0, None)]]
+_HEADS_PTX: dict[tuple, str] = {}
+
+
+def _heads_ptx(tmp_path_factory, arch, issue, heads, per_cta, max_model_len, window, splits):
+    """The split kernel's PTX with `per_cta` KV heads a CTA (compiled once per module)."""
+    key = (arch, issue, heads, per_cta, max_model_len, window, splits)
+    if key not in _HEADS_PTX:
+        folder = tmp_path_factory.mktemp("attn2_heads")
+        attn2.compile_attn2(heads, max_model_len, window,
+                            attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES[issue],
+                                             tensor_ops=TENSOR_OPS.get(issue), num_splits=splits,
+                                             heads_per_cta=per_cta))
+        split = sorted(folder.glob("*_Attn2Kernel_*.ptx"))
+        assert split, "no split kernel PTX kept"
+        _HEADS_PTX[key] = split[-1].read_text()
+    return _HEADS_PTX[key]
+
+
+HEAD_LOOP_COUNTS = (WGMMA_S, WGMMA_PV, MMA, LDMATRIX, LDMATRIX_TRANS, "st.global.v4.u32", "st.global.u32",
+                    "ld.global.u32", "cp.async.cg.shared.global", "cp.async.wait_group 0;")
+
+
+def _heads_failures(ptx: str, one: str) -> list[str]:
+    """What the heads_per_cta > 1 split kernel's PTX `ptx` lacks against the same kernel with one
+    head a CTA (`one`): the heads run as a loop around one copy of the head's work (the same
+    number of MMAs, fragment loads, Q and table loads, copies, partial or output stores, one drain
+    of the copies), one barrier more (every warp done with the ring before the next head's
+    prologue refills it), PDL's release after the last store, no spill before ptxas."""
+    failures = [f"{what}: {ptx.count(what)} against {one.count(what)}" for what in HEAD_LOOP_COUNTS
+                if ptx.count(what) != one.count(what)]
+    if ptx.count("bar.sync") != one.count("bar.sync") + 1:
+        failures.append(f"bar.sync: {ptx.count('bar.sync')}, one more than {one.count('bar.sync')} expected")
+    stores = [m.start() for m in re.finditer(r"st\.global\.", ptx)]  # partials (v4) or the output (u32)
+    if not stores or ptx.index("griddepcontrol.launch_dependents") < max(stores):
+        failures.append("PDL's release before the last head's stores")
+    if ".local" in ptx:
+        failures.append("local memory (a spill before ptxas)")
+    return failures
+
+
+@pytest.mark.parametrize("arch, issue, heads, per_cta, max_model_len, window, splits", HEADS_VARIANTS)
+def test_heads_per_cta_loops_over_one_copy_of_the_head(tmp_path_factory, tmp_path, arch, issue, heads, per_cta,
+                                                       max_model_len, window, splits):
+    """heads_per_cta 2 and 4 on both targets and both tensor-core paths: the PTX is the one-head
+    kernel's work in a loop (`_heads_failures`), and ptxas assembles it without spills."""
+    ptx = _heads_ptx(tmp_path_factory, arch, issue, heads, per_cta, max_model_len, window, splits)
+    one = _heads_ptx(tmp_path_factory, arch, issue, heads, 1, max_model_len, window, splits)
+    assert _heads_failures(ptx, one) == []
+    report = assemble(ptx, arch, tmp_path, "attn2_heads")
+    assert_no_spills(report)
+    assert "Performance Loss" not in report
+
+
+def test_heads_check_fails_on_the_one_head_kernel_and_on_an_unrolled_loop(tmp_path_factory):
+    """`_heads_failures` fails on the one-head kernel itself (no extra barrier), on a kernel whose
+    head loop is unrolled (twice the MMAs: the edited PTX), and on a release moved before a store."""
+    args = ("sm_90a", "all", 2, 2, 131072, 0, None)
+    ptx = _heads_ptx(tmp_path_factory, *args)
+    one = _heads_ptx(tmp_path_factory, *args[:3], 1, *args[4:])
+    assert _heads_failures(ptx, one) == []
+    assert _heads_failures(one, one)
+    step = re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n72k16[^;]*;", ptx).group(0)
+    assert _heads_failures(ptx.replace(step, step + "\n" + step, 1), one)
+    release = "griddepcontrol.launch_dependents;"
+    early = ptx.replace(release, "", 1).replace("griddepcontrol.wait;", "griddepcontrol.wait;\n" + release, 1)
+    assert _heads_failures(early, one)
+
+
+def test_heads_per_cta_is_its_own_variant_and_one_is_the_default():
+    """heads_per_cta None and 1 are the default kernel (the same compile key: no heads_per_cta in
+    it); 2 is another variant."""
+    before = set(attn2.compilation.CACHE.keys())
+    for per_cta in (None, 1, 2):
+        attn2.compile_attn2(2, 8192, 0, attn2.Attn2Build(arch="sm_90a", heads_per_cta=per_cta))
+    new = [dict(k[3]) for k in set(attn2.compilation.CACHE.keys()) - before if k[0].endswith("_Attn2Kernel")]
+    assert sorted(k.get("heads_per_cta", 1) for k in new) in ([2], [1, 2])
+    assert all("heads_per_cta" not in k or k["heads_per_cta"] > 1 for k in new)
+
+
+@pytest.mark.parametrize("heads, per_cta, issue, match", [
+    (4, 3, "all", "does not divide"), (2, 4, "all", "does not divide"), (1, 2, "all", "does not divide"),
+    (2, 2, "all+ring", "mbarrier_ring"), (2, 2, "all+ring+overlap", "mbarrier_ring")])
+def test_heads_per_cta_refusals_before_compile(heads, per_cta, issue, match):
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match=match):
+        attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch="sm_90a", heads_per_cta=per_cta,
+                                                               issue=attn2.SplitIssue.named(issue)))
+    assert len(attn2.compilation.CACHE) == before  # nothing compiled
+
+
+@pytest.mark.parametrize("per_cta", [0, -1, True, 2.0, "2"])
+def test_heads_per_cta_must_be_a_positive_int(per_cta):
+    with pytest.raises(ValueError, match="heads_per_cta must be"):
+        attn2.Attn2Build(heads_per_cta=per_cta)
+    with pytest.raises(ValueError, match="heads_per_cta must be"):
+        attn2.check_heads_per_cta(per_cta, 4, False)

@@ -152,3 +152,71 @@ def test_split_issue_comparison_sees_a_change():
     deployment = _launch_issue(problem, SplitIssue.none())
     other_plan = _launch_issue(problem, SplitIssue(), num_splits=2)
     assert not torch.equal(other_plan.view(torch.int16), deployment.view(torch.int16))
+
+
+def _launch_heads(problem, heads_per_cta, num_splits=None, tensor_ops=None):
+    """(output bf16, workspace bytes) on the CPU of the split plan with `heads_per_cta` KV heads a
+    split CTA (`Attn2Build.heads_per_cta`; None: one, the deployment's kernel); the workspace
+    starts zeroed, so it holds exactly the partials the split kernel wrote."""
+    from musebench.kernels import attn2
+
+    p = problem.to("cuda")
+    heads = p.num_kv_heads
+    splits = num_splits or cute_ops.attn2_splits(p.max_model_len, p.window, heads)
+    workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(p.q, float("nan"))
+    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
+                 window=p.window, num_splits=num_splits, tensor_ops=tensor_ops, heads_per_cta=heads_per_cta)
+    torch.cuda.synchronize()
+    return out.cpu(), workspace.cpu()
+
+
+# one split (short), splits without pages, the causal and window edges, 512 splits (the plan the
+# heads_per_cta sweep compares across tp), a full 128k request
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_splits", [
+    (23, 2048, 0, None), (2047, 2048, 0, None), (17, 4096, 0, None), (2049, 4096, 0, None),
+    (4000, 4096, 2048, None), (3001, 8192, 100, 512), (70001, 131072, 4096, None), (131072, 131072, 0, 512),
+    (40000, 131072, 0, 512),
+])
+def test_heads_per_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
+    """heads_per_cta 2 (2 and 4 KV heads) and 4 (4 KV heads), on the GPU's tensor-core path and on
+    mma.sync: the output and every partial bit for bit those of one head a CTA."""
+    for heads, per_cta_values in ((2, (2,)), (4, (2, 4))):
+        problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=heads)
+        for ops in (None, "sync"):
+            out, partials = _launch_heads(problem, None, num_splits, ops)
+            for per_cta in per_cta_values:
+                got, got_partials = _launch_heads(problem, per_cta, num_splits, ops)
+                name = (heads, per_cta, ops)
+                assert torch.equal(got.view(torch.int16), out.view(torch.int16)), (name, _first_difference(got, out))
+                assert torch.equal(got_partials, partials), name
+
+
+def test_heads_per_cta_comparison_sees_a_change():
+    """The comparison above is not vacuous: with KV heads 0 and 1 of the cache swapped, heads_per_cta
+    2 differs from one head a CTA on the original cache, in the output and in the partials."""
+    problem = make_problem("random", 6000, 8192, num_kv_heads=2)
+    out, partials = _launch_heads(problem, None)
+    swapped = problem.to("cuda")
+    swapped.kv_cache.copy_(swapped.kv_cache.flip(1))
+    got, got_partials = _launch_heads(swapped, 2)
+    assert not torch.equal(got.view(torch.int16), out.view(torch.int16))
+    assert not torch.equal(got_partials, partials)
+
+
+def test_heads_per_cta_refused_before_launch():
+    """A heads_per_cta that does not divide the launch's KV heads, or with the mbarrier ring, is a
+    ValueError before any compile or launch (nothing written)."""
+    from musebench.kernels.attn2 import SplitIssue, launch
+
+    p = make_problem("random", 3000, 4096, num_kv_heads=2).to("cuda")
+    splits = cute_ops.attn2_splits(p.max_model_len, p.window, 2)
+    workspace = torch.zeros(lay.workspace_bytes(p.num_reqs, 2, splits), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(p.q, float("nan"))
+    for per_cta, issue in ((4, SplitIssue()), (3, SplitIssue()), (2, SplitIssue.named("all+ring"))):
+        with pytest.raises(ValueError, match="heads_per_cta"):
+            launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
+                   window=p.window, issue=issue, heads_per_cta=per_cta)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and not workspace.any()
