@@ -103,9 +103,11 @@ def test_same_keys_same_bits_at_every_length():
         assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), (seq_len, _first_difference(now[1:], then[:-1]))
 
 
-def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
-    """The split plan's output (bf16 on the CPU) with one `SplitIssue` setting of the split kernel
-    and its tensor-core path (None: the GPU's default, wgmma on an H200)."""
+def _launch(problem, num_splits=None, **experiment):
+    """(output bf16, workspace bytes) on the CPU of the split plan (`num_splits`, None: the
+    deployment's) with the experiment arguments of `kernels.attn2.launch` (`issue`, `tensor_ops`:
+    None is the GPU's default, wgmma on an H200; `heads_per_cta`); the workspace starts zeroed, so
+    it holds exactly the partials the split kernel wrote."""
     from musebench.kernels import attn2
 
     p = problem.to("cuda")
@@ -114,9 +116,14 @@ def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
     workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
     out = torch.full_like(p.q, float("nan"))
     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
-                 window=p.window, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops)
+                 window=p.window, num_splits=num_splits, **experiment)
     torch.cuda.synchronize()
-    return out.cpu()
+    return out.cpu(), workspace.cpu()
+
+
+def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
+    """The split plan's output with one `SplitIssue` setting and tensor-core path (`_launch`)."""
+    return _launch(problem, num_splits, issue=issue, tensor_ops=tensor_ops)[0]
 
 
 # pages at the causal edge, the window's first pages, splits without pages, one split, many pages a
@@ -155,20 +162,9 @@ def test_split_issue_comparison_sees_a_change():
 
 
 def _launch_heads(problem, heads_per_cta, num_splits=None, tensor_ops=None):
-    """(output bf16, workspace bytes) on the CPU of the split plan with `heads_per_cta` KV heads a
-    split CTA (`Attn2Build.heads_per_cta`; None: one, the deployment's kernel); the workspace
-    starts zeroed, so it holds exactly the partials the split kernel wrote."""
-    from musebench.kernels import attn2
-
-    p = problem.to("cuda")
-    heads = p.num_kv_heads
-    splits = num_splits or cute_ops.attn2_splits(p.max_model_len, p.window, heads)
-    workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
-    out = torch.full_like(p.q, float("nan"))
-    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
-                 window=p.window, num_splits=num_splits, tensor_ops=tensor_ops, heads_per_cta=heads_per_cta)
-    torch.cuda.synchronize()
-    return out.cpu(), workspace.cpu()
+    """(output, workspace) with `heads_per_cta` KV heads a split CTA (`Attn2Build.heads_per_cta`;
+    None: one, the deployment's kernel), `_launch`."""
+    return _launch(problem, num_splits, tensor_ops=tensor_ops, heads_per_cta=heads_per_cta)
 
 
 # one split (short), splits without pages, the causal and window edges, 512 splits (the plan the
