@@ -54,7 +54,9 @@ from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that la
 split of its group (skipping splits without pages: (0, -inf, 0), which a merge
 passes through exactly), merges them as the subtree they are (left child first: w = 2^((m - top)
 scale log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet
-level by level through shared memory, and warp 0 runs the epilogue on the root.
+level by level through shared memory, and warp 0 runs the epilogue on the root
+(`SplitIssue.trim_combine`: only the levels up to the smallest subtree holding every split with
+pages, that node then passed through as O + 0, l + 0, the whole tree's bits).
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
@@ -65,8 +67,8 @@ Determinism. The layout fixes which lane holds which dim and so the sum of squar
 a compile-time constant of the code, the same for every KV head, request, L, tp and launch (eager
 or a graph replay): the layout enters no decision that depends on them. So the properties the
 tests check (a KV head's bits whatever the tp, a row's bits whatever L when it sees the same
-keys, equal bits across calls and replays) hold as before; the output bits differ from the older
-layout's (16p + 4c .. 16p + 4c + 3 a lane) only through that order.
+keys, equal bits across calls and replays) hold by construction, and so do the split kernel's
+switches (`SplitIssue`, `tensor_ops`, `heads_per_cta`): each runs the same chains in the same order.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
