@@ -7,6 +7,8 @@ import runpy
 
 import pytest
 
+from tests._processes import free_port_pair
+
 SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
 
 
@@ -40,25 +42,6 @@ tp = [2, 4]
 """
 
 
-def _free_port_pair() -> int:
-    """A port whose successor is free too (the rendezvous and the launchers' store)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65534:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no free port pair")
-
-
 def _nightly_env(tmp_path, extra_args: str = "") -> dict:
     import os
     import sys
@@ -69,7 +52,7 @@ def _nightly_env(tmp_path, extra_args: str = "") -> dict:
     return dict(os.environ, PATH=f"{REPO / 'tests' / 'stand_ins'}:{os.environ['PATH']}",
                 SLURM_JOB_ID="t" + uuid.uuid4().hex[:8], SLURM_NNODES="2", SLURM_JOB_NODELIST="127.0.0.1",
                 SLURM_SUBMIT_DIR=str(REPO), MUSEBENCH_PYTHON=sys.executable, MUSEBENCH_GPUS_PER_NODE="2",
-                MUSEBENCH_PORT=str(_free_port_pair()), MUSEBENCH_SCENARIO=str(scenario),
+                MUSEBENCH_PORT=str(free_port_pair()), MUSEBENCH_SCENARIO=str(scenario),
                 MUSEBENCH_PARITY_ARGS=extra_args, TMPDIR=str(tmp_path), PYTHONPATH=str(REPO))
 
 

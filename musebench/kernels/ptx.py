@@ -592,14 +592,6 @@ def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def ld_global_v2_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32]:
-    """`ld.global.v2.u32`: 8 bytes, weak."""
-    struct = _asm(llvm.StructType.get_literal([T.i32()] * 2), [_ir(Int64(address), loc, ip)],
-                  "ld.global.v2.u32 {$0, $1}, [$2];", "=r,=r,l", side_effects=True, loc=loc, ip=ip)
-    return tuple(Uint32(llvm.extractvalue(T.i32(), struct, [i], loc=loc, ip=ip)) for i in range(2))  # type: ignore[return-value]
-
-
-@dsl_user_op
 def ld_global_cg_v4_u32(address: Int64, *, loc=None, ip=None) -> tuple[Uint32, Uint32, Uint32, Uint32]:
     """`ld.global.cg.v4.u32`: 16 bytes from L2, never from this SM's L1 (which may hold a stale
     line of a workspace another CTA rewrote since)."""

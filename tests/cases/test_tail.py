@@ -14,6 +14,7 @@ from musebench.cases.tail_inputs import EDGE_PADDING_ROWS, TailCase, make_tail_i
 from musebench.harness.case import MailboxSpec, RunOptions
 from musebench.harness.driver import _BaselineComms, mailbox_specs
 from musebench.stock.all_reduce import rank_order_sum
+from tests._processes import spawned_ranks
 
 EP, TP = TailCase(mode="ep", tp=2, tokens=3), TailCase(mode="tp", tp=2, tokens=3)
 
@@ -195,22 +196,7 @@ def _rank_checking_its_group(rank: int, port: int, answers) -> None:
 
 @pytest.mark.slow
 def test_a_groups_one_shot_passes_its_check_where_the_jobs_sum_would_fail_it():
-    import multiprocessing
-
-    from tests.test_scripts import _free_port_pair
-
-    context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    port = _free_port_pair()
-    ranks = [context.Process(target=_rank_checking_its_group, args=(rank, port, answers)) for rank in range(4)]
-    for process in ranks:
-        process.start()
-    try:
-        got = {rank: (grouped, whole) for rank, grouped, whole in (answers.get(timeout=90) for _ in ranks)}
-    finally:
-        for process in ranks:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+    answers = spawned_ranks(_rank_checking_its_group, 4, lambda rank, port, answers: (rank, port, answers))
+    got = {rank: (grouped, whole) for rank, grouped, whole in answers}
     assert all(grouped is None for grouped, _ in got.values()), got
     assert all("differ from the rank-order sum" in whole for _, whole in got.values()), got

@@ -9,6 +9,7 @@ import torch
 
 from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions, run_virtual
+from tests._processes import spawned_ranks
 
 FAST = dict(iters=1, warmup=0, timeout_s=0.5)
 
@@ -172,23 +173,7 @@ def _rank_of_a_job(rank: int, world: int, port: int, job: str, refusing: tuple, 
 def test_a_transport_refusal_on_some_ranks_exits_2_on_every_rank(job_id):
     """Ranks decide the transport with their own GPUs and environment: where rank 3 (group 1)
     refuses and the others do not, every rank exits 2 before any mailbox, none left in a collective."""
-    import multiprocessing
-
-    from tests.test_scripts import _free_port_pair
-
-    context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    port = _free_port_pair()
-    ranks = [context.Process(target=_rank_of_a_job, args=(rank, 4, port, job_id, (3,), answers)) for rank in range(4)]
-    for process in ranks:
-        process.start()
-    try:
-        got = dict(answers.get(timeout=90) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+    got = dict(spawned_ranks(_rank_of_a_job, 4, lambda rank, port, answers: (rank, 4, port, job_id, (3,), answers)))
     assert got == {0: 2, 1: 2, 2: 2, 3: 2}, got
 
 
@@ -274,23 +259,7 @@ def test_bench_collectives_stay_in_step_across_groups_and_nodes():
     ranks only, the others never entered the job-wide new_group), kept only where every rank made
     them; a group's bench agrees and barriers within its group, so a group that skipped the case
     never leaves another in a collective of the job."""
-    import multiprocessing
-
-    from tests.test_scripts import _free_port_pair
-
-    context = multiprocessing.get_context("spawn")
-    answers = context.Queue()
-    port = _free_port_pair()
-    ranks = [context.Process(target=_rank_of_a_bench, args=(rank, port, answers)) for rank in range(4)]
-    for process in ranks:
-        process.start()
-    try:
-        got = dict(answers.get(timeout=90) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(10)
-            if process.is_alive():
-                process.kill()
+    got = dict(spawned_ranks(_rank_of_a_bench, 4, lambda rank, port, answers: (rank, port, answers)))
     for rank in range(4):
         assert got[rank]["disagree"] == (None, None)
         collectives, why = got[rank]["one_fails"]

@@ -9,6 +9,7 @@ import pytest
 from musebench.harness import launch
 from musebench.cases.tail_inputs import TailCase
 from musebench.harness.driver import Faults, RunOptions
+from tests._processes import free_port_pair
 
 pytestmark = pytest.mark.slow
 
@@ -149,9 +150,7 @@ def _start_nodes(arguments, nnodes, nproc, extra_env=None, json_path=None):
     import subprocess
     import sys
 
-    from tests.test_scripts import _free_port_pair
-
-    port = _free_port_pair()
+    port = free_port_pair()
     env = dict(os.environ, **(extra_env or {}))
     launchers = []
     for node in range(nnodes):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from musebench.harness.nodes import Nodes, NodesRefused, check_tp, describe, first_slurm_host, resolve_nodes
+from tests._processes import free_port_pair
 
 
 def test_no_node_option_keeps_the_one_node_launch():
@@ -112,19 +113,13 @@ def test_a_store_call_that_does_not_answer_raises_within_the_bound():
     release.set()
 
 
-def _port() -> int:
-    from tests.test_scripts import _free_port_pair
-
-    return _free_port_pair()
-
-
 def test_node_0_refuses_a_taken_store_port():
     """PORT+1 held by another process: node 0 exits 2 naming it (it raised a bare DistNetworkError)."""
     import socket
 
     from musebench.harness.nodes import NodeLink
 
-    port = _port()
+    port = free_port_pair()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         taken.listen()
@@ -139,7 +134,7 @@ def test_a_node_refuses_a_store_of_another_launch_and_a_taken_node_rank(monkeypa
     from musebench.harness.nodes import NodeLink
 
     monkeypatch.delenv("MUSEBENCH_JOB_ID", raising=False)
-    port = _port()
+    port = free_port_pair()
     endpoint = f"127.0.0.1:{port}"
     node0 = NodeLink(Nodes(2, 0, 2, endpoint), "job-a", startup_s=5)
     with pytest.raises(NodesRefused, match=r"serves another launch \(nnodes=2 nproc-per-node=2 .*this node's: "
@@ -164,7 +159,7 @@ def test_a_refusal_on_one_node_is_every_nodes():
     from musebench.harness.launch import agree_on_hosts
     from musebench.harness.nodes import NodeLink
 
-    endpoint = f"127.0.0.1:{_port()}"
+    endpoint = f"127.0.0.1:{free_port_pair()}"
     links = [NodeLink(Nodes(2, 0, 2, endpoint), "job", startup_s=5)]
     links.append(NodeLink(Nodes(2, 1, 2, endpoint), "job", startup_s=5))
     outcomes: dict[int, BaseException | None] = {}
