@@ -44,15 +44,22 @@ CTA_THREADS = 32 * WARPS
 # mma tile, so one CTA reads each page once for all of them (the seeds' SM100 kernel splits rows
 # over a cluster; reading a page twice would double the HBM traffic this kernel is bound by).
 ROW_GROUPS = 1
-# SPLIT_TARGET_CLUSTERS: split CTAs a request's launch aims for per KV head: a single KV head
-# (tp 16) must keep about two CTAs of 4 warps on every one of the 132 SMs of an H200 (148 on a
-# GB200), the issue rate one warp per scheduler cannot give (Nsight Compute on the H200, 64 splits:
-# one warp per scheduler issued every 4.2 cycles, 0.5 TB/s). 256 is the nearest power of two.
-SPLIT_TARGET_CLUSTERS = 256
-# MAX_SPLITS: the merge tree's leaves. The tree is merged by the combine kernel (registers within a
-# group, shared memory across groups): its depth costs a few hundred cycles, not a global round
-# trip per level, so MAX_SPLITS is SPLIT_TARGET_CLUSTERS.
+# SPLIT_TARGET_CLUSTERS: split CTAs a request's launch aims for: SPLIT_CTAS_PER_SM (4) CTAs of 4
+# warps on each of the 132 SMs of an H200 (528; 148 SMs on a GB200), the power of two below. The
+# page chain is latency-bound, so a launch needs every SM's 16 warps: one KV head (tp 16) ran 128k
+# at 21.9 us with 512 CTAs against 29.9 with 256 (records/2026-12-01-h200-af718e6-sweep-attn2-*).
+SPLIT_TARGET_CLUSTERS = 512
+# MAX_SPLITS: the merge tree's leaves. One KV head needs SPLIT_TARGET_CLUSTERS of them to fill the
+# GPU, and the split count may not depend on tp (it fixes a row's summation order), so every KV
+# head gets them; with more heads a CTA runs several sibling leaves (`splits_per_cta`). The tree
+# is merged in registers and shared memory: its depth costs a few hundred cycles.
 MAX_SPLITS = SPLIT_TARGET_CLUSTERS
+# SPLITS_PER_CTA_CHOICES: sibling leaves (splits 2j, 2j + 1) one split CTA runs, one after the
+# other through one ring, merging them as the combine would (the same node, the same bits): 2
+# halves the CTAs and the partials of a launch with 2+ KV heads at MAX_SPLITS (tp 8: 1024 leaves in
+# 512 CTAs, no second wave, 256 partials a head as before). The first leaf's state waits in shared
+# memory (PENDING_BYTES), which bounds it at 2.
+SPLITS_PER_CTA_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
 # SHORT_MAX_LEN: up to 2048 tokens (128 pages) one CTA per KV head reads the whole context; a
@@ -71,6 +78,14 @@ def split_ctas_per_sm(arch: str) -> int:
     """The split kernel's CTAs per SM for a target ("sm_90a", "sm_100a", ...)."""
     return SPLIT_CTAS_PER_SM_SM100 if arch.startswith("sm_10") else SPLIT_CTAS_PER_SM
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
+
+
+def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:
+    """Sibling splits one split CTA runs (`SPLITS_PER_CTA_CHOICES`): 2 where that still leaves
+    SPLIT_TARGET_CLUSTERS CTAs a request (num_kv_heads x num_splits >= 2 x the target: tp 8 and
+    below at MAX_SPLITS), else 1. A performance choice only: the bits are the same either way."""
+    _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
+    return 2 if num_splits >= 2 and num_kv_heads * num_splits >= 2 * SPLIT_TARGET_CLUSTERS else 1
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
 # The natural layout of a row's 64 dims over the 4 lanes of a quad (the mma's C fragment, and
@@ -104,6 +119,10 @@ def partial_vector_dims(v: int, c: int) -> list[int]:
 PARTIAL_O_VECTORS = 8  # 32 FP32 of O per thread: 2 rows x 16 dims
 PARTIAL_FLOATS = CTA_THREADS * 4 * (PARTIAL_O_VECTORS + 1)
 PARTIAL_BYTES = 4 * PARTIAL_FLOATS  # 18432
+# The first of two sibling leaves, held in shared memory while the CTA runs the second: a thread's
+# 32 values of O, its rows' m and l ([value][thread]: consecutive threads, consecutive words).
+PENDING_VALUES = 2 * LANE_DIMS + 4
+PENDING_BYTES = 4 * PENDING_VALUES * CTA_THREADS  # 18432
 # The combine: one CTA per (request, KV head, row); COMBINE_QUADS threads per split group (the 4
 # lanes of the split kernel that hold the row, `lane_dims(c)` each), at most COMBINE_GROUPS groups
 # (256 threads), each a complete subtree of num_splits / groups consecutive splits.
@@ -145,22 +164,28 @@ def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     return count
 
 
-def combine_groups(num_splits: int) -> int:
-    """Split groups of a combine CTA (a power of two): every split its own group up to
-    COMBINE_GROUPS, then num_splits / COMBINE_GROUPS consecutive splits a group."""
-    return min(num_splits, COMBINE_GROUPS)
+def combine_groups(num_partials: int) -> int:
+    """Partial groups of a combine CTA (a power of two): every partial its own group up to
+    COMBINE_GROUPS, then num_partials / COMBINE_GROUPS consecutive partials a group (a partial is a
+    split CTA's: one leaf of the merge tree, or with `splits_per_cta` 2 a level-1 node)."""
+    return min(num_partials, COMBINE_GROUPS)
 
 
-def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
-    """Bytes of the split kernel's workspace: one partial per (request, KV head, split); 0 with one
-    split (nothing to merge). Nothing in it needs zeroing: a partial is read only by the combine
-    of the launch that wrote it."""
+def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
+    """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
+    running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split
+    (nothing to merge). Nothing in it needs zeroing: a partial is read only by the combine of the
+    launch that wrote it."""
     _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
     if not is_power_of_two(num_splits):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     if num_splits == 1:
         return 0
-    return num_reqs * num_kv_heads * num_splits * PARTIAL_BYTES
+    if per_cta is None:
+        per_cta = splits_per_cta(num_kv_heads, num_splits)
+    if per_cta not in SPLITS_PER_CTA_CHOICES or isinstance(per_cta, bool) or num_splits % per_cta:
+        raise ValueError(f"per_cta must be one of {SPLITS_PER_CTA_CHOICES} dividing num_splits, got {per_cta!r}")
+    return num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
 
 
 def split_table_entries(max_model_len: int, window: int, num_splits: int) -> int:

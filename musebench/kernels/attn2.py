@@ -20,10 +20,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    XOR-swizzled by row, the 128-byte swizzle of `gmma.page_offset`, the ring 1024-byte aligned;
    mma.sync: K | V per slot, chunks swizzled by slot, so the ldmatrix reads are bank-conflict
    free). Slots at and past L are zero-filled by cp.async's src-size 0 (never read: other
-   requests' data or poison may sit there); pages past L are never touched. One barrier a page;
-   with `SplitIssue.mbarrier_ring` none: a full and an empty mbarrier per stage (`ring_pages`), and
-   with `overlap_mma` page i + 1's Q K^T and page i's P V run beside page i's softmax
-   (`ring_pages_overlapped`). Both are off by default until the H200 A/B.
+   requests' data or poison may sit there); pages past L are never touched. One barrier a page.
+   With two splits a CTA the ring runs on from the first split's pages into the second's.
 3. Per page: S = Q K^T (four k16 steps from zero), the causal and window mask (the same for both
    rows of a thread), the online softmax on unscaled scores (row maxima of S, weights
    2^((s - m) fp32(scale log2 e)) with the difference rounded before the product, by
@@ -38,25 +36,29 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
-4. With one split: the epilogue. Otherwise a split with pages writes its partial (O, m, l) to its
-   workspace slot (`attn2_layout`) and ends; a split without pages writes nothing.
+4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
+   workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing. With two splits
+   a CTA (`attn2_layout.splits_per_cta`: 2 KV heads or more at MAX_SPLITS), splits 2j and 2j + 1,
+   the first split's state waits in shared memory (`hold_pending`) while the second runs from a
+   fresh (m, O, l), and the CTA merges them (`merge_pending`: `merge_into`, left child first,
+   the combine's merge of those two leaves), so its partial is the tree's level-1 node j, bit for
+   bit what the combine would make of the two leaves. The split count fixes the bits; how many
+   splits a CTA runs does not.
 
-`Attn2Build.heads_per_cta` (an experiment, default 1: the kernel above): the grid's x is
-num_kv_heads / heads_per_cta and a CTA runs KV heads x heads_per_cta + j, j ascending, of its
-split one after the other, each steps 1-4 as above from a fresh (m, O, l) (the page table is
-prefetched once): the same chain per (head, split), the same bits whatever heads_per_cta. The
-ring restarts per head (its copies drained, a barrier, the prologue again); the mbarrier ring is
-refused with heads_per_cta > 1.
+Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
+the splits a CTA runs, the tensor-core path and `SplitIssue`. Measured and removed (records/,
+2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
+the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
+bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
+the heads' chains ran one after the other, each restarting the ring).
 
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
 from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that lane c held in each
-split of its group (skipping splits without pages: (0, -inf, 0), which a merge
-passes through exactly), merges them as the subtree they are (left child first: w = 2^((m - top)
-scale log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet
-level by level through shared memory, and warp 0 runs the epilogue on the root
-(`SplitIssue.trim_combine`: only the levels up to the smallest subtree holding every split with
-pages, that node then passed through as O + 0, l + 0, the whole tree's bits).
+partial of its group (skipping partials without pages: (0, -inf, 0), what a merge of empty
+leaves makes), merges them as the subtree they are (left child first: w = 2^((m - top) scale
+log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level
+by level through shared memory, and warp 0 runs the epilogue on the root.
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
@@ -68,17 +70,16 @@ a compile-time constant of the code, the same for every KV head, request, L, tp 
 or a graph replay): the layout enters no decision that depends on them. So the properties the
 tests check (a KV head's bits whatever the tp, a row's bits whatever L when it sees the same
 keys, equal bits across calls and replays) hold by construction, and so do the split kernel's
-switches (`SplitIssue`, `tensor_ops`, `heads_per_cta`): each runs the same chains in the same order.
+switches (`SplitIssue`, `tensor_ops`, `splits_per_cta`): each runs the same chains in the same order
+and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
 combine's wait sees finished and flushed); each releases its dependents after its main work.
 
 Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
-instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8). The
-ring: 139 (the waits' parities and addresses, the empty arrival; no BAR.SYNC, no DEPBAR for the
-copies), 94 registers; the ring with overlap: 150 (the next page's scores move out of the
-registers the following Q K^T writes), 104 registers; no spills, no wgmma serialization.
+instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8); no
+spills, no wgmma serialization.
 Measured on the H200 (`musebench bench attn`, records/): see the README's performance section.
 """
 
@@ -97,7 +98,6 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from musebench import attn2_layout as lay
 from musebench import config
-from musebench.comm.protocol import DEFAULT_TIMEOUT_NS
 from musebench.kernels import compilation, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
@@ -119,12 +119,6 @@ ACCUMULATORS = 4 * (V_TILES + 1)  # 36 a thread: o[4 t + j]; t = V_TILES holds l
 V_TILE_PAIRS = V_TILES // 2  # one ldmatrix.x4.trans each
 V_CHUNK0 = lay.HEAD_DIM * BF16_BYTES // VECTOR_BYTES  # 8: V's first 16-byte chunk in a slot
 ALIGN = 16
-# mbarrier_ring: the copies of page i + STAGES - RING_REFILL_DISTANCE go, at page i, into the stage page
-# i - RING_REFILL_DISTANCE used (`_Attn2Kernel.kernel`'s ring comment says why 2); every ring wait
-# gives up (trap) after RING_WAIT_BOUND_NS of polling: copies that never land are a fault, not a hang
-RING_REFILL_DISTANCE = 2
-RING_WAIT_BOUND_NS = DEFAULT_TIMEOUT_NS
-MBARRIER_BYTES = 8
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 
@@ -136,11 +130,9 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class SplitIssue:
-    """The split kernel's instruction savings and page-pipeline variants, each a compile-time
-    switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
+    """The split kernel's instruction savings, each a compile-time switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
     against `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
-    The first four are on by default; `mbarrier_ring`, `overlap_mma` and `trim_combine` are off
-    until a GPU A/B shows them faster.
+    All four are on by default.
 
     - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
       own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
@@ -158,26 +150,8 @@ class SplitIssue:
       eight keys each, four per copy of the scores) instead of 16 word loads; the same words.
       Without `lean_addressing` it costs the windowed sm_90a kernel (2 KV heads) a spill (28
       bytes: the per-page addresses), so `none()` is without it.
-    - `mbarrier_ring` (both tensor-core paths): no CTA barrier a page. Each ring stage has a
-      "full" and an "empty" shared-memory mbarrier (`_Attn2Kernel.kernel`'s ring comment: counts,
-      phases, the refill distance, who fences); the page's copies arrive on "full" as they land
-      (`cp.async.mbarrier.arrive.noinc`), each thread arrives on "empty" once its reads of the
-      page are complete, and every wait is bounded (`RING_WAIT_BOUND_NS`, then `trap`). The same
-      copies, the same MMAs on the same operands in the same order.
-    - `trim_combine` (the combine kernel's, off until a GPU A/B): the merge tree's levels above the
-      smallest subtree that holds every split with pages are not run. Above it every merge has an
-      empty sibling ((0, -inf, 0): weight 2^-inf = 0, its own 2^0 = 1), which passes the live node
-      through as O + 0 and l + 0: one add of +0.0 (a -0.0 becomes +0.0, as those merges make it)
-      gives the same bits. The live splits are a cyclic range of the plan (from first_page mod S,
-      min(S, pages) long); a range that wraps runs every level. A request of L <= 512 without a
-      window runs 3 of the 6 levels at S = 256, a single page none.
-    - `overlap_mma` (wgmma only, with `mbarrier_ring`): page i + 1's S = Q K^T is issued before
-      page i's softmax and page i's P V runs while page i + 1's scores are processed
-      (`wgmma.wait_group 1`); the same MMA chains on the same operands, each accumulator chain in
-      its own order, so the same bits. It needs the ring: with one barrier a page the stage page
-      i - 1 used is refilled right after page i's barrier, while page i - 1's P V may still read it.
 
-    `named("all" | "none" | "mask+rescale+lean+keys" | "all+ring+overlap" ...)`: a setting by name
+    `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
     """
 
@@ -185,32 +159,22 @@ class SplitIssue:
     skip_unit_rescale: bool = True
     lean_addressing: bool = True
     ldmatrix_keys: bool = True
-    mbarrier_ring: bool = False
-    overlap_mma: bool = False
-    trim_combine: bool = False
-
-    def __post_init__(self) -> None:
-        _require(self.mbarrier_ring or not self.overlap_mma,
-                 "SplitIssue overlap_mma needs mbarrier_ring (name it 'ring+overlap'): with one CTA barrier a page "
-                 "the stage page i - 1 used is refilled after page i's barrier, while page i - 1's P V may still "
-                 "read it")
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False, False)
+        return SplitIssue(False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "ring": "mbarrier_ring", "overlap": "overlap_mma",
-                   "trim": "trim_combine"}
-    DEFAULT_ON = ("mask", "rescale", "lean", "keys")  # what "all" turns on: the savings on by default
+                   "keys": "ldmatrix_keys"}
+    DEFAULT_ON = ("mask", "rescale", "lean", "keys")  # what "all" turns on: every switch
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (the default savings: `DEFAULT_ON`), "none", or short names joined by "+" (those
-        on, the rest off): "mask", "rescale", "lean", "keys", "ring", "overlap"; "all" may lead a
-        "+" list of the switches it leaves off ("all+ring+overlap"). ValueError for anything else
-        (an unknown or repeated name, "all" with a name it already holds, overlap without ring)."""
+        """"all" (the default: `DEFAULT_ON`), "none", or short names joined by "+" (those on, the
+        rest off): "mask", "rescale", "lean", "keys"; "all" may lead a "+" list (of nothing it does
+        not already hold: so "all" alone). ValueError for anything else (an unknown or repeated
+        name)."""
         if name == "none":
             return SplitIssue.none()
         parts = name.split("+")
@@ -232,8 +196,9 @@ class Attn2Build:
     """Compile-time knobs besides the deployment: PDL, the target (default: CUTE_DSL_ARCH or the
     current GPU), a folder for the PTX (tests) and, for experiments (`scripts/sweep-attn2.py`),
     a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
-    plan, not the deployment's) and the split kernel's instruction savings (`SplitIssue`: the
-    same bits with any setting)."""
+    plan, not the deployment's), the splits a CTA runs other than `attn2_layout.splits_per_cta`'s
+    (1 or 2: the same bits either way) and the split kernel's instruction savings (`SplitIssue`:
+    the same bits with any setting)."""
 
     enable_pdl: bool = True
     arch: str | None = None
@@ -241,13 +206,13 @@ class Attn2Build:
     num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
     issue: SplitIssue = SplitIssue()
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
-    heads_per_cta: int | None = None  # experiments only: KV heads a split CTA runs in turn (None: 1; same bits)
+    splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
-        _require(self.heads_per_cta is None or not isinstance(self.heads_per_cta, bool)
-                 and isinstance(self.heads_per_cta, int) and self.heads_per_cta >= 1,
-                 f"heads_per_cta must be None or an int >= 1, got {self.heads_per_cta!r}")
+        _require(self.splits_per_cta is None or self.splits_per_cta in lay.SPLITS_PER_CTA_CHOICES
+                 and not isinstance(self.splits_per_cta, bool),
+                 f"splits_per_cta must be None or one of {lay.SPLITS_PER_CTA_CHOICES}, got {self.splits_per_cta!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -271,50 +236,33 @@ def tensor_ops_for(target: str, requested: str | None) -> str:
     return chosen
 
 
-def check_heads_per_cta(heads_per_cta: int, num_kv_heads: int, mbarrier_ring: bool) -> None:
-    """Refuse (ValueError) a split-kernel heads_per_cta the kernel does not run: not an int >= 1, not
-    a divisor of the launch's KV heads (the grid's x is num_kv_heads / heads_per_cta), or > 1 with
-    `SplitIssue.mbarrier_ring` (and so `overlap_mma`): the ring's parities count one head's pages and
-    its restart per head is not built."""
-    _require(not isinstance(heads_per_cta, bool) and isinstance(heads_per_cta, int) and heads_per_cta >= 1,
-             f"heads_per_cta must be an int >= 1, got {heads_per_cta!r}")
-    _require(num_kv_heads % heads_per_cta == 0,
-             f"heads_per_cta {heads_per_cta} does not divide the launch's {num_kv_heads} KV heads")
-    _require(heads_per_cta == 1 or not mbarrier_ring,
-             f"heads_per_cta {heads_per_cta} with SplitIssue mbarrier_ring (or overlap_mma) is not supported: the "
-             "ring's mbarrier parities count one head's pages; only the barrier-a-page ring restarts per head")
-
-
 class _Attn2Kernel:
-    """One attn2 variant: `num_kv_heads` KV heads per launch, `num_splits` splits, `max_pages`
-    page-table entries per request, `window` (0: none), and `SplitIssue`'s switches (same bits)."""
+    """One attn2 variant: `num_kv_heads` KV heads per launch, `num_splits` splits run
+    `splits_per_cta` to a CTA, `max_pages` page-table entries per request, `window` (0: none), and
+    `SplitIssue`'s switches (same bits)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
-                 mbarrier_ring: bool = False, overlap_mma: bool = False, wgmma: bool = False,
-                 heads_per_cta: int = 1) -> None:
+                 wgmma: bool = False, splits_per_cta: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
-        check_heads_per_cta(heads_per_cta, num_kv_heads, mbarrier_ring)
-        self.heads_per_cta = heads_per_cta
-        _require(mbarrier_ring or not overlap_mma, "overlap_mma needs mbarrier_ring (SplitIssue)")
-        _require(wgmma or not overlap_mma, "SplitIssue overlap_mma needs the wgmma path (sm_90a): mma.sync's "
-                 "chains are synchronous, there is nothing to overlap")
+        _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and num_splits % splits_per_cta == 0,
+                 f"splits_per_cta {splits_per_cta!r}: one of {lay.SPLITS_PER_CTA_CHOICES}, dividing {num_splits} splits")
         self.wgmma = wgmma
-        self.mbarrier_ring = mbarrier_ring
-        self.overlap_mma = overlap_mma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
         self.lean_addressing = lean_addressing
         self.ldmatrix_keys = ldmatrix_keys
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
+        self.splits_per_cta = splits_per_cta
+        self.partials = num_splits // splits_per_cta  # workspace slots per (request, KV head)
         self.max_pages = max_pages
         self.max_model_len = max_model_len
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
-        self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)
+        self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
 
     def ring_alignment(self) -> int:
@@ -323,17 +271,17 @@ class _Attn2Kernel:
         return gmma.ATOM_BYTES if self.wgmma else 128
 
     def smem_bytes(self) -> int:
-        table = -(-self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
+        table = -(-self.splits_per_cta * self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
         ones = gmma.ONES_BYTES if self.wgmma else 0
-        barriers = 2 * lay.PIPELINE_STAGES * MBARRIER_BYTES if self.mbarrier_ring else 0
-        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table + barriers
+        pending = lay.PENDING_BYTES if self.splits_per_cta > 1 else 0
+        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table + pending
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
                  seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                  gate_row_words: Int32, num_reqs: Int32, stream: cuda.CUstream) -> None:
         self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
-            grid=[self.num_kv_heads // self.heads_per_cta, self.num_splits, num_reqs],
+            grid=[self.num_kv_heads, self.partials, num_reqs],
             block=[lay.CTA_THREADS, 1, 1],
             smem=self.smem_bytes(),
             stream=stream,
@@ -397,14 +345,13 @@ class _Attn2Kernel:
         rescale (`skip_unit_rescale`: the warp's vote that every alpha is 1.0)."""
         m, ah, al, alpha = self.page_weights(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key,
                                              low_key, inside, m)
-        return m, self.page_accumulate(stage, stage_offset, v_words, descriptors, g, c, ah, al, alpha, o, 0)
+        return m, self.page_accumulate(stage, stage_offset, v_words, descriptors, g, c, ah, al, alpha, o)
 
     @cute.jit
     def page_weights(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32,
-                     page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list, sacc=None):
+                     page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list):
         """The first half of `page_step`: (m, P hi, P lo, alpha) of the page, through the masked or
-        the unmasked copy of `page_scores` (`mask_edges_only`). `sacc`: the page's S = Q K^T
-        already computed and waited for (`overlap_mma`), or None (computed here)."""
+        the unmasked copy of `page_scores` (`mask_edges_only`)."""
         if cutlass.const_expr(self.mask_edges_only):
             # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
             ah = [Uint32(0) for _ in range(4)]
@@ -412,21 +359,20 @@ class _Attn2Kernel:
             alpha = [Float32(0.0), Float32(0.0)]
             if inside:
                 m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, False, sacc)
+                                                    m, False)
             else:
                 m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, True, sacc)
+                                                    m, True)
         else:
             m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, m,
-                                                True, sacc)
+                                                True)
         return m, ah, al, alpha
 
     @cute.jit
     def page_accumulate(self, stage: Int32, stage_offset: Int32, v_words, descriptors, g: Int32, c: Int32, ah: list,
-                        al: list, alpha: list, o: list, pending: cutlass.Constexpr):
+                        al: list, alpha: list, o: list):
         """The second half of `page_step`: O and l times alpha (or not, `skip_unit_rescale`), then
-        the page's P V into them (`page_values`; `pending` as there). `o` must be readable (no MMA
-        writing it in flight)."""
+        the page's P V into them (`page_values`)."""
         if cutlass.const_expr(self.skip_unit_rescale):
             # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
             # every non-NaN x (-0.0 included: -0.0 * 1.0 is -0.0; subnormals: mul.rn.f32 keeps them;
@@ -436,23 +382,21 @@ class _Attn2Kernel:
             o = self.rescale(o, alpha, unit)
         else:
             o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]) for k in range(ACCUMULATORS)]
-        return self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o, pending)
+        return self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o)
 
     @cute.jit
     def page_scores(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32, page_key: Int32,
-                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr, sacc=None):
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
         """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
         visible to every row: each select would pick its score unchanged), the new row maxima and
-        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row).
-        `sacc` (wgmma only): S already computed (`page_scores_chain`, waited for), or None."""
+        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row)."""
         scale_log2 = Float32(SCALE_LOG2)
         # S = Q K^T: s[4 nt + j]
         s = []
         if cutlass.const_expr(self.wgmma):
             # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
             # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
-            if cutlass.const_expr(sacc is None):
-                sacc = self.page_scores_chain(stage_offset, descriptors, a, 0)
+            sacc = self.page_scores_chain(stage_offset, descriptors, a)
             for j in cutlass.range_constexpr(8):
                 if cutlass.const_expr(masked):
                     key = page_key + (j // 4) * 8 + 2 * c + (j % 2)
@@ -521,14 +465,13 @@ class _Attn2Kernel:
         return m, ah, al, alpha
 
     @cute.jit
-    def page_scores_chain(self, stage_offset: Int32, descriptors, a: list, pending: cutlass.Constexpr) -> list:
+    def page_scores_chain(self, stage_offset: Int32, descriptors, a: list) -> list:
         """wgmma: the page's S = Q K^T, four k16 steps from zero (scale-d 0), K-major K from the
         stage's K region: step kk starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is
-        mma.sync's s[4 nt + j]. Committed as one group; `pending` as `wgmma_chain`'s (None: not
-        waited for, the accumulators in flight)."""
+        mma.sync's s[4 nt + j]."""
         step = Int64(stage_offset >> 4)  # the stage's start, in the address field's 16-byte units
         return wgmma_chain(lay.PAGE_TOKENS, a, [gmma.advance_keys_descriptor(descriptors[0], step, kk)
-                                                for kk in range(K_TILES)], 0, None, pending)
+                                                for kk in range(K_TILES)], 0)
 
     @cute.jit
     def rescale(self, o: list, alpha: list, unit):
@@ -541,17 +484,15 @@ class _Attn2Kernel:
 
     @cute.jit
     def page_values(self, stage: Int32, stage_offset: Int32, v_words, descriptors, g: Int32, c: Int32,
-                    ah: list, al: list, o: list, pending: cutlass.Constexpr = 0) -> list:
+                    ah: list, al: list, o: list) -> list:
         """The tensor cores add this page's P V into the accumulators (O, then n-tile 8: l, over an
         n-tile of ones beside V), p_lo's step then p_hi's (`cpu.attn2.accumulate_page`); `o` is
-        already rescaled. Returns the ACCUMULATORS new values; wgmma with `pending` None: still
-        in flight (`wgmma_chain`), mma.sync: `pending` must be 0."""
+        already rescaled. Returns the ACCUMULATORS new values."""
         if cutlass.const_expr(self.wgmma):
             # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
             # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
             descriptor = gmma.advance_values_descriptor(descriptors[1], Int64(stage_offset >> 4))
-            return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o, pending)
-        assert pending == 0, "mma.sync is synchronous"
+            return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
         o = list(o)
         ones = Uint32(gmma.BF16_ONES_WORD)
         for pair in cutlass.range_constexpr(V_TILE_PAIRS + 1):
@@ -597,127 +538,6 @@ class _Attn2Kernel:
         return inside
 
     @cute.jit
-    def ring_wait(self, barrier: Int32, parity: Int32) -> None:
-        """Wait until the phase of parity `parity` of the mbarrier at `barrier` has completed
-        (acquire), polling at most RING_WAIT_BOUND_NS after the first failed poll, then `trap`:
-        copies that never land, or an arrival that never comes, end the launch with an error
-        instead of a hang. The first poll is the whole cost when the phase is already complete."""
-        done = ptx.mbarrier_try_wait_parity_shared_cta_b64(barrier, parity)
-        if done == 0:
-            started = ptx.read_globaltimer_u64()
-            while done == 0:
-                done = ptx.mbarrier_try_wait_parity_shared_cta_b64(barrier, parity)
-                # The timer is read in the same iteration as the poll: the wait is bounded.
-                if done == 0:
-                    if ptx.read_globaltimer_u64() - started > Int64(RING_WAIT_BOUND_NS):
-                        ptx.trap()
-
-    @cute.jit
-    def ring_refill(self, ahead: Int32, pages: Int32, ring_base: Int32, barriers: Int32, cache_base: Int64,
-                    table_smem: Int32, start: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32,
-                    tidx: Int32) -> None:
-        """mbarrier_ring: this thread's copies of the split's page `ahead` (if it has one) into stage
-        s = ahead % STAGES, after the stage's previous page (ahead - STAGES) is consumed by every
-        thread (empty[s], phase ahead // STAGES - 1), then its arrival on full[s] when they land.
-        The stage's first fill (ahead < STAGES) asks for parity 1 of a barrier still in phase 0,
-        which try_wait reports complete at once (the phase "before" phase 0): no test needed."""
-        if ahead < pages:
-            stage = ahead % lay.PIPELINE_STAGES
-            self.ring_wait(barriers + (lay.PIPELINE_STAGES + stage) * MBARRIER_BYTES, ring_empty_parity(ahead))
-            self.page_load(ring_base + stage * lay.PAGE_BYTES, cache_base, table_smem, ahead,
-                           start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-            ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + stage * MBARRIER_BYTES)
-
-    @cute.jit
-    def ring_full_wait(self, page: Int32, barriers: Int32) -> None:
-        """Wait for page `page`'s copies by every thread (full[page % STAGES], phase page // STAGES),
-        then, on the wgmma path, this thread's fence: the bytes other threads' cp.async wrote are
-        visible to this thread through the barrier's acquire (generic proxy), and wgmma reads them
-        through the async proxy, which only a proxy fence after that acquire orders. The writers
-        cannot fence: their copies complete asynchronously, after their last instruction about
-        them. Each thread of the warpgroup fences, as each issues the collective MMA."""
-        self.ring_wait(barriers + (page % lay.PIPELINE_STAGES) * MBARRIER_BYTES, ring_full_parity(page))
-        if cutlass.const_expr(self.wgmma):
-            ptx.fence_proxy_async_shared_cta()
-
-    @cute.jit
-    def ring_pages(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, k_words, v_words,
-                   descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
-                   seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32, m: list,
-                   o: list):
-        """mbarrier_ring's page loop (either tensor-core path): per page i, the refill of page
-        i + STAGES - RING_REFILL_DISTANCE, the wait for page i, `page_step`, then this thread's
-        arrival on empty[i % STAGES] (its reads of the stage are complete: the MMAs that read it
-        were waited for, mma.sync's ldmatrix results consumed; the arrival releases them).
-        Returns (m, o)."""
-        for i in cutlass.range(pages, unroll=1):
-            self.ring_refill(i + (lay.PIPELINE_STAGES - RING_REFILL_DISTANCE), pages, ring_base, barriers, cache_base,
-                             table_smem, start, kv_head, seq_len, cache_pages, tidx)
-            self.ring_full_wait(i, barriers)
-            m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
-                                low_key, m, o)
-            ptx.mbarrier_arrive_shared_cta_b64(barriers + (lay.PIPELINE_STAGES + i % lay.PIPELINE_STAGES)
-                                               * MBARRIER_BYTES)
-        return m, o
-
-    @cute.jit
-    def ring_pages_overlapped(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32,
-                              descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
-                              seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32,
-                              m: list, o: list):
-        """overlap_mma's page loop (wgmma, mbarrier_ring). Page 0's S is computed before the loop;
-        page i (S_i complete) then runs:
-
-        1. the refill of page i + 6 (as `ring_pages`);
-        2. the wait for page i + 1 and S_{i+1} issued (committed, not waited for): always issued,
-           so no in-flight accumulator crosses a branch; at i + 1 = pages it reads the stage page
-           pages - 8 left (no copy is in flight into it: no page at or past `pages` is copied) and
-           its result is dropped;
-        3. page i's softmax on S_i (`page_weights`), while P V_{i-1} and S_{i+1} run;
-        4. `wgmma.wait_group 1`: every group but the newest (S_{i+1}) complete, so P V_{i-1} is, and
-           O is readable; this thread arrives on empty for page i - 1's stage (S_{i-1} completed in
-           page i - 1's step 6, P V_{i-1} now: its last reads of the stage);
-        5. O and l times alpha_i, then P V_i issued (committed, not waited for);
-        6. `wgmma.wait_group 1`: S_{i+1} complete (groups complete in commit order; P V_i, the newest,
-           may run on into page i + 1's steps 1-3).
-        After the loop, `wait_group 0` completes the last P V. The order of every accumulator
-        chain is `page_step`'s (S from zero; O rescaled, then p_lo's step, p_hi's), on the same
-        operands: the same bits.
-
-        Stage lifetime: a stage is read by S_i (issued at page i - 1) and by P V_i (complete at
-        page i + 1's step 4, where the arrival is). The refill at page i writes the stage of page
-        i - 2, whose arrivals came at page i - 1's step 4, so RING_REFILL_DISTANCE = 2 is the least
-        that never waits on this thread's own arrival. Returns (m, o)."""
-        sacc = [Float32(0.0) for _ in range(2 * lay.PAGE_TOKENS // 4)]
-        if pages > 0:
-            self.ring_full_wait(Int32(0), barriers)
-            sacc = self.page_scores_chain(Int32(0), descriptors, a, 0)
-        for i in cutlass.range(pages, unroll=1):
-            self.ring_refill(i + (lay.PIPELINE_STAGES - RING_REFILL_DISTANCE), pages, ring_base, barriers, cache_base,
-                             table_smem, start, kv_head, seq_len, cache_pages, tidx)
-            following = i + 1
-            if following < pages:
-                self.ring_full_wait(following, barriers)
-            following_scores = self.page_scores_chain((following % lay.PIPELINE_STAGES) * lay.PAGE_BYTES,
-                                                      descriptors, a, None)
-            stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
-            page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
-            inside = None
-            if cutlass.const_expr(self.mask_edges_only):
-                inside = self.page_inside(page_key, seq_len)
-            m, ah, al, alpha = self.page_weights(ring_base + stage_offset, stage_offset, None, descriptors, a, g, c,
-                                                 page_key, own_key, low_key, inside, m, sacc)
-            o = ptx.wgmma_wait_group_sync_aligned(1, o)
-            if i > 0:
-                ptx.mbarrier_arrive_shared_cta_b64(
-                    barriers + (lay.PIPELINE_STAGES + (i - 1) % lay.PIPELINE_STAGES) * MBARRIER_BYTES)
-            o = self.page_accumulate(ring_base + stage_offset, stage_offset, None, descriptors, g, c, ah, al, alpha,
-                                     o, None)
-            sacc = ptx.wgmma_wait_group_sync_aligned(1, following_scores)
-        o = ptx.wgmma_wait_group_sync_aligned(0, o)
-        return m, o
-
-    @cute.jit
     def load_q_fragments(self, q: cute.Tensor, kv_head: Int32, warp: Int32, req: Int32, g: Int32, c: Int32,
                          q_row_words: Int32) -> list:
         """KV head `kv_head`'s Q A fragments of this thread (16 words): row g of the tile is (token
@@ -739,8 +559,8 @@ class _Attn2Kernel:
     @cute.jit
     def prefetch_table(self, page_table: cute.Tensor, table_smem: Int32, req: Int32, start: Int32,
                        tidx: Int32) -> None:
-        """The split's page-table entries (its page i is start + i S), all at once into shared
-        memory: no table read on the pipeline's critical path. The same for every KV head."""
+        """A split's page-table entries (its page i is start + i S), all at once into shared memory
+        from `table_smem`: no table read on the pipeline's critical path."""
         table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
         for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
             index = tidx + r * lay.CTA_THREADS
@@ -751,64 +571,100 @@ class _Attn2Kernel:
                 ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
 
     @cute.jit
-    def ring_prologue(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, start: Int32,
-                      pages: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
-        """The ring's first copies of KV head `kv_head`'s pages of the split (every stage free)."""
-        if cutlass.const_expr(self.mbarrier_ring):
-            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - RING_REFILL_DISTANCE):
-                if st < pages:
-                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
-                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                    ptx.cp_async_mbarrier_arrive_noinc_shared_cta_b64(barriers + st * MBARRIER_BYTES)
-        else:
-            for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
-                if st < pages:
-                    self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, Int32(st),
-                                   start + st * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                cute.arch.cp_async_commit_group()
+    def stream_page(self, n: Int32, starts: list, counts: list):
+        """(table index, logical page) of the CTA's n-th page: its splits' pages one split after the
+        other (split j's page i is starts[j] + i S; its table entries from j x table_entries)."""
+        if cutlass.const_expr(self.splits_per_cta == 1):
+            return n, starts[0] + n * self.num_splits
+        second = n >= counts[0]
+        local = n - cutlass.select_(second, counts[0], Int32(0))
+        index = local + cutlass.select_(second, Int32(self.table_entries), Int32(0))
+        return index, cutlass.select_(second, starts[1], starts[0]) + local * self.num_splits
 
     @cute.jit
-    def split_pages(self, ring_base: Int32, barriers: Int32, cache_base: Int64, table_smem: Int32, k_words, v_words,
-                    descriptors, a: list, g: Int32, c: Int32, start: Int32, pages: Int32, kv_head: Int32,
-                    seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32, m: list,
-                    o: list):
-        """KV head `kv_head`'s pages of the split through the ring (after `ring_prologue`), from
-        (m, o); returns (m, o). Every copy of the ring has landed when it returns; other warps may
-        still read the last stages (a barrier before the ring is refilled)."""
-        if cutlass.const_expr(self.overlap_mma):
-            m, o = self.ring_pages_overlapped(ring_base, barriers, cache_base, table_smem, descriptors, a, g, c,
-                                              start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
-        elif cutlass.const_expr(self.mbarrier_ring):
-            m, o = self.ring_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g,
-                                   c, start, pages, kv_head, seq_len, cache_pages, tidx, own_key, low_key, m, o)
-        else:
-            # One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
-            # until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
-            # every thread's copies of page i visible to the CTA, and, as every warp reaches it only
-            # after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
-            # page i + 7's copies go there after it, 7 pages in flight while page i computes.
-            for i in cutlass.range(pages, unroll=1):
-                cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
-                if cutlass.const_expr(self.wgmma):
-                    ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
-                cute.arch.barrier()
-                ahead = i + (lay.PIPELINE_STAGES - 1)
-                if ahead < pages:
-                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                                   ahead, start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
-                cute.arch.cp_async_commit_group()
-                m, o = self.page_at(i, ring_base, start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
-                                    low_key, m, o)
+    def ring_prologue(self, ring_base: Int32, cache_base: Int64, table_smem: Int32, starts: list, counts: list,
+                      total: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
+        """The ring's first copies (every stage free): the CTA's pages 0 .. STAGES - 2, a commit
+        group each."""
+        for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
+            if st < total:
+                index, page = self.stream_page(Int32(st), starts, counts)
+                self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, index, page, kv_head, seq_len,
+                               cache_pages, tidx)
+            cute.arch.cp_async_commit_group()
 
-            cute.arch.cp_async_wait_group(0)
+    @cute.jit
+    def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
+                    table_smem: Int32, starts: list, counts: list, total: Int32, k_words, v_words, descriptors,
+                    a: list, g: Int32, c: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32,
+                    own_key: Int32, low_key: Int32, m: list, o: list):
+        """The CTA's pages begin .. end - 1 (one split's, its page i - begin at chain_start + i S)
+        through the ring, from (m, o); returns (m, o). The ring runs on across splits: the copies
+        issued here are the CTA's pages up to end + STAGES - 2, whichever split they belong to.
+
+        One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
+        until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
+        every thread's copies of page i visible to the CTA, and, as every warp reaches it only
+        after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
+        page i + 7's copies go there after it, 7 pages in flight while page i computes."""
+        for i in cutlass.range(begin, end, unroll=1):
+            cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
+            if cutlass.const_expr(self.wgmma):
+                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+            cute.arch.barrier()
+            ahead = i + (lay.PIPELINE_STAGES - 1)
+            if ahead < total:
+                index, page = self.stream_page(ahead, starts, counts)
+                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                               index, page, kv_head, seq_len, cache_pages, tidx)
+            cute.arch.cp_async_commit_group()
+            m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                low_key, m, o)
         return m, o
 
     @cute.jit
+    def hold_pending(self, pending_base: Int32, tidx: Int32, m: list, o: list) -> None:
+        """The first split's state, this thread's: its 32 values of O, m and l of its two rows,
+        into shared memory ([value][thread]); only this thread reads them back."""
+        values = self.row_nodes(m, o)
+        flat = values[0] + values[1]
+        for k in cutlass.range_constexpr(lay.PENDING_VALUES):
+            ptx.st_shared_u32(pending_base + (k * lay.CTA_THREADS + tidx) * WORD_BYTES, ptx.bitcast_f32_to_u32(flat[k]))
+
+    @cute.jit
+    def merge_pending(self, pending_base: Int32, tidx: Int32, m: list, o: list):
+        """The CTA's level-1 node: the pending first split (left) merged with the second (right),
+        row by row, by `merge_into`, the combine's merge (so the node's bits are those the combine
+        makes of the two leaves); returns it as (m, o) (o's l columns: the row's merged l)."""
+        right = self.row_nodes(m, o)
+        width = lay.LANE_DIMS + 2
+        flat = [ptx.bitcast_u32_to_f32(ptx.ld_shared_u32(pending_base + (k * lay.CTA_THREADS + tidx) * WORD_BYTES))
+                for k in range(lay.PENDING_VALUES)]
+        merged_m = []
+        merged_o = list(o)
+        for half in cutlass.range_constexpr(2):
+            left = flat[half * width:(half + 1) * width]
+            merge_into(left, right[half])
+            for t in cutlass.range_constexpr(V_TILES):
+                for k in cutlass.range_constexpr(2):
+                    merged_o[4 * t + 2 * half + k] = left[2 * t + k]
+            merged_m.append(left[lay.LANE_DIMS])
+            for k in cutlass.range_constexpr(2):
+                merged_o[4 * V_TILES + 2 * half + k] = left[lay.LANE_DIMS + 1]
+        return merged_m, merged_o
+
+    def row_nodes(self, m: list, o: list) -> list:
+        """[16 values of O, m, l] of this thread's rows g and g + 8 (the merge's node form; O in
+        n-tile order 8t + 2c, 8t + 2c + 1, as `attn2_layout.lane_dims(c)`)."""
+        return [[o[4 * t + 2 * half + k] for t in range(V_TILES) for k in range(2)]
+                + [m[half], o[4 * V_TILES + 2 * half]] for half in range(2)]
+
+    @cute.jit
     def head_result(self, gate: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, gate_row_words: Int32,
-                    kv_head: Int32, split: Int32, req: Int32, warp: Int32, g: Int32, c: Int32, tidx: Int32,
+                    kv_head: Int32, partial: Int32, req: Int32, warp: Int32, g: Int32, c: Int32, tidx: Int32,
                     pages: Int32, m: list, o: list) -> None:
-        """KV head `kv_head`'s result of the split: with one split the epilogue (out), otherwise,
-        if the split has pages, the partial (O, m, l) into its workspace slot."""
+        """KV head `kv_head`'s result of the CTA: with one split the epilogue (out), otherwise, if
+        its splits have pages, the partial (O, m, l) into workspace slot `partial`."""
         lsum = [o[4 * V_TILES], o[4 * V_TILES + 2]]  # l of rows g and g + 8: the ones' n-tile
 
         # The partial's vectors (`attn2_layout.partial_vector_dims`): vec[2 p + half] = row g (half
@@ -826,8 +682,8 @@ class _Attn2Kernel:
                 row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
                              c, self.num_kv_heads, self.eps, Int32(1))
         else:
-            if pages > 0:  # a split without pages writes nothing: the combine never reads its slot
-                slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
+            if pages > 0:  # a CTA without pages writes nothing: the combine never reads its slot
+                slot = partial_slot(workspace, req, kv_head, partial, self.num_kv_heads, self.partials)
                 for v in cutlass.range_constexpr(lay.PARTIAL_O_VECTORS):
                     ptx.st_global_v4_u32(slot + Int64(v * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
                                          *[ptx.bitcast_f32_to_u32(x) for x in vec[v]])
@@ -839,7 +695,7 @@ class _Attn2Kernel:
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
                seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                gate_row_words: Int32) -> None:
-        head_group, split, req = cute.arch.block_idx()
+        kv_head, partial, req = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -853,27 +709,33 @@ class _Attn2Kernel:
             ones = smem.allocate_tensor(Uint32, cute.make_layout(gmma.ONES_BYTES // WORD_BYTES),
                                         byte_alignment=gmma.ATOM_BYTES)
             ones_base = Int32(ones.iterator.toint())
-        table = smem.allocate_tensor(Int32, cute.make_layout(self.table_entries), byte_alignment=16)
+        table = smem.allocate_tensor(Int32, cute.make_layout(self.splits_per_cta * self.table_entries),
+                                     byte_alignment=16)
         ring_base = Int32(ring.iterator.toint())
         table_smem = Int32(table.iterator.toint())
-        barriers = Int32(0)  # mbarrier_ring: full[s] at barriers + 8 s, empty[s] 8 STAGES further
-        if cutlass.const_expr(self.mbarrier_ring):
-            ring_barriers = smem.allocate_tensor(Int64, cute.make_layout(2 * lay.PIPELINE_STAGES),
-                                                 byte_alignment=MBARRIER_BYTES)
-            barriers = Int32(ring_barriers.iterator.toint())
+        pending_base = Int32(0)
+        if cutlass.const_expr(self.splits_per_cta > 1):  # the first split's state (`hold_pending`)
+            pending = smem.allocate_tensor(Uint32, cute.make_layout(lay.PENDING_BYTES // WORD_BYTES),
+                                           byte_alignment=16)
+            pending_base = Int32(pending.iterator.toint())
 
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
 
+        # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree)
         seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
-        start = first_page + ((split - first_page) & (self.num_splits - 1))
-        pages = cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits
+        starts = []
+        counts = []
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            split = partial * self.splits_per_cta + j
+            start = first_page + ((split - first_page) & (self.num_splits - 1))
+            starts.append(start)
+            counts.append(cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits)
+        total = counts[0]
+        if cutlass.const_expr(self.splits_per_cta > 1):
+            total = counts[0] + counts[1]
 
-        # heads_per_cta 1: the CTA's KV head is blockIdx.x (the Q fragments load before the table's
-        # prefetch, as always); otherwise each head's just before its pages
-        a = None
-        if cutlass.const_expr(self.heads_per_cta == 1):
-            a = self.load_q_fragments(q, head_group, warp, req, g, c, q_row_words)
+        a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
 
         own_key = seq_len - lay.QUERY_LEN + g  # both rows of this thread are token g
         low_key = Int32(0)
@@ -884,20 +746,16 @@ class _Attn2Kernel:
 
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
-        self.prefetch_table(page_table, table_smem, req, start, tidx)
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j], tidx)
         if cutlass.const_expr(self.wgmma):
             for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
                 one = Uint32(gmma.BF16_ONES_WORD)
                 ptx.st_shared_v4_u32(ones_base + (r * lay.CTA_THREADS + tidx) * VECTOR_BYTES, one, one, one, one)
             ptx.fence_proxy_async_shared_cta()  # the ones, visible to wgmma's reads after the barrier
-        if cutlass.const_expr(self.mbarrier_ring):
-            if tidx == 0:  # every stage's two barriers, published to the CTA by the barrier below
-                for st in cutlass.range_constexpr(2 * lay.PIPELINE_STAGES):
-                    ptx.mbarrier_init_shared_cta_b64(barriers + st * MBARRIER_BYTES, Int32(lay.CTA_THREADS))
         cute.arch.barrier()
-        if cutlass.const_expr(self.heads_per_cta == 1):
-            self.ring_prologue(ring_base, barriers, cache_base, table_smem, start, pages, head_group, seq_len,
-                               cache_pages, tidx)
+        self.ring_prologue(ring_base, cache_base, table_smem, starts, counts, total, kv_head, seq_len, cache_pages,
+                           tidx)
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -919,41 +777,32 @@ class _Attn2Kernel:
             descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
                            Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
-        if cutlass.const_expr(self.heads_per_cta == 1):
-            m, o = self.split_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words, descriptors, a, g, c,
-                                    start, pages, head_group, seq_len, cache_pages, tidx, own_key, low_key, m, o)
-            if cutlass.const_expr(self.enable_pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-            self.head_result(gate, out, workspace, gate_row_words, head_group, split, req, warp, g, c, tidx, pages,
-                             m, o)
-        else:
-            # heads_per_cta KV heads one after the other, each today's chain from a fresh (m, O, l):
-            # the ring restarts per head (the copies drained by split_pages, then a barrier: every
-            # warp's reads of the last stages done before the next head's prologue refills them)
-            for j in cutlass.range(self.heads_per_cta, unroll=1):
-                kv_head = head_group * self.heads_per_cta + j
-                head_a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
-                self.ring_prologue(ring_base, barriers, cache_base, table_smem, start, pages, kv_head, seq_len,
-                                   cache_pages, tidx)
-                head_m, head_o = self.split_pages(ring_base, barriers, cache_base, table_smem, k_words, v_words,
-                                                  descriptors, head_a, g, c, start, pages, kv_head, seq_len,
-                                                  cache_pages, tidx, own_key, low_key, list(m), list(o))
-                self.head_result(gate, out, workspace, gate_row_words, kv_head, split, req, warp, g, c, tidx, pages,
-                                 head_m, head_o)
-                cute.arch.barrier()
-            if cutlass.const_expr(self.enable_pdl):
-                cute.arch.griddepcontrol_launch_dependents()
+        m, o = self.split_chain(Int32(0), counts[0], starts[0], ring_base, cache_base, table_smem, starts, counts,
+                                total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len, cache_pages, tidx,
+                                own_key, low_key, m, o)
+        if cutlass.const_expr(self.splits_per_cta > 1):
+            # the second split from a fresh state, its page i at the CTA's page counts[0] + i
+            self.hold_pending(pending_base, tidx, m, o)
+            fresh_m = [Float32(NEG_INF), Float32(NEG_INF)]
+            fresh_o = [Float32(0.0) for _ in range(ACCUMULATORS)]
+            m, o = self.split_chain(counts[0], total, starts[1] - counts[0] * self.num_splits, ring_base, cache_base,
+                                    table_smem, starts, counts, total, k_words, v_words, descriptors, a, g, c, kv_head,
+                                    seq_len, cache_pages, tidx, own_key, low_key, fresh_m, fresh_o)
+        cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.enable_pdl):
+            cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.splits_per_cta > 1):
+            m, o = self.merge_pending(pending_base, tidx, m, o)
+        self.head_result(gate, out, workspace, gate_row_words, kv_head, partial, req, warp, g, c, tidx, total, m, o)
 
 
 @cute.jit
 def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr,
-                initial=None, pending: cutlass.Constexpr = 0) -> list:
+                initial=None) -> list:
     """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n72k16, A fragments[i] from
     registers, B by descriptors[i]): the first step from zero (scale-d 0) or onto `initial` (n / 2
-    accumulators), the rest on top, then committed as one group and waited for until at most
-    `pending` groups are in flight (0: this one complete; None: no wait, the accumulators are in
-    flight and must be read only through a later `ptx.wgmma_wait_group_sync_aligned` that covers
-    this group); returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8). The A words
+    accumulators), the rest on top, then committed as one group and waited for (wait_group 0);
+    returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8). The A words
     and `initial` pass through the fence as tied operands, so whatever computes them (P, the
     rescale) is emitted before it, never between the fence and the MMA
     (`ptx.wgmma_fence_sync_aligned`)."""
@@ -969,9 +818,7 @@ def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transp
         else:
             acc = mma(step, descriptors[i], acc, 1, transpose_b)
     ptx.wgmma_commit_group_sync_aligned()
-    if cutlass.const_expr(pending is None):
-        return acc
-    return ptx.wgmma_wait_group_sync_aligned(pending, acc)
+    return ptx.wgmma_wait_group_sync_aligned(0, acc)
 
 
 @cute.jit
@@ -983,19 +830,6 @@ def scaled_difference(score: Float32, reference: Float32, scale_log2: Float32) -
     model and the H200 agree: KV head 2 of `attn --tp 16` at L 2049). -inf (masked, or an empty
     split) stays -inf: its weight is 0."""
     return ptx.mul_rn_f32(ptx.sub_rn_f32(score, reference), scale_log2)
-
-
-def ring_full_parity(page):
-    """The parity of full[page % STAGES]'s phase that completes when page `page`'s copies have
-    landed: phase page // STAGES (the stage's (page // STAGES)-th fill). Ints or DSL Int32."""
-    return (page // lay.PIPELINE_STAGES) & 1
-
-
-def ring_empty_parity(ahead):
-    """The parity of empty[ahead % STAGES]'s phase a thread waits for before copying page `ahead`:
-    phase ahead // STAGES - 1, every thread's reads of page ahead - STAGES done; for the first
-    fill, parity 1 of a barrier in phase 0, which try_wait reports complete. Ints or DSL Int32."""
-    return (ahead // lay.PIPELINE_STAGES + 1) & 1
 
 
 def k_fragment_row(lane, nt, quad):
@@ -1121,16 +955,20 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
 
 class _Attn2CombineKernel:
     """The merge of one split plan's partials and the epilogue: grid (64 rows, `num_kv_heads`,
-    requests), COMBINE_QUADS x `combine_groups(num_splits)` threads."""
+    requests), COMBINE_QUADS x `combine_groups(partials)` threads; a partial is one split CTA's
+    (`splits_per_cta` sibling leaves, already merged)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool, trim_combine: bool = False) -> None:
+                 enable_pdl: bool, splits_per_cta: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
-        self.trim_combine = trim_combine
+        _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and num_splits % splits_per_cta == 0,
+                 f"splits_per_cta {splits_per_cta!r}: one of {lay.SPLITS_PER_CTA_CHOICES}, dividing {num_splits} splits")
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
-        self.groups = lay.combine_groups(num_splits)
-        self.leaves = num_splits // self.groups
+        self.splits_per_cta = splits_per_cta
+        self.partials = num_splits // splits_per_cta
+        self.groups = lay.combine_groups(self.partials)
+        self.leaves = self.partials // self.groups
         self.threads = lay.COMBINE_QUADS * self.groups
         self.max_model_len = max_model_len
         self.window = window
@@ -1152,15 +990,19 @@ class _Attn2CombineKernel:
         )
 
     @cute.jit
-    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int32, first_page: Int32,
+    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
                   end_page: Int32, source: Int32, half: Int32) -> list:
-        """[16 dims of O, m, l] of the row in split `split` ((0.., -inf, 0) if the split has no page):
-        the source lane's vectors 2p + half, p = 0 .. 3, so O comes in `attn2_layout.lane_dims(c)`'s
-        order, the epilogue's."""
+        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
+        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
+        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's."""
         leaf = [Float32(0.0) for _ in range(lay.LANE_DIMS)] + [Float32(NEG_INF), Float32(0.0)]
-        start = first_page + ((split - first_page) & (self.num_splits - 1))
-        if start < end_page:
-            slot = partial_slot(workspace, req, kv_head, split, self.num_kv_heads, self.num_splits)
+        live = None  # any of its splits' first pages (`page_range`) below the end
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            split = partial * self.splits_per_cta + j
+            has_pages = first_page + ((split - first_page) & (self.num_splits - 1)) < end_page
+            live = has_pages if live is None else live | has_pages
+        if live:
+            slot = partial_slot(workspace, req, kv_head, partial, self.num_kv_heads, self.partials)
             for pp in cutlass.range_constexpr(V_TILE_PAIRS):
                 words = ptx.ld_global_v4_u32(slot + Int64((2 * pp + half) * lay.CTA_THREADS + source) * VECTOR_BYTES)
                 for j in cutlass.range_constexpr(4):
@@ -1169,26 +1011,6 @@ class _Attn2CombineKernel:
             leaf[lay.LANE_DIMS] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(half) * WORD_BYTES))
             leaf[lay.LANE_DIMS + 1] = ptx.bitcast_u32_to_f32(ptx.ld_global_u32(stats + Int64(2 + half) * WORD_BYTES))
         return leaf
-
-    @cute.jit
-    def first_live_group(self, first_page: Int32) -> Int32:
-        """The group of the first split with pages: split first_page mod S (`page_range`)."""
-        return (first_page & (self.num_splits - 1)) // self.leaves
-
-    @cute.jit
-    def levels_needed(self, first_page: Int32, end_page: Int32, levels: cutlass.Constexpr) -> Int32:
-        """The merge tree's levels (of `levels`) up to the smallest subtree holding every group with
-        a split with pages: the level where the first and the last live group meet; all of them
-        when the live splits wrap past split S - 1 (`SplitIssue.trim_combine`)."""
-        count = cutlass.min(end_page - first_page, Int32(self.num_splits))
-        first = first_page & (self.num_splits - 1)
-        last = (first + count - 1) & (self.num_splits - 1)
-        a = first // self.leaves
-        b = last // self.leaves
-        needed = Int32(0)
-        for k in cutlass.range_constexpr(levels):
-            needed = needed + cutlass.select_((a >> k) != (b >> k), Int32(1), Int32(0))
-        return cutlass.select_(first + count > self.num_splits, Int32(levels), needed)
 
     @cute.jit
     def subtree(self, leaves: list, lo: cutlass.Constexpr, n: cutlass.Constexpr) -> list:
@@ -1252,31 +1074,19 @@ class _Attn2CombineKernel:
             self.store_slot(slot_base, group, c, mine)
             cute.arch.barrier()
             levels = int(math.log2(self.groups))
-            needed = Int32(levels)
-            if cutlass.const_expr(self.trim_combine):
-                needed = self.levels_needed(first_page, end_page, levels)
             span = self.groups
             for level in cutlass.range_constexpr(levels):
                 span //= 2
-                if level < needed:  # CTA-uniform: every thread takes the same side of each barrier
-                    live = group < span
-                    pick = cutlass.select_(live, group, Int32(0))
-                    left = self.load_slot(slot_base, 2 * pick, c)
-                    right = self.load_slot(slot_base, 2 * pick + 1, c)
-                    merge_into(left, right)
-                    cute.arch.barrier()  # every read of this level before any write
-                    if live:
-                        self.store_slot(slot_base, group, c, left)
-                    cute.arch.barrier()
-            if cutlass.const_expr(self.trim_combine):
-                # the live subtree's node at level `needed` is at slot (first live group) >> needed;
-                # the levels above it pass it through as O + 0 and l + 0 (m as it is)
-                mine = self.load_slot(slot_base, self.first_live_group(first_page) >> needed, c)
-                passed = needed < levels
-                mine = [cutlass.select_(passed, ptx.add_rn_f32(x, Float32(0.0)), x) if k != lay.LANE_DIMS else x
-                        for k, x in enumerate(mine)]
-            else:
-                mine = self.load_slot(slot_base, Int32(0), c)
+                live = group < span
+                pick = cutlass.select_(live, group, Int32(0))
+                left = self.load_slot(slot_base, 2 * pick, c)
+                right = self.load_slot(slot_base, 2 * pick + 1, c)
+                merge_into(left, right)
+                cute.arch.barrier()  # every read of this level before any write
+                if live:
+                    self.store_slot(slot_base, group, c, left)
+                cute.arch.barrier()
+            mine = self.load_slot(slot_base, Int32(0), c)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
             row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
@@ -1286,7 +1096,8 @@ class _Attn2CombineKernel:
 # Host side.
 
 
-def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int | None = None) -> dict[str, Any]:
+def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int | None = None,
+             splits_per_cta: int | None = None) -> dict[str, Any]:
     _require(not isinstance(num_kv_heads, bool) and isinstance(num_kv_heads, int) and num_kv_heads >= 1,
              f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
     _require(not isinstance(max_model_len, bool) and isinstance(max_model_len, int) and max_model_len >= lay.QUERY_LEN,
@@ -1297,8 +1108,15 @@ def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int
         num_splits = lay.splits(max_model_len, window, num_kv_heads)
     _require(not isinstance(num_splits, bool) and isinstance(num_splits, int) and lay.is_power_of_two(num_splits),
              f"num_splits must be a power of two, got {num_splits!r}")
-    return dict(num_kv_heads=num_kv_heads, num_splits=num_splits, max_pages=lay.max_pages(max_model_len),
-                max_model_len=max_model_len, window=window, eps=float(config.RMS_NORM_EPS))
+    if splits_per_cta is None:
+        splits_per_cta = lay.splits_per_cta(num_kv_heads, num_splits)
+    _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and not isinstance(splits_per_cta, bool)
+             and num_splits % splits_per_cta == 0,
+             f"splits_per_cta must be one of {lay.SPLITS_PER_CTA_CHOICES} dividing the {num_splits} splits, "
+             f"got {splits_per_cta!r}")
+    return dict(num_kv_heads=num_kv_heads, num_splits=num_splits, splits_per_cta=splits_per_cta,
+                max_pages=lay.max_pages(max_model_len), max_model_len=max_model_len, window=window,
+                eps=float(config.RMS_NORM_EPS))
 
 
 def _device_arch() -> str:
@@ -1321,23 +1139,15 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     """The compiled attn2 kernels of a deployment (one compile per process: the one cache).
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
-    knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits)
+    knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     knobs["enable_pdl"] = bool(build.enable_pdl)
     split_knobs = dict(knobs, **build.issue.knobs())
-    trim_combine = split_knobs.pop("trim_combine")
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
 
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
-    heads_per_cta = build.heads_per_cta or 1
-    check_heads_per_cta(heads_per_cta, knobs["num_kv_heads"], build.issue.mbarrier_ring)
-    if heads_per_cta > 1:  # in the key only when > 1: the default split kernel's key (and cache) as before
-        split_knobs["heads_per_cta"] = heads_per_cta
     split_knobs["wgmma"] = tensor_ops_for(target, build.tensor_ops) == "wgmma"
-    _require(split_knobs["wgmma"] or not build.issue.overlap_mma,
-             f"SplitIssue overlap_mma needs the wgmma path (sm_90a; the target is {target}, tensor_ops "
-             f"{build.tensor_ops or 'default'}): mma.sync's chains are synchronous, there is nothing to overlap")
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1354,8 +1164,6 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         )
 
     combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
-    if trim_combine:  # in the key only when on: the default combine's key (and cache) as before
-        combine_knobs["trim_combine"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1385,9 +1193,10 @@ def prepare(*, num_kv_heads: int, max_model_len: int, window: int, enable_pdl: b
 
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
-                 window: int, num_splits: int | None = None) -> int:
+                 window: int, num_splits: int | None = None, splits_per_cta: int | None = None) -> int:
     """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count."""
-    variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits)
+    variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits,
+                       splits_per_cta)
     heads = variant["num_kv_heads"]
     bf16 = torch.bfloat16
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
@@ -1412,7 +1221,7 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     devices = {t.device for t in (q, gate, kv_cache, page_table, seq_lens, out)}
     _require(len(devices) == 1 and next(iter(devices)).type == "cuda", "every tensor must be on one CUDA device")
     splits = variant["num_splits"]
-    need = lay.workspace_bytes(reqs, heads, splits)
+    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
     if need:
         _require(workspace is not None and workspace.dtype == torch.uint8 and workspace.numel() >= need
                  and workspace.is_contiguous() and workspace.data_ptr() % ALIGN == 0 and workspace.device in devices,
@@ -1430,16 +1239,14 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
-           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, heads_per_cta: int | None = None) -> None:
+           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops` and `heads_per_cta`:
-    experiments only (`Attn2Build`; heads_per_cta is refused before any compile or launch unless it
-    divides the KV heads)."""
-    splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window, num_splits=num_splits)
+    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops` and `splits_per_cta`:
+    experiments only (`Attn2Build`; refused before any compile or launch outside their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
-                       heads_per_cta=heads_per_cta)
-    check_heads_per_cta(build.heads_per_cta or 1, int(kv_cache.shape[1]), issue.mbarrier_ring)
+                       splits_per_cta=splits_per_cta)
+    splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
+                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
