@@ -9,18 +9,17 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
     python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
 
 `--issue none,all` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all", "none",
-or mask / rescale / lean / keys / ring / overlap joined by "+"; "all+ring", "all+ring+overlap": the
-default savings with the mbarrier ring, and with overlapped wgmma) against each other on the same plan; they
-must not change a bit, so each point also counts the elements that differ from the first --issue
+or mask / rescale / lean / keys joined by "+"; a setting may end in @wgmma or @sync) against each
+other on the same plan; they must not change a bit, so each point also counts the elements that differ from the first --issue
 setting of its plan (`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
-`--heads-per-cta 1,auto` times the split kernel with several KV heads a CTA (`Attn2Build.
-heads_per_cta`; "auto": max(1, heads x splits / 512), at most the rank's heads: about 512 CTAs a
-request at every tp) on the same plan; a head's bits must not depend on it, so each point counts
-the elements that differ from the first --heads-per-cta value's (`bits_differing_from_first_heads_per_cta`),
-and KV head 0's output (rank 0 holds it at every tp) is compared with the first --tp's on the same
-plan (`head0_bits_differing_from_first_tp`); the run exits 1 if either is ever non-zero. A value
-that does not divide a --tp's KV heads (or > 1 with the mbarrier ring) exits 2 before any launch.
+`--splits-per-cta 1,2,auto` times the split kernel with one or two sibling splits a CTA
+(`Attn2Build.splits_per_cta`; "auto": the deployment's, `attn2_layout.splits_per_cta`) on the same
+plan; the bits must not depend on it, so each point counts the elements that differ from the
+first --splits-per-cta value's (`bits_differing_from_first_splits_per_cta`), and KV head 0's output
+(rank 0 holds it at every tp) is compared with the first --tp's on the same plan
+(`head0_bits_differing_from_first_tp`); the run exits 1 if either is ever non-zero. A value outside
+1, 2, auto, or 2 with a one-split plan, exits 2 before any launch.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -48,16 +47,15 @@ def _csv(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-AUTO_CTAS = 512  # --heads-per-cta auto: about this many split CTAs a request
-
-
-def _heads_per_cta(name: str, heads: int, splits: int) -> int:
-    """A --heads-per-cta value at `heads` KV heads and `splits` splits: an int as written, or "auto":
-    max(1, heads splits / AUTO_CTAS), at most `heads` (ValueError for anything else)."""
+def _splits_per_cta(name: str, heads: int, splits: int) -> int:
+    """A --splits-per-cta value at `heads` KV heads and `splits` splits: 1 or 2 as written, or
+    "auto": the deployment's (ValueError for anything else, or 2 with one split)."""
     if name == "auto":
-        return min(heads, max(1, heads * splits // AUTO_CTAS))
-    if not name.isdigit():
-        raise ValueError(f"{name!r} is neither an int nor auto")
+        return lay.splits_per_cta(heads, splits)
+    if name not in ("1", "2"):
+        raise ValueError(f"{name!r} is none of 1, 2, auto")
+    if splits % int(name):
+        raise ValueError(f"{name} splits a CTA with a {splits}-split plan")
     return int(name)
 
 
@@ -72,11 +70,10 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--issue", default="all",
-                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean / keys / ring / "
-                             "overlap joined by + (all+ring, all+ring+overlap); "
-                             "a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the target's)")
-    parser.add_argument("--heads-per-cta", default="1",
-                        help="comma list of KV heads a split CTA runs (each dividing every --tp's heads) or auto")
+                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean / keys "
+                             "joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
+                             "target's)")
+    parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -91,25 +88,25 @@ def main() -> None:
         print("--issue: name at least one setting", file=sys.stderr)
         sys.exit(2)
     try:
-        per_cta_names = [n for n in args.heads_per_cta.split(",") if n]
+        per_cta_names = [n for n in args.splits_per_cta.split(",") if n]
         if not per_cta_names or len(set(per_cta_names)) != len(per_cta_names):
             raise ValueError("name each value once, at least one")
         for tp in _csv(args.tp):
             if tp < 1 or config.NUM_KV_HEADS % tp:
                 raise ValueError(f"--tp {tp} does not divide the {config.NUM_KV_HEADS} KV heads")
             for splits in _csv(args.splits):
+                if not lay.is_power_of_two(splits):
+                    raise ValueError(f"--splits {splits} is not a power of two")
                 for name in per_cta_names:
-                    for issue, _ in issues.values():
-                        attn2.check_heads_per_cta(_heads_per_cta(name, config.NUM_KV_HEADS // tp, splits),
-                                                  config.NUM_KV_HEADS // tp, issue.mbarrier_ring)
+                    _splits_per_cta(name, config.NUM_KV_HEADS // tp, splits)
     except ValueError as e:
-        print(f"--heads-per-cta: {e}", file=sys.stderr)
+        print(f"--splits-per-cta: {e}", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
     rows = []
-    first_tp: dict = {}  # (L, splits, pdl, issue, heads_per_cta name): KV head 0's output at the first --tp
+    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name): KV head 0's output at the first --tp
     for tp in _csv(args.tp):
         for length in _csv(args.lengths):
             p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
@@ -124,13 +121,13 @@ def main() -> None:
             reference = None
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
-                    first_issue: dict = {}  # per heads_per_cta name: the first --issue's output
-                    first_per_cta: dict = {}  # per --issue: the first --heads-per-cta value's output
+                    first_issue: dict = {}  # per splits_per_cta name: the first --issue's output
+                    first_per_cta: dict = {}  # per --issue: the first --splits-per-cta value's output
                     for issue_name, issue in issues.items():
                         for per_cta_name in per_cta_names:
-                            per_cta = _heads_per_cta(per_cta_name, heads, splits)
-                            workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits)), dtype=torch.uint8,
-                                                    device=device)
+                            per_cta = _splits_per_cta(per_cta_name, heads, splits)
+                            workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta)),
+                                                    dtype=torch.uint8, device=device)
                             out = torch.full_like(p.q, float("nan"))
 
                             def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue,
@@ -138,7 +135,7 @@ def main() -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
-                                             heads_per_cta=per_cta)
+                                             splits_per_cta=per_cta)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -156,13 +153,14 @@ def main() -> None:
                                 return int((a.view(torch.int16) != b.view(torch.int16)).sum())
 
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name,
-                                       heads_per_cta=per_cta_name, heads_per_cta_value=per_cta, ctas=heads // per_cta * splits,
+                                       splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
+                                       ctas=heads * splits // per_cta,
                                        us=round(us, 2), sdpa_us=round(sdpa_us, 2), ratio_to_sdpa=round(us / sdpa_us, 3),
                                        gbps=round(kv_bytes / us / 1e3, 1),
                                        roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
                                        bits_differing_from_first_plan=differing(out, reference),
                                        bits_differing_from_first_issue=differing(out, first_issue[per_cta_name]),
-                                       bits_differing_from_first_heads_per_cta=differing(out, first_per_cta[issue_name]),
+                                       bits_differing_from_first_splits_per_cta=differing(out, first_per_cta[issue_name]),
                                        head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]))
                             rows.append(row)
                             print(json.dumps(row), flush=True)
@@ -171,16 +169,16 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["heads_per_cta"]), []).append(r["ratio_to_sdpa"])
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["splits_per_cta"]), []).append(r["ratio_to_sdpa"])
     for (splits, pdl, issue_name, per_cta_name), ratios in sorted(by_plan.items()):
-        print(f"splits {splits} pdl {pdl} issue {issue_name} heads_per_cta {per_cta_name}: median attn2/SDPA "
+        print(f"splits {splits} pdl {pdl} issue {issue_name} splits_per_cta {per_cta_name}: median attn2/SDPA "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}")
     changed = [r for r in rows if r["bits_differing_from_first_issue"]]
     if changed:
         print(f"FAIL: {len(changed)} points where a SplitIssue setting changed bits, first: {changed[0]}",
               file=sys.stderr)
         sys.exit(1)
-    for key, what in (("bits_differing_from_first_heads_per_cta", "a heads_per_cta value"),
+    for key, what in (("bits_differing_from_first_splits_per_cta", "a splits_per_cta value"),
                       ("head0_bits_differing_from_first_tp", "another tp (KV head 0, the same plan)")):
         changed = [r for r in rows if r[key]]
         if changed:

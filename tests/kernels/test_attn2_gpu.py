@@ -84,11 +84,22 @@ def test_deterministic_across_calls_and_graph_replays():
 
 
 def test_kv_head_bits_whatever_the_tp():
-    """A KV head's bits are the same at tp 2, 4, 8 and 16 (the split count ignores the heads)."""
+    """A KV head's bits are the same at tp 2, 4, 8 and 16 (the split count ignores the heads; at
+    8192, 256 splits: tp 2 and 4 run two sibling splits a CTA, tp 8 and 16 one)."""
     whole = make_problem("random", 2100, 8192, num_kv_heads=16)
     per_tp = {tp: torch.cat([_run(for_rank(whole, r, tp))[0] for r in range(tp)], dim=1) for tp in (2, 4, 8, 16)}
+    assert [lay.splits_per_cta(16 // tp, 256) for tp in (2, 4, 8, 16)] == [2, 2, 1, 1]
     for tp in (4, 8, 16):
         assert torch.equal(per_tp[2].view(torch.int16), per_tp[tp].view(torch.int16)), (tp, _first_difference(per_tp[2], per_tp[tp]))
+
+
+def test_kv_head_bits_whatever_the_tp_at_128k():
+    """KV heads 0 and 1 at 128k (512 splits): tp 8 (two splits a CTA) and tp 16 (one) agree."""
+    whole = make_problem("random", 100000, 131072, num_kv_heads=2)
+    tp8, _ = _run(whole)
+    tp16 = torch.cat([_run(for_rank(whole, r, 2))[0] for r in range(2)], dim=1)
+    assert lay.splits_per_cta(2, 512) == 2 and lay.splits_per_cta(1, 512) == 1
+    assert torch.equal(tp8.view(torch.int16), tp16.view(torch.int16)), _first_difference(tp8, tp16)
 
 
 def test_same_keys_same_bits_at_every_length():
@@ -106,14 +117,16 @@ def test_same_keys_same_bits_at_every_length():
 def _launch(problem, num_splits=None, **experiment):
     """(output bf16, workspace bytes) on the CPU of the split plan (`num_splits`, None: the
     deployment's) with the experiment arguments of `kernels.attn2.launch` (`issue`, `tensor_ops`:
-    None is the GPU's default, wgmma on an H200; `heads_per_cta`); the workspace starts zeroed, so
+    None is the GPU's default, wgmma on an H200; `splits_per_cta`); the workspace starts zeroed, so
     it holds exactly the partials the split kernel wrote."""
     from musebench.kernels import attn2
 
     p = problem.to("cuda")
     heads = p.num_kv_heads
     splits = num_splits or cute_ops.attn2_splits(p.max_model_len, p.window, heads)
-    workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits)), dtype=torch.uint8, device="cuda")
+    per_cta = experiment.get("splits_per_cta") or lay.splits_per_cta(heads, splits)
+    workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits, per_cta)), dtype=torch.uint8,
+                            device="cuda")
     out = torch.full_like(p.q, float("nan"))
     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
                  window=p.window, num_splits=num_splits, **experiment)
@@ -135,16 +148,12 @@ def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
 ])
 def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, window):
     """Every SplitIssue switch, alone and together, on the GPU's tensor-core path (wgmma on an
-    H200) and on mma.sync, gives the bits of the mma.sync kernel without them: the savings, the
-    mbarrier ring (both paths), the ring with overlapped wgmma (wgmma only) and the trimmed merge
-    tree of the combine."""
+    H200) and on mma.sync, gives the bits of the mma.sync kernel without them."""
     from musebench.kernels.attn2 import SplitIssue
 
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
     baseline = _launch_issue(problem, SplitIssue.none(), tensor_ops="sync")
-    for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale", "all@sync", "none@sync",
-                 "ring", "all+ring", "all+ring@sync", "ring@sync", "ring+overlap", "all+ring+overlap", "all+trim",
-                 "all+ring+overlap+trim", "trim@sync"):
+    for name in ("all", "mask", "rescale", "lean", "keys", "lean+keys", "mask+rescale", "all@sync", "none@sync"):
         setting, _, ops = name.partition("@")
         got = _launch_issue(problem, SplitIssue.named(setting), tensor_ops=ops or None)
         assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
@@ -161,58 +170,49 @@ def test_split_issue_comparison_sees_a_change():
     assert not torch.equal(other_plan.view(torch.int16), deployment.view(torch.int16))
 
 
-def _launch_heads(problem, heads_per_cta, num_splits=None, tensor_ops=None):
-    """(output, workspace) with `heads_per_cta` KV heads a split CTA (`Attn2Build.heads_per_cta`;
-    None: one, the deployment's kernel), `_launch`."""
-    return _launch(problem, num_splits, tensor_ops=tensor_ops, heads_per_cta=heads_per_cta)
-
-
-# one split (short), splits without pages, the causal and window edges, 512 splits (the plan the
-# heads_per_cta sweep compares across tp), a full 128k request
+# one split (short: refused with 2), splits without pages, the causal and window edges, 512 splits
+# (the 128k plan), a full 128k request, 4 KV heads
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 @pytest.mark.parametrize("seq_len, max_model_len, window, num_splits", [
-    (23, 2048, 0, None), (2047, 2048, 0, None), (17, 4096, 0, None), (2049, 4096, 0, None),
-    (4000, 4096, 2048, None), (3001, 8192, 100, 512), (70001, 131072, 4096, None), (131072, 131072, 0, 512),
-    (40000, 131072, 0, 512),
+    (17, 4096, 0, None), (2049, 4096, 0, None), (4000, 4096, 2048, None), (3001, 8192, 100, 512),
+    (70001, 131072, 4096, None), (131072, 131072, 0, None), (40000, 131072, 0, None), (2100, 131072, 0, None),
 ])
-def test_heads_per_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
-    """heads_per_cta 2 (2 and 4 KV heads) and 4 (4 KV heads), on the GPU's tensor-core path and on
-    mma.sync: the output and every partial bit for bit those of one head a CTA."""
-    for heads, per_cta_values in ((2, (2,)), (4, (2, 4))):
+def test_splits_per_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
+    """Two sibling splits a CTA (merged in the CTA) give the bits of one split a CTA (merged by the
+    combine), with 2 and 4 KV heads, on the GPU's tensor-core path and on mma.sync."""
+    for heads in (2, 4):
         problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=heads)
         for ops in (None, "sync"):
-            out, partials = _launch_heads(problem, None, num_splits, ops)
-            for per_cta in per_cta_values:
-                got, got_partials = _launch_heads(problem, per_cta, num_splits, ops)
-                name = (heads, per_cta, ops)
-                assert torch.equal(got.view(torch.int16), out.view(torch.int16)), (name, _first_difference(got, out))
-                assert torch.equal(got_partials, partials), name
+            one, _ = _launch(problem, num_splits, tensor_ops=ops, splits_per_cta=1)
+            two, _ = _launch(problem, num_splits, tensor_ops=ops, splits_per_cta=2)
+            assert torch.equal(two.view(torch.int16), one.view(torch.int16)), ((heads, ops), _first_difference(two, one))
+            assert not one.isnan().any()
 
 
-def test_heads_per_cta_comparison_sees_a_change():
-    """The comparison above is not vacuous: with KV heads 0 and 1 of the cache swapped, heads_per_cta
-    2 differs from one head a CTA on the original cache, in the output and in the partials."""
+def test_splits_per_cta_comparison_sees_a_change():
+    """The comparison above is not vacuous: with KV heads 0 and 1 of the cache swapped, two splits a
+    CTA differ from one split a CTA on the original cache."""
     problem = make_problem("random", 6000, 8192, num_kv_heads=2)
-    out, partials = _launch_heads(problem, None)
+    one, _ = _launch(problem, splits_per_cta=1)
     swapped = problem.to("cuda")
     swapped.kv_cache.copy_(swapped.kv_cache.flip(1))
-    got, got_partials = _launch_heads(swapped, 2)
-    assert not torch.equal(got.view(torch.int16), out.view(torch.int16))
-    assert not torch.equal(got_partials, partials)
+    two, _ = _launch(swapped, splits_per_cta=2)
+    assert not torch.equal(two.view(torch.int16), one.view(torch.int16))
 
 
-def test_heads_per_cta_refused_before_launch():
-    """A heads_per_cta that does not divide the launch's KV heads, or with the mbarrier ring, is a
-    ValueError before any compile or launch (nothing written)."""
-    from musebench.kernels.attn2 import SplitIssue, launch
+def test_splits_per_cta_refused_before_launch():
+    """splits_per_cta outside (1, 2), or 2 with a one-split plan, is a ValueError before any compile
+    or launch (nothing written)."""
+    from musebench.kernels.attn2 import launch
 
-    p = make_problem("random", 3000, 4096, num_kv_heads=2).to("cuda")
-    splits = cute_ops.attn2_splits(p.max_model_len, p.window, 2)
-    workspace = torch.zeros(lay.workspace_bytes(p.num_reqs, 2, splits), dtype=torch.uint8, device="cuda")
-    out = torch.full_like(p.q, float("nan"))
-    for per_cta, issue in ((4, SplitIssue()), (3, SplitIssue()), (2, SplitIssue.named("all+ring"))):
-        with pytest.raises(ValueError, match="heads_per_cta"):
+    for max_model_len, per_cta in ((4096, 3), (4096, True), (2048, 2)):
+        p = make_problem("random", 1500, max_model_len, num_kv_heads=2).to("cuda")
+        splits = cute_ops.attn2_splits(p.max_model_len, p.window, 2)
+        workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, 2, splits, 1)), dtype=torch.uint8,
+                                device="cuda")
+        out = torch.full_like(p.q, float("nan"))
+        with pytest.raises(ValueError, match="splits_per_cta"):
             launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
-                   window=p.window, issue=issue, heads_per_cta=per_cta)
-    torch.cuda.synchronize()
-    assert out.isnan().all() and not workspace.any()
+                   window=p.window, splits_per_cta=per_cta)
+        torch.cuda.synchronize()
+        assert out.isnan().all() and not workspace.any()
