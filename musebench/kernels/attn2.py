@@ -594,13 +594,16 @@ class _Attn2Kernel:
             cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
-                    table_smem: Int32, starts: list, counts: list, total: Int32, k_words, v_words, descriptors,
-                    a: list, g: Int32, c: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32,
-                    own_key: Int32, low_key: Int32, m: list, o: list):
-        """The CTA's pages begin .. end - 1 (one split's, its page i - begin at chain_start + i S)
-        through the ring, from (m, o); returns (m, o). The ring runs on across splits: the copies
-        issued here are the CTA's pages up to end + STAGES - 2, whichever split they belong to.
+    def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, load_offset, load_start: Int32,
+                    ring_base: Int32, cache_base: Int64, table_smem: Int32, total: Int32, k_words, v_words,
+                    descriptors, a: list, g: Int32, c: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32,
+                    tidx: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
+        """The CTA's pages begin .. end - 1 of one split (the CTA's page i is the split's logical page
+        chain_start + i S) through the ring, from (m, o); returns (m, o). The ring runs on across
+        splits: page i copies the CTA's page i + STAGES - 1 (below `total`), the table entry
+        i + STAGES - 1 + load_offset (None: + 0) of logical page load_start + (i + STAGES - 1) S, so a
+        range whose copies all belong to one split costs what one split a CTA costs; the caller
+        cuts the ranges where the copies change split (`kernel`).
 
         One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
         until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
@@ -614,9 +617,9 @@ class _Attn2Kernel:
             cute.arch.barrier()
             ahead = i + (lay.PIPELINE_STAGES - 1)
             if ahead < total:
-                index, page = self.stream_page(ahead, starts, counts)
+                index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
                 self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                               index, page, kv_head, seq_len, cache_pages, tidx)
+                               index, load_start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
             m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
@@ -777,17 +780,24 @@ class _Attn2Kernel:
             descriptors = (Int64(gmma.K_MAJOR_KEYS.template_signed()) | (Int64(ring_base + gmma.K_REGION) >> 4),
                            Int64(gmma.MN_MAJOR_VALUES_WITH_ONES.template_signed()) | (Int64(v_region) >> 4)
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
-        m, o = self.split_chain(Int32(0), counts[0], starts[0], ring_base, cache_base, table_smem, starts, counts,
-                                total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len, cache_pages, tidx,
-                                own_key, low_key, m, o)
-        if cutlass.const_expr(self.splits_per_cta > 1):
-            # the second split from a fresh state, its page i at the CTA's page counts[0] + i
+        chain = (ring_base, cache_base, table_smem, total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len,
+                 cache_pages, tidx, own_key, low_key)
+        if cutlass.const_expr(self.splits_per_cta == 1):
+            m, o = self.split_chain(Int32(0), counts[0], starts[0], None, starts[0], *chain, m, o)
+        else:
+            # Three ranges, so that no page picks its copy's split: the first split's pages whose
+            # copies are its own, then those whose copies are the second split's (its page j at
+            # the CTA's page counts[0] + j: table entry table_entries + j), then the second split's
+            # pages from a fresh state (the first's held meanwhile, `hold_pending`).
+            second = starts[1] - counts[0] * self.num_splits  # the second split's logical page of CTA page i: + i S
+            second_entry = Int32(self.table_entries) - counts[0]
+            switch = cutlass.max(counts[0] - (lay.PIPELINE_STAGES - 1), Int32(0))
+            m, o = self.split_chain(Int32(0), switch, starts[0], None, starts[0], *chain, m, o)
+            m, o = self.split_chain(switch, counts[0], starts[0], second_entry, second, *chain, m, o)
             self.hold_pending(pending_base, tidx, m, o)
             fresh_m = [Float32(NEG_INF), Float32(NEG_INF)]
             fresh_o = [Float32(0.0) for _ in range(ACCUMULATORS)]
-            m, o = self.split_chain(counts[0], total, starts[1] - counts[0] * self.num_splits, ring_base, cache_base,
-                                    table_smem, starts, counts, total, k_words, v_words, descriptors, a, g, c, kv_head,
-                                    seq_len, cache_pages, tidx, own_key, low_key, fresh_m, fresh_o)
+            m, o = self.split_chain(counts[0], total, second, second_entry, second, *chain, fresh_m, fresh_o)
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
