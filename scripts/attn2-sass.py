@@ -6,10 +6,13 @@ cubin with nvdisasm; ptxas -v on the kept PTX reports registers and spills).
 
 Paths: every route from the loop's head to its back edge (the masked / unmasked page, the
 rescale / no rescale; the page load's predicated block counts either way). A predicated-off
-instruction still takes an issue slot, so the counts are what a warp issues per page. A ring wait
-(`SplitIssue.mbarrier_ring`: an mbarrier try_wait, SASS `SYNCS.PHASECHK...TRYWAIT`) counts as
-succeeding at its first poll: the branch after it is taken, its bounded spin is not walked, and no
-backward branch inside the page loop other than its back edge is followed (a spin, not a page).
+instruction still takes an issue slot, so the counts are what a warp issues per page. No backward
+branch inside the page loop other than its back edge is followed.
+
+`--splits-per-cta 1|2` builds the split kernel running that many sibling splits a CTA
+(`Attn2Build.splits_per_cta`; default: the layout's, `attn2_layout.splits_per_cta`). With 2 the
+CTA runs two page loops (one per split) through one ring: the loop counted is the one with the
+most tensor-core instructions, the first found among equals.
 """
 
 from __future__ import annotations
@@ -66,11 +69,8 @@ def loop_paths(sass: str) -> list[int]:
                 target = labels[m.group(1)]
                 if target == pc:  # a trap loop
                     return
-                if t.lstrip().startswith("@") and pc > 0 and "TRYWAIT" in instrs[pc - 1]:
-                    pc = target  # the ring wait's first poll succeeded: past its spin
-                    continue
                 if t.lstrip().startswith("@") and target < pc:
-                    pass  # a spin's backward branch inside the page: not taken
+                    pass  # a backward branch inside the page: not taken
                 elif t.lstrip().startswith("@"):
                     walk(target, n, depth + 1)  # taken; then fall through
                 else:
@@ -87,8 +87,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--issue", default="none,all",
-                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean / keys / ring / overlap "
-                             "joined by + ('all+ring': the default savings and the ring)")
+                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean / keys joined by + "
+                             "('mask+lean': those two on, the rest off)")
+    parser.add_argument("--splits-per-cta", type=int, default=None, choices=(1, 2),
+                        help="sibling splits a split CTA runs (default: the layout's for the deployment)")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
@@ -106,8 +108,13 @@ def main() -> None:
     disasm = nvdisasm()
     for name in names:
         with tempfile.TemporaryDirectory() as tmp:
-            attn2.compile_attn2(args.heads, args.max_model_len, args.window,
-                                attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name]))
+            try:  # a deployment or splits_per_cta outside the plan (2 with one split) is refused before compiling
+                attn2.compile_attn2(args.heads, args.max_model_len, args.window,
+                                    attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name],
+                                                     splits_per_cta=args.splits_per_cta))
+            except ValueError as e:
+                print(f"attn2-sass: {e}", file=sys.stderr)
+                sys.exit(2)
             cubin = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.cubin"))
             ptx = next(p for p in Path(tmp).glob("*_Attn2Kernel_*.ptx"))
             sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout

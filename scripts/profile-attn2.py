@@ -10,7 +10,7 @@ or where the time goes (warp stall reasons, issue activity, memory throughput) o
         --section MemoryWorkloadAnalysis --section Occupancy --launch-skip 1 --launch-count 1 \
         python3 scripts/profile-attn2.py --lengths 131072
 
-`--issue all+ring` (a `SplitIssue` name, optionally `@wgmma` / `@sync`) profiles the split kernel
+`--issue mask+lean` (a `SplitIssue` name, optionally `@wgmma` / `@sync`) profiles the split kernel
 with other compile-time switches than the deployment's (`kernels.attn2.launch`'s experiment
 arguments); the default is the deployment's build, through `cute_ops`.
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
     parser.add_argument("--tp", type=int, default=8, help="2, 4, 8 or 16 (8 .. 1 KV heads)")
-    parser.add_argument("--issue", default=None, help="a SplitIssue name (all, all+ring, ...), optionally @wgmma|@sync")
+    parser.add_argument("--issue", default=None, help="a SplitIssue name (all, none, mask+lean, ...), optionally @wgmma|@sync")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()

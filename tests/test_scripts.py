@@ -158,37 +158,3 @@ def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
     done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=_nightly_env(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "setup, every node: srun --ntasks-per-node=1 --label bash -c" in done.stdout
-
-
-SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
-
-
-@pytest.mark.parametrize("args, reason", [
-    (["--heads-per-cta", "3", "--tp", "8"], "does not divide"),
-    (["--heads-per-cta", "2", "--tp", "16"], "does not divide"),
-    (["--heads-per-cta", "x"], "neither an int nor auto"),
-    (["--heads-per-cta", "1,1"], "each value once"),
-    (["--heads-per-cta", "2", "--tp", "8", "--issue", "all+ring"], "mbarrier_ring"),
-])
-def test_sweep_attn2_refuses_bad_heads_per_cta_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --heads-per-cta: a value it cannot run exits 2 with the reason, before the GPU
-    is touched (this machine has none: reaching it would end otherwise)."""
-    pytest.importorskip("cutlass")
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, str(SWEEP_ATTN2), *args], capture_output=True, text=True, cwd=REPO,
-                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result.stderr
-    assert reason in result.stderr
-
-
-def test_sweep_attn2_auto_heads_per_cta():
-    """auto: about 512 split CTAs a request (max(1, heads splits / 512)), never more heads than the rank's."""
-    pytest.importorskip("cutlass")
-    heads_per_cta = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_heads_per_cta"]
-    assert [heads_per_cta("auto", heads, 512) for heads in (1, 2, 4, 8, 16)] == [1, 2, 4, 8, 16]
-    assert [heads_per_cta("auto", heads, 256) for heads in (1, 2, 4, 8, 16)] == [1, 1, 2, 4, 8]
-    assert heads_per_cta("auto", 2, 2048) == 2 and heads_per_cta("2", 8, 256) == 2
-    with pytest.raises(ValueError):
-        heads_per_cta("-1", 2, 256)

@@ -1,6 +1,7 @@
 """The CPU model of attn2's kernel (musebench.cpu.attn2): accurate against the FP64 reference,
 and deterministic in the ways the kernel promises (same keys, same bits at every L; a KV head's
-bits whatever the rank; poison never read)."""
+bits whatever the rank; poison never read; two sibling splits merged in a CTA keep the merge tree's
+bits)."""
 
 from __future__ import annotations
 
@@ -248,64 +249,147 @@ def test_unscaled_differences_keep_ill_conditioned_rows_accurate():
     assert err.nonfinite == 0 and err.max < 32 and err.mean < 0.3, err
 
 
-def _levels_needed(first_page: int, end_page: int, splits: int, leaves: int, levels: int) -> int:
-    """`_Attn2CombineKernel.levels_needed` on ints: the level where the first and the last group
-    holding a split with pages meet; every level when the live splits wrap past split S - 1."""
-    count = min(end_page - first_page, splits)
-    first = first_page % splits
-    last = (first + count - 1) % splits
-    a, b = first // leaves, last // leaves
-    if first + count > splits:
-        return levels
-    return sum((a >> k) != (b >> k) for k in range(levels))
+# The split kernel's pairing (`attn2_layout.splits_per_cta` 2): a CTA runs sibling splits 2j and
+# 2j + 1 and merges them (`merge_pending`: the combine's merge, left child first), so its partial is
+# the tree's level-1 node j and the combine runs the 256-node tree above the pairs. That gives the
+# 512-leaf tree's bits only if the tree's first level is exactly those merges; checked here on the
+# model's own merge (`musebench.cpu.attn2.merge`, `merge_tree`), in the combine's grouping.
+
+SCALE_LOG2 = model_module._f32(config.ATTN_SCALE * model_module.LOG2_E)
+ROWS = lay.ROWS_PER_KV_HEAD
 
 
-def _trimmed_tree(partials: list, scale_log2, first_page: int, end_page: int, leaves: int) -> tuple:
-    """The combine with `SplitIssue.trim_combine`: each group's leaves merged in registers, then
-    only the needed shared-memory levels, then the live node passed through as O + 0, l + 0."""
-    splits = len(partials)
-    groups = [merge_tree(partials[g * leaves:(g + 1) * leaves], scale_log2) for g in range(splits // leaves)]
-    levels = (len(groups) - 1).bit_length()
-    needed = _levels_needed(first_page, end_page, splits, leaves, levels)
-    for _ in range(needed):
-        groups = [model_module.merge(groups[2 * j], groups[2 * j + 1], scale_log2) for j in range(len(groups) // 2)]
-    o, m, lsum = groups[(first_page % splits) // leaves >> needed]
-    if needed < levels:
-        o, lsum = o + 0.0, lsum + 0.0
-    return o, m, lsum, needed
+def _empty() -> tuple:
+    """A leaf without pages, as the combine takes it: (+0.0, -inf, +0.0)."""
+    return torch.zeros(ROWS, lay.HEAD_DIM), torch.full((ROWS,), float("-inf")), torch.zeros(ROWS)
 
 
-@pytest.mark.parametrize("seq_len, window, needed", [
-    (8, 0, 0), (17, 0, 0), (64, 0, 0), (80, 0, 1), (512, 0, 3), (3000, 0, 6), (3000, 100, 2),
-    (4500, 2048, 6),  # the live splits wrap past split 255: every level
-])
-def test_a_trimmed_merge_tree_gives_the_full_trees_bits(seq_len, window, needed):
-    """`trim_combine`: the levels above the smallest subtree of live splits only pass the live node
-    through (an empty sibling weighs 0, the node 2^0 = 1), so running the needed levels and adding
-    +0.0 once gives the bits of the whole tree, -0.0 included (tiny inputs hold -0.0)."""
-    splits, leaves = 256, 4
-    problem = make_problem("tiny", seq_len, 8192, window=window, num_kv_heads=1)
-    scale_log2 = model_module._f32(config.ATTN_SCALE * model_module.LOG2_E)
-    q = problem.q.reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)
-    partials = [model_module.split_partial(q, problem.kv_cache, problem.page_table[0], 0, seq_len, window, s, splits,
-                                           scale_log2) for s in range(splits)]
-    first, end = lay.visible_keys(seq_len, window)
-    first_page, end_page = first // lay.PAGE_TOKENS, lay.max_pages(end)
-    o, m, lsum, got_needed = _trimmed_tree(partials, scale_log2, first_page, end_page, leaves)
-    assert got_needed == needed
-    want = merge_tree(partials, scale_log2)
-    for got, full in zip((o, m, lsum), want):
-        assert torch.equal(got.view(torch.int32), full.view(torch.int32))
+def _live(g: torch.Generator, m_scale: float = 10.0) -> tuple:
+    """A leaf with pages: O of mixed magnitudes (some exactly -0.0), raw row maxima, l >= 1."""
+    o = torch.randn(ROWS, lay.HEAD_DIM, generator=g) * torch.logspace(-6, 6, lay.HEAD_DIM)[torch.randperm(
+        lay.HEAD_DIM, generator=g)]
+    o[torch.rand(ROWS, lay.HEAD_DIM, generator=g) < 0.05] = -0.0
+    m = torch.randn(ROWS, generator=g) * m_scale
+    lsum = 1.0 + torch.rand(ROWS, generator=g) * 100
+    return o, m, lsum
 
 
-def test_the_trimmed_tree_check_can_fail():
-    """Without the +0.0 a -0.0 in the live node survives where the full tree makes it +0.0; and one
-    level too few leaves a live split out: either way the comparison above sees other bits."""
-    scale_log2 = model_module._f32(config.ATTN_SCALE * model_module.LOG2_E)
-    live = (torch.tensor([[-0.0, 1.0]]), torch.tensor([0.5]), torch.tensor([1.0]))
-    empty = (torch.zeros(1, 2), torch.tensor([float("-inf")]), torch.zeros(1))
-    full = merge_tree([live, empty], scale_log2)
-    assert not torch.equal(live[0].view(torch.int32), full[0].view(torch.int32))  # -0.0 became +0.0
-    other = (torch.tensor([[2.0, 3.0]]), torch.tensor([0.25]), torch.tensor([1.0]))
-    both = merge_tree([live, other], scale_log2)
-    assert not torch.equal(live[0].view(torch.int32), both[0].view(torch.int32))  # a level skipped too many
+def _leaves(kind: str, count: int = lay.MAX_SPLITS) -> list[tuple]:
+    """`count` leaves of one KV head's rows: "random" (every leaf live), "sparse" (empty leaves, whole
+    empty pairs and lone live siblings among them), "far" (row maxima thousands apart: weights 0 and
+    subnormal), "zeros" (O all -0.0 in the live leaves, one live leaf in a pair of an empty)."""
+    g = torch.Generator().manual_seed(sum(map(ord, kind)))
+    if kind == "random":
+        return [_live(g) for _ in range(count)]
+    if kind == "sparse":
+        live = torch.rand(count, generator=g) < 0.4
+        live[8:16] = False  # four whole empty pairs
+        live[16:24] = torch.tensor([True, False, False, True, True, False, False, True])  # lone siblings
+        return [_live(g) if bool(x) else _empty() for x in live]
+    if kind == "far":
+        leaves = [_live(g, m_scale=3000.0) for _ in range(count)]
+        for k in range(0, count, 4):  # siblings whose weights land just below 2^-126: subnormal, not 0
+            o, m, lsum = leaves[k + 1]
+            leaves[k + 1] = (o, leaves[k][1] - 130.0 / float(SCALE_LOG2), lsum)
+        return leaves
+    if kind == "zeros":
+        leaves = []
+        for k in range(count):
+            o, m, lsum = _live(g)
+            leaves.append((torch.full_like(o, -0.0), m, lsum) if k % 3 else _empty())
+        return leaves
+    raise ValueError(kind)
+
+
+def _pair_in_cta(leaves: list[tuple], pair=lambda j, n: (2 * j, 2 * j + 1), merge=model_module.merge) -> list[tuple]:
+    """The split CTAs' partials with two splits a CTA: CTA j merges leaves pair(j) (2j first, then
+    2j + 1); a CTA whose two leaves are both empty writes nothing, which the combine reads as an
+    empty leaf."""
+    partials = []
+    for j in range(len(leaves) // 2):
+        left, right = (leaves[k] for k in pair(j, len(leaves)))
+        both_empty = bool((left[1] == float("-inf")).all() and (right[1] == float("-inf")).all())
+        partials.append(_empty() if both_empty else merge(left, right, SCALE_LOG2))
+    return partials
+
+
+def _combine(partials: list[tuple]) -> tuple:
+    """The combine kernel's merge of `partials` (a power of two): `combine_groups` groups of
+    consecutive partials, each merged as a subtree (halves, left first), then the groups level by
+    level, pairs (2j, 2j + 1)."""
+    groups = lay.combine_groups(len(partials))
+    leaves = len(partials) // groups
+
+    def subtree(lo: int, n: int) -> tuple:
+        if n == 1:
+            return partials[lo]
+        return model_module.merge(subtree(lo, n // 2), subtree(lo + n // 2, n // 2), SCALE_LOG2)
+
+    level = [subtree(k * leaves, leaves) for k in range(groups)]
+    while len(level) > 1:
+        level = [model_module.merge(level[2 * j], level[2 * j + 1], SCALE_LOG2) for j in range(len(level) // 2)]
+    return level[0]
+
+
+def _same_bits(a: tuple, b: tuple) -> bool:
+    """(O, m, l) equal as raw FP32 bits (-0.0 against +0.0 differs)."""
+    return all(torch.equal(x.contiguous().view(torch.int32), y.contiguous().view(torch.int32)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("kind", ["random", "sparse", "far", "zeros"])
+def test_pairing_sibling_splits_in_the_cta_keeps_the_512_leaf_trees_bits(kind):
+    """The 512-leaf tree (`merge_tree`) = the combine over 512 partials of one split each = the
+    combine over the 256 CTA merges of sibling pairs, bit for bit (O, m and l), on random leaves,
+    on empty leaves and empty pairs, on -0.0 in O, and on row maxima far apart (weights 0 and
+    subnormal)."""
+    leaves = _leaves(kind)
+    assert len(leaves) == lay.MAX_SPLITS == 512 and lay.combine_groups(256) == lay.combine_groups(512) == 64
+    whole = merge_tree(leaves, SCALE_LOG2)
+    assert _same_bits(_combine(leaves), whole)
+    paired = _pair_in_cta(leaves)
+    assert len(paired) == 256
+    assert _same_bits(_combine(paired), whole)
+    assert _same_bits(merge_tree(paired, SCALE_LOG2), whole)
+
+
+def test_an_empty_pair_skipped_is_the_merge_of_its_empty_leaves():
+    """A CTA whose two splits have no pages writes nothing; the combine's (+0.0, -inf, +0.0) for it
+    is what merging the two empty leaves gives (weights 2^-inf = 0: +0.0 products, +0.0 sum)."""
+    assert _same_bits(model_module.merge(_empty(), _empty(), SCALE_LOG2), _empty())
+
+
+def test_pairing_on_a_model_problem_keeps_the_trees_bits():
+    """The same on split partials the model computes for a request (L = 3000 at 16384: 512 splits
+    of at most one page, most of them empty, and -0.0 in the tiny family's O)."""
+    problem = make_problem("tiny", 3000, 16384, num_kv_heads=1)
+    splits = lay.splits(16384, 0, 2)
+    assert splits == 512 and lay.splits_per_cta(2, splits) == 2
+    q = problem.q.reshape(ROWS, lay.HEAD_DIM)
+    leaves = [model_module.split_partial(q, problem.kv_cache, problem.page_table[0], 0, 3000, 0, s, splits,
+                                         SCALE_LOG2) for s in range(splits)]
+    assert _same_bits(_combine(_pair_in_cta(leaves)), merge_tree(leaves, SCALE_LOG2))
+
+
+def _fused_merge(left: tuple, right: tuple, scale_log2: torch.Tensor) -> tuple:
+    """A wrong CTA merge: O_L w_L + O_R w_R rounded once (an FMA-like sum), not two products and a sum."""
+    o_l, m_l, l_l = left
+    o_r, m_r, l_r = right
+    top = torch.maximum(m_l, m_r)
+    use = torch.where(top == float("-inf"), torch.zeros(()), top)
+    w_l, w_r = torch.exp2((m_l - use) * scale_log2), torch.exp2((m_r - use) * scale_log2)
+    o = (o_l.double() * w_l.double()[:, None] + o_r.double() * w_r.double()[:, None]).float()
+    return o, top, (l_l.double() * w_l.double() + l_r.double() * w_r.double()).float()
+
+
+def test_the_pairing_check_catches_a_wrong_pair_or_a_wrong_merge():
+    """Fault injection: a CTA pairing non-siblings (splits j and j + 256, the other half of the
+    plan), or pairing the right siblings with other arithmetic (one rounding), gives other bits;
+    the check above fails on either. Merging a pair right child first is no fault the bits can
+    show: FP32 add and multiply commute, so (2j + 1, 2j) gives 2j, 2j + 1's O and l exactly."""
+    leaves = _leaves("random")
+    whole = merge_tree(leaves, SCALE_LOG2)
+    strided = _pair_in_cta(leaves, pair=lambda j, n: (j, j + n // 2))
+    assert not _same_bits(_combine(strided), whole)
+    assert not _same_bits(_combine(_pair_in_cta(leaves, merge=_fused_merge)), whole)
+    swapped = _combine(_pair_in_cta(leaves, pair=lambda j, n: (2 * j + 1, 2 * j)))
+    assert _same_bits((swapped[0], swapped[2]), (whole[0], whole[2]))
