@@ -44,21 +44,27 @@ CTA_THREADS = 32 * WARPS
 # mma tile, so one CTA reads each page once for all of them (the seeds' SM100 kernel splits rows
 # over a cluster; reading a page twice would double the HBM traffic this kernel is bound by).
 ROW_GROUPS = 1
-# SPLIT_TARGET_CLUSTERS: split CTAs a request's launch aims for: SPLIT_CTAS_PER_SM (4) CTAs of 4
-# warps on each of the 132 SMs of an H200 (528; 148 SMs on a GB200), the power of two below. The
-# page chain is latency-bound, so a launch needs every SM's 16 warps: one KV head (tp 16) ran 128k
-# at 21.9 us with 512 CTAs against 29.9 with 256 (records/2026-12-01-h200-af718e6-sweep-attn2-*).
-SPLIT_TARGET_CLUSTERS = 512
-# MAX_SPLITS: the merge tree's leaves. One KV head needs SPLIT_TARGET_CLUSTERS of them to fill the
-# GPU, and the split count may not depend on tp (it fixes a row's summation order), so every KV
-# head gets them; with more heads a CTA runs several sibling leaves (`splits_per_cta`). The tree
-# is merged in registers and shared memory: its depth costs a few hundred cycles.
+# SPLIT_TARGET_CLUSTERS: split CTAs a request's launch aims for per KV head: a single KV head
+# (tp 16) must keep about two CTAs of 4 warps on every one of the 132 SMs of an H200 (148 on a
+# GB200), the issue rate one warp per scheduler cannot give (Nsight Compute on the H200, 64 splits:
+# one warp per scheduler issued every 4.2 cycles, 0.5 TB/s). 256 is the nearest power of two.
+#   512 (measured, not taken: records/2026-12-01-h200-52af2d8-sweep-attn2-splits*.json): one KV
+#   head fills all 4 CTA slots of an SM and runs 128k at 22.0 us against 30.0, but tp 8 (two
+#   splits a CTA, 512 CTAs) runs it at 36.9 against 34.0 and 32k at 19.0 against 15.6, and 8k
+#   costs 1.2-2.0 us more at both tp (twice the partials). The split count fixes a row's
+#   summation order, so it may not depend on tp: one value serves both, and tp 8 is the issue's
+#   bandwidth target.
+SPLIT_TARGET_CLUSTERS = 256
+# MAX_SPLITS: the merge tree's leaves. The tree is merged by the combine kernel (registers within a
+# group, shared memory across groups): its depth costs a few hundred cycles, not a global round
+# trip per level, so MAX_SPLITS is SPLIT_TARGET_CLUSTERS.
 MAX_SPLITS = SPLIT_TARGET_CLUSTERS
 # SPLITS_PER_CTA_CHOICES: sibling leaves (splits 2j, 2j + 1) one split CTA runs, one after the
-# other through one ring, merging them as the combine would (the same node, the same bits): 2
-# halves the CTAs and the partials of a launch with 2+ KV heads at MAX_SPLITS (tp 8: 1024 leaves in
-# 512 CTAs, no second wave, 256 partials a head as before). The first leaf's state waits in shared
-# memory (PENDING_BYTES), which bounds it at 2.
+# other through one ring, merging them as the combine would (the same node, the same bits). 2
+# where a launch would otherwise run more than one wave of SPLIT_CTAS_PER_SM CTAs an SM (tp 4 and
+# tp 2 at 256 splits: 1024 and 2048 leaves): on the H200, 1024 leaves of 2 KV heads at 512 splits
+# ran 128k at 36.9 us paired against 39.9 unpaired, 32k 19.0 against 20.0, 8k 15.1 against 16.7.
+# The first leaf's state waits in shared memory (PENDING_BYTES), which bounds it at 2.
 SPLITS_PER_CTA_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
@@ -80,12 +86,17 @@ def split_ctas_per_sm(arch: str) -> int:
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 
 
+PAIRED_LEAVES = 1024  # leaves a request from which two splits go to a CTA: 2 x 512 CTAs (4 an SM)
+
+
 def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:
-    """Sibling splits one split CTA runs (`SPLITS_PER_CTA_CHOICES`): 2 where that still leaves
-    SPLIT_TARGET_CLUSTERS CTAs a request (num_kv_heads x num_splits >= 2 x the target: tp 8 and
-    below at MAX_SPLITS), else 1. A performance choice only: the bits are the same either way."""
+    """Sibling splits one split CTA runs (`SPLITS_PER_CTA_CHOICES`): 2 where a request has at
+    least PAIRED_LEAVES leaves (num_kv_heads x num_splits: tp 4 and 2 at MAX_SPLITS), so that the
+    launch stays one wave; else 1. A performance choice only: the bits are the same either way."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
-    return 2 if num_splits >= 2 and num_kv_heads * num_splits >= 2 * SPLIT_TARGET_CLUSTERS else 1
+    if isinstance(num_kv_heads, bool) or isinstance(num_splits, bool):
+        raise ValueError("num_kv_heads and num_splits must be ints")
+    return 2 if num_splits >= 2 and num_kv_heads * num_splits >= PAIRED_LEAVES else 1
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
 # The natural layout of a row's 64 dims over the 4 lanes of a quad (the mma's C fragment, and
@@ -183,7 +194,7 @@ def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: 
         return 0
     if per_cta is None:
         per_cta = splits_per_cta(num_kv_heads, num_splits)
-    if per_cta not in SPLITS_PER_CTA_CHOICES or isinstance(per_cta, bool) or num_splits % per_cta:
+    if type(per_cta) is not int or per_cta not in SPLITS_PER_CTA_CHOICES or num_splits % per_cta:
         raise ValueError(f"per_cta must be one of {SPLITS_PER_CTA_CHOICES} dividing num_splits, got {per_cta!r}")
     return num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
 

@@ -38,7 +38,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing. With two splits
-   a CTA (`attn2_layout.splits_per_cta`: 2 KV heads or more at MAX_SPLITS), splits 2j and 2j + 1,
+   a CTA (`attn2_layout.splits_per_cta`: tp 4 and 2 at MAX_SPLITS), splits 2j and 2j + 1,
    the first split's state waits in shared memory (`hold_pending`) while the second runs from a
    fresh (m, O, l), and the CTA merges them (`merge_pending`: `merge_into`, left child first,
    the combine's merge of those two leaves), so its partial is the tree's level-1 node j, bit for
@@ -210,8 +210,8 @@ class Attn2Build:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
-        _require(self.splits_per_cta is None or self.splits_per_cta in lay.SPLITS_PER_CTA_CHOICES
-                 and not isinstance(self.splits_per_cta, bool),
+        _require(self.splits_per_cta is None or type(self.splits_per_cta) is int
+                 and self.splits_per_cta in lay.SPLITS_PER_CTA_CHOICES,
                  f"splits_per_cta must be None or one of {lay.SPLITS_PER_CTA_CHOICES}, got {self.splits_per_cta!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
@@ -1120,7 +1120,7 @@ def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int
              f"num_splits must be a power of two, got {num_splits!r}")
     if splits_per_cta is None:
         splits_per_cta = lay.splits_per_cta(num_kv_heads, num_splits)
-    _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and not isinstance(splits_per_cta, bool)
+    _require(type(splits_per_cta) is int and splits_per_cta in lay.SPLITS_PER_CTA_CHOICES
              and num_splits % splits_per_cta == 0,
              f"splits_per_cta must be one of {lay.SPLITS_PER_CTA_CHOICES} dividing the {num_splits} splits, "
              f"got {splits_per_cta!r}")
