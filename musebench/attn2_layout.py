@@ -48,8 +48,8 @@ ROW_GROUPS = 1
 # (tp 16) must keep about two CTAs of 4 warps on every one of the 132 SMs of an H200 (148 on a
 # GB200), the issue rate one warp per scheduler cannot give (Nsight Compute on the H200, 64 splits:
 # one warp per scheduler issued every 4.2 cycles, 0.5 TB/s). 256 is the nearest power of two.
-#   512 (measured, not taken: records/2026-12-01-h200-52af2d8-sweep-attn2-splits*.json): one KV
-#   head fills all 4 CTA slots of an SM and runs 128k at 22.0 us against 30.0, but tp 8 (two
+#   512 (measured, not taken: records/2026-12-01-h200-{52af2d8,e481202}-sweep-attn2-splits.json):
+#   one KV head fills all 4 CTA slots of an SM and runs 128k at 22.0 us against 30.0, but tp 8 (two
 #   splits a CTA, 512 CTAs) runs it at 36.9 against 34.0 and 32k at 19.0 against 15.6, and 8k
 #   costs 1.2-2.0 us more at both tp (twice the partials). The split count fixes a row's
 #   summation order, so it may not depend on tp: one value serves both, and tp 8 is the issue's
@@ -60,10 +60,10 @@ SPLIT_TARGET_CLUSTERS = 256
 # trip per level, so MAX_SPLITS is SPLIT_TARGET_CLUSTERS.
 MAX_SPLITS = SPLIT_TARGET_CLUSTERS
 # SPLITS_PER_CTA_CHOICES: sibling leaves (splits 2j, 2j + 1) one split CTA runs, one after the
-# other through one ring, merging them as the combine would (the same node, the same bits). 2
-# where a launch would otherwise run more than one wave of SPLIT_CTAS_PER_SM CTAs an SM (tp 4 and
-# tp 2 at 256 splits: 1024 and 2048 leaves): on the H200, 1024 leaves of 2 KV heads at 512 splits
-# ran 128k at 36.9 us paired against 39.9 unpaired, 32k 19.0 against 20.0, 8k 15.1 against 16.7.
+# other through one ring, merging them as the combine would (the same node, the same bits). Where
+# a launch would otherwise run a second wave of SPLIT_CTAS_PER_SM CTAs an SM it is faster: on the
+# H200, 1024 leaves of 2 KV heads at 512 splits ran 128k at 36.9 us paired against 39.9 unpaired,
+# 32k 19.0 against 20.0, 8k 15.1 against 16.7 (records/2026-12-01-h200-e481202-sweep-attn2-splits).
 # The first leaf's state waits in shared memory (PENDING_BYTES), which bounds it at 2.
 SPLITS_PER_CTA_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
@@ -86,17 +86,22 @@ def split_ctas_per_sm(arch: str) -> int:
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 
 
-PAIRED_LEAVES = 1024  # leaves a request from which two splits go to a CTA: 2 x 512 CTAs (4 an SM)
+# PAIRED_LEAVES: leaves a request from which a deployment runs two splits a CTA. None yet: at 256
+# splits that would be tp 4 and 2 (1024 and 2048 leaves), unmeasured on the H200, and their
+# combine of 128 / 64 partials a head is the one that spills 4 bytes; two a CTA stays an
+# experiment (`Attn2Build.splits_per_cta`, `scripts/sweep-attn2.py --splits-per-cta`) until then.
+PAIRED_LEAVES: int | None = None
 
 
 def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:
-    """Sibling splits one split CTA runs (`SPLITS_PER_CTA_CHOICES`): 2 where a request has at
-    least PAIRED_LEAVES leaves (num_kv_heads x num_splits: tp 4 and 2 at MAX_SPLITS), so that the
-    launch stays one wave; else 1. A performance choice only: the bits are the same either way."""
+    """Sibling splits one split CTA of a deployment runs (`SPLITS_PER_CTA_CHOICES`): 2 where a
+    request has at least PAIRED_LEAVES leaves (num_kv_heads x num_splits), else 1 (PAIRED_LEAVES
+    None: always 1). A performance choice only: the bits are the same either way."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
     if isinstance(num_kv_heads, bool) or isinstance(num_splits, bool):
         raise ValueError("num_kv_heads and num_splits must be ints")
-    return 2 if num_splits >= 2 and num_kv_heads * num_splits >= PAIRED_LEAVES else 1
+    paired = PAIRED_LEAVES is not None and num_kv_heads * num_splits >= PAIRED_LEAVES
+    return 2 if num_splits >= 2 and paired else 1
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
 # The natural layout of a row's 64 dims over the 4 lanes of a quad (the mma's C fragment, and

@@ -57,13 +57,13 @@ def test_attn2_window_refuses_bad_length():
     (2048, 0, 2, 1),  # SHORT_MAX_LEN: one CTA per KV head
     (8, 0, 1, 1),
     (2049, 0, 2, 64),  # just past it: 129 pages, two a split at least
-    (131072, 0, 1, 512),  # tp 16: MAX_SPLITS
-    (131072, 0, 2, 512),  # tp 8
-    (131072, 0, 4, 512),  # tp 4: the same splits at every tp (rank identity)
-    (131072, 0, 8, 512),  # tp 2
+    (131072, 0, 1, 256),  # tp 16: MAX_SPLITS
+    (131072, 0, 2, 256),  # tp 8
+    (131072, 0, 4, 256),  # tp 4: the same splits at every tp (rank identity)
+    (131072, 0, 8, 256),  # tp 2
     (131072, 2048, 2, 64),  # the window: 130 pages a row can see
     (131072, 64, 2, 2),  # a small window: 6 pages, two per split at least
-    (16384, 0, 2, 512),  # 1024 pages: MAX_SPLITS, two pages each
+    (16384, 0, 2, 256),  # 1024 pages: MAX_SPLITS, four pages each
     (8192, 0, 3, 256),  # 512 pages, two a split
     (4096, 0, 3, 128),  # 256 pages, two a split
     (2100, 0, 2, 64),  # 132 pages // 2 = 66: rounded down to a power of two
@@ -80,25 +80,25 @@ def test_attn2_splits_refuses(args):
 
 
 def test_attn2_split_constants():
-    assert cute_ops.SPLIT_TARGET_CLUSTERS == cute_ops.MAX_SPLITS == 512
+    assert cute_ops.SPLIT_TARGET_CLUSTERS == cute_ops.MAX_SPLITS == 256
 
 
 def test_attn2_workspace_bytes():
-    """One partial per split CTA: a CTA runs two sibling splits at 512 splits with 2+ KV heads (tp 8
-    and below), one otherwise (`attn2_layout.splits_per_cta`)."""
+    """One partial per split CTA: a CTA runs two sibling splits from 1024 leaves a request (tp 4 and
+    2 at 256 splits), one otherwise (`attn2_layout.splits_per_cta`)."""
     assert cute_ops.attn2_workspace_bytes(1, 2, 1) == 0  # nothing to merge
     assert attn2_layout.PARTIAL_BYTES == 18432  # 128 threads x (8 float4 of O + one of m, l)
     assert cute_ops.attn2_workspace_bytes(1, 2, 256) == 2 * 256 * attn2_layout.PARTIAL_BYTES  # 512 CTAs of one
+    assert cute_ops.attn2_workspace_bytes(1, 4, 256) == 4 * 256 * attn2_layout.PARTIAL_BYTES
     assert cute_ops.attn2_workspace_bytes(3, 1, 2) == 3 * 2 * attn2_layout.PARTIAL_BYTES  # partials only
     for tp in (2, 4, 8, 16):
         heads = config.NUM_KV_HEADS // tp
         splits = cute_ops.attn2_splits(131072, 0, heads)
-        per_cta = 2 if tp < 16 else 1
+        per_cta = 1  # no deployment pairs splits yet
         assert attn2_layout.splits_per_cta(heads, splits) == per_cta
-        assert cute_ops.attn2_workspace_bytes(4, heads, splits) == 4 * heads * (512 // per_cta) * 18432
+        assert cute_ops.attn2_workspace_bytes(4, heads, splits) == 4 * heads * (256 // per_cta) * 18432
         assert cute_ops.attn2_workspace_bytes(4, heads, splits) == attn2_layout.workspace_bytes(4, heads, splits)
-    # tp 8 at 128k: 2 heads x 256 partials (two sibling splits each), the same bytes as 256 splits before
-    assert cute_ops.attn2_workspace_bytes(1, 2, 512) == 2 * 256 * attn2_layout.PARTIAL_BYTES
+    assert cute_ops.attn2_workspace_bytes(1, 2, 512) == 2 * 512 * attn2_layout.PARTIAL_BYTES
 
 
 @pytest.mark.parametrize("args", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (1, 2, 3), (1, 2, 2.0)])

