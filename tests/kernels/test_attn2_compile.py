@@ -306,7 +306,7 @@ def test_split_issue_names():
 # (KV heads, max_model_len, window, splits_per_cta): the one-split-a-CTA kernel of tp 8 at 128k
 # (forced), two a CTA forced where the layout also picks it (4 KV heads at 128k) and where it
 # does not (2 KV heads at 8192: 256 splits, one a CTA by default)
-PAIRED_BUILDS = [(2, 131072, 0, 1), (4, 131072, 0, 2), (2, 8192, 0, 2)]
+PAIRED_BUILDS = [(2, 131072, 0, 1), (4, 131072, 0, 2), (2, 8192, 0, 2), (2, 4096, 0, 1)]
 PAIRED_ARCH_ISSUES = [("sm_90a", "all"), ("sm_90a", "sync"), ("sm_100a", "all")]
 REGISTERS_PER_SM = 65536
 
@@ -334,8 +334,10 @@ def test_splits_per_cta_builds_compile_without_spills(tmp_path_factory, tmp_path
 
 
 # The combine of 128 partials (64 groups of 2) spills 4 bytes: ptxas settles on 64 registers with no
-# cap asked for. Not the pairing's: the default combine of 4096 (128 splits, one a CTA) does the same.
-COMBINE_SPILLS = {(2, 8192, 0, 2), (4, 131072, 0, 2)}
+# cap asked for. Not the pairing's: the combine of the 4096-token deployment (128 splits, one a CTA)
+# does the same. Branch attn2-combine-bound fixes it with a launch bound (69 registers), not yet run
+# on a GPU.
+COMBINE_SPILLS = {(2, 8192, 0, 2), (4, 131072, 0, 2), (2, 4096, 0, 1)}
 
 
 @pytest.mark.parametrize("arch, issue", PAIRED_ARCH_ISSUES)
@@ -350,8 +352,8 @@ def test_splits_per_cta_combines_assemble_without_spills(request, tmp_path_facto
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-def test_the_default_two_splits_a_cta_stays_within_the_register_cap(tmp_path_factory, tmp_path, arch):
-    """tp 8 at 128k (two a CTA by default): ptxas's registers within the CTAs an SM's cap."""
+def test_the_tp8_deployment_stays_within_the_register_cap(tmp_path_factory, tmp_path, arch):
+    """tp 8 at 128k, the deployment: ptxas's registers within the CTAs an SM's cap."""
     ptx, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0)
     report = assemble(ptx, arch, tmp_path, "attn2_default")
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
