@@ -84,8 +84,8 @@ def test_attn2_split_constants():
 
 
 def test_attn2_workspace_bytes():
-    """One partial per split CTA: a CTA runs two sibling splits from 1024 leaves a request (tp 4 and
-    2 at 256 splits), one otherwise (`attn2_layout.splits_per_cta`)."""
+    """One partial per split CTA (`attn2_layout.splits_per_cta`: one split a CTA in every
+    deployment, two only as an experiment)."""
     assert cute_ops.attn2_workspace_bytes(1, 2, 1) == 0  # nothing to merge
     assert attn2_layout.PARTIAL_BYTES == 18432  # 128 threads x (8 float4 of O + one of m, l)
     assert cute_ops.attn2_workspace_bytes(1, 2, 256) == 2 * 256 * attn2_layout.PARTIAL_BYTES  # 512 CTAs of one

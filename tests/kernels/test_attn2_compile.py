@@ -188,8 +188,8 @@ def _check_split_ptx(ptx: str, combine: str | None, arch: str, issue: str, heads
         assert "bar.sync" in combine
 
 
-# (KV heads, max_model_len, window): one split (short), the split kernel (tp 8: two splits a CTA;
-# tp 16: one), the window (one)
+# (KV heads, max_model_len, window): one split (short), the split kernel (tp 8 and tp 16, one split
+# a CTA), the window
 @pytest.mark.parametrize("arch, issue", ARCH_ISSUES)
 @pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
 def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_len, window, issue):
