@@ -98,8 +98,6 @@ def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:
     request has at least PAIRED_LEAVES leaves (num_kv_heads x num_splits), else 1 (PAIRED_LEAVES
     None: always 1). A performance choice only: the bits are the same either way."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
-    if isinstance(num_kv_heads, bool) or isinstance(num_splits, bool):
-        raise ValueError("num_kv_heads and num_splits must be ints")
     paired = PAIRED_LEAVES is not None and num_kv_heads * num_splits >= PAIRED_LEAVES
     return 2 if num_splits >= 2 and paired else 1
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
@@ -187,6 +185,17 @@ def combine_groups(num_partials: int) -> int:
     return min(num_partials, COMBINE_GROUPS)
 
 
+def check_splits_per_cta(per_cta: object, num_splits: int | None = None) -> None:
+    """Refuse (ValueError) a splits-per-CTA value a launch cannot run: not an int of
+    SPLITS_PER_CTA_CHOICES (a bool or a float included), or, given the plan's split count, not
+    dividing it (2 with a one-split plan: nothing to pair). The one check behind `Attn2Build`, the
+    kernels and `workspace_bytes`."""
+    if type(per_cta) is not int or per_cta not in SPLITS_PER_CTA_CHOICES:
+        raise ValueError(f"splits_per_cta must be one of {SPLITS_PER_CTA_CHOICES}, got {per_cta!r}")
+    if num_splits is not None and num_splits % per_cta:
+        raise ValueError(f"splits_per_cta {per_cta} does not divide the plan's {num_splits} splits")
+
+
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
     """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
     running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split
@@ -199,8 +208,7 @@ def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: 
         return 0
     if per_cta is None:
         per_cta = splits_per_cta(num_kv_heads, num_splits)
-    if type(per_cta) is not int or per_cta not in SPLITS_PER_CTA_CHOICES or num_splits % per_cta:
-        raise ValueError(f"per_cta must be one of {SPLITS_PER_CTA_CHOICES} dividing num_splits, got {per_cta!r}")
+    check_splits_per_cta(per_cta, num_splits)
     return num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
 
 

@@ -48,14 +48,13 @@ def _csv(text: str) -> list[int]:
 
 
 def _splits_per_cta(name: str, heads: int, splits: int) -> int:
-    """A --splits-per-cta value at `heads` KV heads and `splits` splits: 1 or 2 as written, or
-    "auto": the deployment's (ValueError for anything else, or 2 with one split)."""
+    """A --splits-per-cta value at `heads` KV heads and `splits` splits: an int as written, or
+    "auto": the deployment's (ValueError for anything else, or what `check_splits_per_cta` refuses)."""
     if name == "auto":
         return lay.splits_per_cta(heads, splits)
-    if name not in ("1", "2"):
-        raise ValueError(f"{name!r} is none of 1, 2, auto")
-    if splits % int(name):
-        raise ValueError(f"{name} splits a CTA with a {splits}-split plan")
+    if not name.isdigit():
+        raise ValueError(f"{name!r} is neither an int nor auto")
+    lay.check_splits_per_cta(int(name), splits)
     return int(name)
 
 

@@ -158,3 +158,37 @@ def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
     done = subprocess.run(["bash", str(SBATCH), "--dry-run"], env=_nightly_env(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "setup, every node: srun --ntasks-per-node=1 --label bash -c" in done.stdout
+
+
+SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--splits-per-cta", "3"], "must be one of (1, 2)"),
+    (["--splits-per-cta", "x"], "neither an int nor auto"),
+    (["--splits-per-cta", "1,1"], "each value once"),
+    (["--splits", "1", "--splits-per-cta", "2"], "does not divide the plan's 1 splits"),
+    (["--splits", "3"], "not a power of two"),
+])
+def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
+    """sweep-attn2.py --splits-per-cta / --splits: a value it cannot run exits 2 with the reason,
+    before the GPU is touched (this machine has none: reaching it would end otherwise)."""
+    pytest.importorskip("cutlass")
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(SWEEP_ATTN2), *args], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr
+
+
+def test_sweep_attn2_splits_per_cta_values():
+    """auto is the deployment's (`attn2_layout.splits_per_cta`: one split a CTA); 1 and 2 as written."""
+    pytest.importorskip("cutlass")
+    per_cta = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_splits_per_cta"]
+    assert [per_cta("auto", heads, 256) for heads in (1, 2, 4, 8)] == [1, 1, 1, 1]
+    assert per_cta("2", 2, 256) == 2 and per_cta("1", 2, 1) == 1
+    with pytest.raises(ValueError, match="does not divide"):
+        per_cta("2", 2, 1)

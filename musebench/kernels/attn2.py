@@ -167,25 +167,21 @@ class SplitIssue:
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
                    "keys": "ldmatrix_keys"}
-    DEFAULT_ON = ("mask", "rescale", "lean", "keys")  # what "all" turns on: every switch
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (the default: `DEFAULT_ON`), "none", or short names joined by "+" (those on, the
-        rest off): "mask", "rescale", "lean", "keys"; "all" may lead a "+" list (of nothing it does
-        not already hold: so "all" alone). ValueError for anything else (an unknown or repeated
-        name)."""
+        """"all" (every switch: the default), "none", or short names joined by "+" (those on, the
+        rest off): "mask", "rescale", "lean", "keys". ValueError for anything else (an unknown or
+        repeated name, "all" joined with anything)."""
+        if name == "all":
+            return SplitIssue()
         if name == "none":
             return SplitIssue.none()
         parts = name.split("+")
-        on = list(parts)
-        if parts[0] == "all":
-            on = list(SplitIssue.DEFAULT_ON) + parts[1:]
-        unknown = [p for p in parts[1 if parts[0] == "all" else 0:] if p not in SplitIssue.SHORT_NAMES]
-        _require(bool(name) and not unknown and len(set(on)) == len(on),
+        _require(all(p in SplitIssue.SHORT_NAMES for p in parts) and len(set(parts)) == len(parts),
                  f"unknown SplitIssue {name!r}: 'all', 'none' or {'+'.join(SplitIssue.SHORT_NAMES)} (any of them "
-                 f"joined by '+', each once; 'all' first holds {'+'.join(SplitIssue.DEFAULT_ON)})")
-        return SplitIssue(**{field: short in on for short, field in SplitIssue.SHORT_NAMES.items()})
+                 "joined by '+', each once)")
+        return SplitIssue(**{field: short in parts for short, field in SplitIssue.SHORT_NAMES.items()})
 
     def knobs(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
@@ -210,9 +206,8 @@ class Attn2Build:
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
-        _require(self.splits_per_cta is None or type(self.splits_per_cta) is int
-                 and self.splits_per_cta in lay.SPLITS_PER_CTA_CHOICES,
-                 f"splits_per_cta must be None or one of {lay.SPLITS_PER_CTA_CHOICES}, got {self.splits_per_cta!r}")
+        if self.splits_per_cta is not None:
+            lay.check_splits_per_cta(self.splits_per_cta)
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -246,8 +241,7 @@ class _Attn2Kernel:
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
-        _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and num_splits % splits_per_cta == 0,
-                 f"splits_per_cta {splits_per_cta!r}: one of {lay.SPLITS_PER_CTA_CHOICES}, dividing {num_splits} splits")
+        lay.check_splits_per_cta(splits_per_cta, num_splits)
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -971,8 +965,7 @@ class _Attn2CombineKernel:
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
                  enable_pdl: bool, splits_per_cta: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
-        _require(splits_per_cta in lay.SPLITS_PER_CTA_CHOICES and num_splits % splits_per_cta == 0,
-                 f"splits_per_cta {splits_per_cta!r}: one of {lay.SPLITS_PER_CTA_CHOICES}, dividing {num_splits} splits")
+        lay.check_splits_per_cta(splits_per_cta, num_splits)
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.splits_per_cta = splits_per_cta
@@ -1120,10 +1113,7 @@ def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int
              f"num_splits must be a power of two, got {num_splits!r}")
     if splits_per_cta is None:
         splits_per_cta = lay.splits_per_cta(num_kv_heads, num_splits)
-    _require(type(splits_per_cta) is int and splits_per_cta in lay.SPLITS_PER_CTA_CHOICES
-             and num_splits % splits_per_cta == 0,
-             f"splits_per_cta must be one of {lay.SPLITS_PER_CTA_CHOICES} dividing the {num_splits} splits, "
-             f"got {splits_per_cta!r}")
+    lay.check_splits_per_cta(splits_per_cta, num_splits)
     return dict(num_kv_heads=num_kv_heads, num_splits=num_splits, splits_per_cta=splits_per_cta,
                 max_pages=lay.max_pages(max_model_len), max_model_len=max_model_len, window=window,
                 eps=float(config.RMS_NORM_EPS))

@@ -46,7 +46,6 @@ K_STEPS = HEAD_DIM // 16  # 4 chained k16 steps of Q K^T
 V_TILES = HEAD_DIM // 8  # 8 n-tiles of P V
 WORD_BYTES = 4
 CHUNK_BYTES = gmma.CHUNK_BYTES
-SLOT_WORDS = 2 * HEAD_DIM // 2  # 64 words of a cache slot
 JOIN_LOW, JOIN_HIGH = 0x5410, 0x7632  # prmt: the low halves of two words, the high halves
 FAULTS = ("none", "sbo", "no_swizzle")
 ALIGN = 16
