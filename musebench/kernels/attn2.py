@@ -119,6 +119,10 @@ ACCUMULATORS = 4 * (V_TILES + 1)  # 36 a thread: o[4 t + j]; t = V_TILES holds l
 V_TILE_PAIRS = V_TILES // 2  # one ldmatrix.x4.trans each
 V_CHUNK0 = lay.HEAD_DIM * BF16_BYTES // VECTOR_BYTES  # 8: V's first 16-byte chunk in a slot
 ALIGN = 16
+# The combine's launch bound (.minnctapersm): 1, so that ptxas may take the registers it needs.
+# Without a bound it settled on 64 for the combine of 128 partials (the 4096-token plan: 64 groups
+# of 2) and spilled 4 bytes; with it, 69 and no spill. Register allocation only: the same bits.
+COMBINE_CTAS_PER_SM = 1
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 
@@ -990,6 +994,7 @@ class _Attn2CombineKernel:
             smem=self.smem_bytes(),
             stream=stream,
             use_pdl=self.enable_pdl,
+            min_blocks_per_mp=COMBINE_CTAS_PER_SM,
         )
 
     @cute.jit
