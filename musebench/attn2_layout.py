@@ -86,11 +86,14 @@ def split_ctas_per_sm(arch: str) -> int:
 PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_TARGET_CLUSTERS
 
 
-# PAIRED_LEAVES: leaves a request from which a deployment runs two splits a CTA. None yet: at 256
-# splits that would be tp 4 and 2 (1024 and 2048 leaves), unmeasured on the H200, and their
-# combine of 128 / 64 partials a head is the one that spills 4 bytes; two a CTA stays an
-# experiment (`Attn2Build.splits_per_cta`, `scripts/sweep-attn2.py --splits-per-cta`) until then.
-PAIRED_LEAVES: int | None = None
+# PAIRED_LEAVES: leaves a request from which a deployment runs two splits a CTA: more leaves than
+# one wave of split CTAs holds (4 an SM on the H200's 132 SMs: 528), so at 256 splits tp 4 and 2
+# (1024 and 2048 leaves) pair and tp 8 and 16 (512, 256) do not. Measured on the H200 (records/
+# 2026-12-01-h200-deb23b9-sweep-attn2-pairing.json, graph medians, 0 bits differing), one against
+# two a CTA: tp 4 19.01 / 28.44 / 62.56 us against 15.93 / 24.96 / 61.76 at L 8k / 32k / 128k; tp 2
+# 36.93 / 54.37 / 121.86 against 29.49 / 48.89 / 120.68. GB200 (148 SMs, 3 an SM: 444) is
+# unmeasured; the threshold does not move the bits either way.
+PAIRED_LEAVES: int | None = 1024
 
 
 def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:

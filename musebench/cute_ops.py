@@ -499,8 +499,8 @@ def launch_qkv_front(
 
 # Why each value: musebench.attn2_layout (the split plan is shared with the CPU model).
 ROW_GROUPS = attn2_layout.ROW_GROUPS  # 1: the 64 rows of a KV head are one M tile, one CTA
-SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 512: about four split CTAs an SM (H200's 132)
-MAX_SPLITS = attn2_layout.MAX_SPLITS  # 512: the merge tree's leaves, every KV head's (two a CTA with 2+ KV heads)
+SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 256: about two split CTAs an SM for one KV head (H200's 132)
+MAX_SPLITS = attn2_layout.MAX_SPLITS  # 256: the merge tree's leaves a KV head (a CTA runs two from PAIRED_LEAVES leaves a request)
 SHORT_MAX_LEN = attn2_layout.SHORT_MAX_LEN  # 2048: up to it one CTA per KV head, no merge
 QUERY_LEN = attn2_layout.QUERY_LEN  # 8: 1 + 7 draft tokens per request
 # head_dim^-0.5 * qk_scale_factor, as MuseSpark1xAttention computes it (float64, 0.684125); the
@@ -535,8 +535,8 @@ def attn2_splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
 def attn2_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int) -> int:
     """Bytes of the workspace a launch of `num_splits` splits needs for num_reqs requests: one FP32
     partial (O, m, l) per (request, KV head, split CTA), a CTA running
-    `attn2_layout.splits_per_cta(num_kv_heads, num_splits)` sibling splits (2 where that still
-    leaves SPLIT_TARGET_CLUSTERS CTAs: at MAX_SPLITS with 2+ KV heads, half the splits' partials),
+    `attn2_layout.splits_per_cta(num_kv_heads, num_splits)` sibling splits (2 from
+    `attn2_layout.PAIRED_LEAVES` leaves a request, tp 4 and 2 at 256 splits: half the partials),
     written by the split kernel and read by the combine kernel of the same launch; 0 with one split
     (nothing to merge). Needs no zeroing. The deployment's launch (`launch_attn2`) needs exactly
     this; an experiment forcing one split a CTA (`kernels.attn2.launch(splits_per_cta=1)`) needs

@@ -93,14 +93,14 @@ def test_split_plan_constants():
     more than one wave of 4 CTAs an SM otherwise), the first held in shared memory in a partial's
     size (a thread's 32 values of O, its two rows' m and l)."""
     assert lay.SPLIT_TARGET_CLUSTERS == lay.MAX_SPLITS == 256
-    assert lay.PAIRED_LEAVES is None  # no deployment pairs splits yet
+    assert lay.PAIRED_LEAVES == 1024  # tp 4 and 2 at 256 splits
     assert lay.SPLITS_PER_CTA_CHOICES == (1, 2)
     assert lay.PENDING_VALUES == 36 and lay.PENDING_BYTES == 36 * 4 * 128 == lay.PARTIAL_BYTES == 18432
 
 
 @pytest.mark.parametrize("max_model_len, window, tp, splits, per_cta", [
-    (131072, 0, 2, 256, 1),  # no deployment pairs splits yet (PAIRED_LEAVES None)
-    (131072, 0, 4, 256, 1),
+    (131072, 0, 2, 256, 2),  # 8 KV heads x 256 = 2048 leaves: 1024 CTAs of two
+    (131072, 0, 4, 256, 2),  # 1024 leaves: one wave of 512 CTAs of two
     (131072, 0, 8, 256, 1),  # 2 KV heads: 512 CTAs of one split already
     (131072, 0, 16, 256, 1),
     (131072, 2048, 2, 64, 1),  # the window's plan: 8 x 64 = 512 CTAs, below two a target
@@ -108,14 +108,14 @@ def test_split_plan_constants():
     (131072, 2048, 16, 64, 1),
     (2048, 0, 8, 1, 1),  # one split: nothing to pair
     (2048, 0, 2, 1, 1),
-    (8192, 0, 4, 256, 1),
+    (8192, 0, 4, 256, 2),
     (8192, 0, 8, 256, 1),  # 2 KV heads x 256 = 512
+    (131072, 2048, 4, 64, 1),  # 4 x 64 = 256 leaves
 ])
 def test_splits_per_cta(max_model_len, window, tp, splits, per_cta):
     heads = 16 // tp
     assert lay.splits(max_model_len, window, heads) == splits
     assert lay.splits_per_cta(heads, splits) == per_cta
-    assert lay.PAIRED_LEAVES is None
 
 
 @pytest.mark.parametrize("args", [(0, 512), (2, 0), (True, 512), (2, 2.0), (-1, 4)])
@@ -130,9 +130,11 @@ def test_workspace_is_one_partial_per_split_cta():
     assert lay.workspace_bytes(2, 1, 512) == 2 * 1 * 512 * lay.PARTIAL_BYTES  # tp 16
     assert lay.workspace_bytes(1, 1, 1) == 0
     assert lay.workspace_bytes(3, 8, 1, per_cta=1) == 0  # one split: nothing to merge, whatever per_cta
-    # two a CTA (an experiment: no deployment pairs yet): a partial per pair of siblings
+    # two a CTA (from PAIRED_LEAVES leaves, or forced): a partial per pair of siblings
     assert lay.workspace_bytes(1, 2, 512, per_cta=2) == 2 * 256 * lay.PARTIAL_BYTES
-    assert lay.workspace_bytes(1, 2, 512) == lay.workspace_bytes(1, 2, 512, per_cta=1) == 2 * 512 * lay.PARTIAL_BYTES
+    assert lay.workspace_bytes(1, 4, 256) == 4 * 128 * lay.PARTIAL_BYTES  # tp 4: paired by default
+    assert lay.workspace_bytes(1, 2, 512, per_cta=1) == 2 * 512 * lay.PARTIAL_BYTES
+    assert lay.workspace_bytes(1, 2, 512) == lay.workspace_bytes(1, 2, 512, per_cta=2)  # 1024 leaves: paired
     assert lay.workspace_bytes(1, 2, 64, per_cta=2) == 2 * 32 * lay.PARTIAL_BYTES  # forced: half the default's
     assert lay.workspace_bytes(1, 2, 64) == 2 * 64 * lay.PARTIAL_BYTES
     assert lay.workspace_bytes(1, 2, 2, per_cta=2) == 2 * lay.PARTIAL_BYTES

@@ -84,21 +84,21 @@ def test_attn2_split_constants():
 
 
 def test_attn2_workspace_bytes():
-    """One partial per split CTA (`attn2_layout.splits_per_cta`: one split a CTA in every
-    deployment, two only as an experiment)."""
+    """One partial per split CTA (`attn2_layout.splits_per_cta`: two sibling splits a CTA at tp 4
+    and 2, one at tp 8 and 16)."""
     assert cute_ops.attn2_workspace_bytes(1, 2, 1) == 0  # nothing to merge
     assert attn2_layout.PARTIAL_BYTES == 18432  # 128 threads x (8 float4 of O + one of m, l)
     assert cute_ops.attn2_workspace_bytes(1, 2, 256) == 2 * 256 * attn2_layout.PARTIAL_BYTES  # 512 CTAs of one
-    assert cute_ops.attn2_workspace_bytes(1, 4, 256) == 4 * 256 * attn2_layout.PARTIAL_BYTES
+    assert cute_ops.attn2_workspace_bytes(1, 4, 256) == 4 * 128 * attn2_layout.PARTIAL_BYTES  # paired
     assert cute_ops.attn2_workspace_bytes(3, 1, 2) == 3 * 2 * attn2_layout.PARTIAL_BYTES  # partials only
     for tp in (2, 4, 8, 16):
         heads = config.NUM_KV_HEADS // tp
         splits = cute_ops.attn2_splits(131072, 0, heads)
-        per_cta = 1  # no deployment pairs splits yet
+        per_cta = 2 if tp <= 4 else 1  # PAIRED_LEAVES: 1024 leaves
         assert attn2_layout.splits_per_cta(heads, splits) == per_cta
         assert cute_ops.attn2_workspace_bytes(4, heads, splits) == 4 * heads * (256 // per_cta) * 18432
         assert cute_ops.attn2_workspace_bytes(4, heads, splits) == attn2_layout.workspace_bytes(4, heads, splits)
-    assert cute_ops.attn2_workspace_bytes(1, 2, 512) == 2 * 512 * attn2_layout.PARTIAL_BYTES
+    assert cute_ops.attn2_workspace_bytes(1, 2, 512) == 2 * 256 * attn2_layout.PARTIAL_BYTES  # 1024 leaves: paired
 
 
 @pytest.mark.parametrize("args", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (1, 2, 3), (1, 2, 2.0)])

@@ -185,10 +185,10 @@ def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason
 
 
 def test_sweep_attn2_splits_per_cta_values():
-    """auto is the deployment's (`attn2_layout.splits_per_cta`: one split a CTA); 1 and 2 as written."""
+    """auto is the deployment's (`attn2_layout.splits_per_cta`: two a CTA from 1024 leaves); 1 and 2 as written."""
     pytest.importorskip("cutlass")
     per_cta = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_splits_per_cta"]
-    assert [per_cta("auto", heads, 256) for heads in (1, 2, 4, 8)] == [1, 1, 1, 1]
+    assert [per_cta("auto", heads, 256) for heads in (1, 2, 4, 8)] == [1, 1, 2, 2]
     assert per_cta("2", 2, 256) == 2 and per_cta("1", 2, 1) == 1
     with pytest.raises(ValueError, match="does not divide"):
         per_cta("2", 2, 1)

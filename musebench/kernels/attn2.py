@@ -38,7 +38,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
    workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing. With two splits
-   a CTA (`Attn2Build.splits_per_cta`: an experiment; no deployment yet), splits 2j and 2j + 1,
+   a CTA (`attn2_layout.splits_per_cta`: tp 4 and 2 at 256 splits; `Attn2Build.splits_per_cta`), splits 2j and 2j + 1,
    the first split's state waits in shared memory (`hold_pending`) while the second runs from a
    fresh (m, O, l), and the CTA merges them (`merge_pending`: `merge_into`, left child first,
    the combine's merge of those two leaves), so its partial is the tree's level-1 node j, bit for
@@ -46,7 +46,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs, the tensor-core path and `SplitIssue`. Measured and removed (records/,
+the splits a CTA runs (forced), the tensor-core path and `SplitIssue`. Measured and removed (records/,
 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:

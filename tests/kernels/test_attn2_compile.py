@@ -312,10 +312,11 @@ PAIRED_ARCH_ISSUES = [("sm_90a", "all"), ("sm_90a", "sync"), ("sm_100a", "all")]
 REGISTERS_PER_SM = 65536
 
 
-def test_every_deployment_runs_one_split_a_cta():
-    """No deployment pairs splits yet (`attn2_layout.PAIRED_LEAVES`): two a CTA is an experiment."""
-    assert lay.PAIRED_LEAVES is None and lay.splits(131072, 0, 2) == 256
-    assert all(_splits_per_cta(heads, 131072, 0) == 1 for heads in (1, 2, 4, 8))
+def test_deployments_pair_splits_from_1024_leaves():
+    """tp 4 and 2 at 128k (1024, 2048 leaves) run two splits a CTA, tp 8 and 16 one
+    (`attn2_layout.PAIRED_LEAVES`)."""
+    assert lay.PAIRED_LEAVES == 1024 and lay.splits(131072, 0, 2) == 256
+    assert [_splits_per_cta(heads, 131072, 0) for heads in (1, 2, 4, 8)] == [1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("arch, issue", PAIRED_ARCH_ISSUES)

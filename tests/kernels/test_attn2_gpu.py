@@ -85,7 +85,8 @@ def test_deterministic_across_calls_and_graph_replays():
 
 def test_kv_head_bits_whatever_the_tp():
     """A KV head's bits are the same at tp 2, 4, 8 and 16 (the split count ignores the heads; at
-    8192, 256 splits, one split a CTA at every tp: `test_splits_per_cta_keeps_every_bit` pairs)."""
+    8192, 256 splits: tp 2 and 4 run two sibling splits a CTA, tp 8 and 16 one, so the pairing of
+    the deployments is checked here too)."""
     whole = make_problem("random", 2100, 8192, num_kv_heads=16)
     per_tp = {tp: torch.cat([_run(for_rank(whole, r, tp))[0] for r in range(tp)], dim=1) for tp in (2, 4, 8, 16)}
     for tp in (4, 8, 16):
