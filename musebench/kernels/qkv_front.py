@@ -25,7 +25,7 @@ Streaming. The slice goes through a ring of STAGES stages of STAGE_K = 64 k in s
 by `cp.async.cg` (16 bytes, through L2 only): a stage is the head's 64 weight rows x 128 bytes
 (8 KB) and x's 16 rows x 128 bytes; each thread issues 4 + 1 copies per stage, a row's 8 chunks
 by 8 consecutive lanes (128 contiguous bytes). STAGES - 1 stages are in flight while one is
-consumed: 56 / 40 / 24 KB of weight per CTA, 112 / 120 / 120 KB per SM. Chunk c of row r lies at
+consumed: 56 / 48 / 24 KB of weight per CTA, 112 / 144 / 120 KB per SM. Chunk c of row r lies at
 chunk c ^ 4 (r & 1) of its 128-byte line, so the fragment reads below (rows r, r + 1 in one phase
 of 8 lanes) hit disjoint banks.
 
@@ -99,7 +99,11 @@ COLUMNS_PER_KV_HEAD = 2 * (HEADS_PER_KV_HEAD + 1) * HEAD_DIM  # 1152
 KV_HEADS = (1, 2, 4)
 SPLIT = 8  # CTAs per head (cluster size) at every N: the summation order does not depend on N
 CTAS = {kv: SPLIT * COLUMNS_PER_KV_HEAD * kv // HEAD_DIM for kv in KV_HEADS}  # 144, 288, 576
-STAGES = {1: 8, 2: 6, 4: 4}  # ring stages: 2, 3, 5 CTAs per SM fit (every CTA resident at once)
+# STAGES: ring stages; 2, 3, 5 CTAs per SM fit (every CTA resident at once). 7 is the most for 2 KV
+# heads (3 CTAs an SM); against 6 it ran N 2304 at 9.55-10.09 us against 9.89-10.60 (same bits; A/B
+# on one lease, records/2026-12-01-h200-548d89e-ab-front-stages.json). For 1 KV head 11 (the most
+# for 2 CTAs an SM) ran N 1152 at 7.50-7.72 against 7.10-7.35 with 8 in the same A/B: 8 stays.
+STAGES = {1: 8, 2: 7, 4: 4}
 SM_SHARED_BYTES = 228 * 1024  # H200 / GB200 shared memory per SM, 1 KB of it reserved per CTA
 H200_SMS = 132
 MAX_TOKENS = 16  # M of one MMA tile
