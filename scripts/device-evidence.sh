@@ -23,8 +23,8 @@
 #               the same way, alternating with the checkout, for an A/B on one lease
 #   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
-#               overrides the list), 256 / 512 splits with one or two splits a CTA, bench attn, and
-#               (ncu) the 128k split kernel's stalls per setting
+#               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, bench attn, and (ncu)
+#               the split and combine kernels' durations and the 128k split kernel's stalls per setting
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
@@ -158,14 +158,17 @@ case $part in
   attn2)
     gpu_tests pytest-attn2 300 tests/kernels/test_attn2_gpu.py tests/kernels/test_gmma_probe_gpu.py tests/cases/test_attn2.py
     issues=${ATTN2_ISSUES:-all@sync,all}
-    run sweep-attn2 200 python3 scripts/sweep-attn2.py --splits 512 --tp 8,16 --lengths 8192,32768,131072 \
+    run sweep-attn2 200 python3 scripts/sweep-attn2.py --splits 256 --tp 8,16 --lengths 8192,32768,131072 \
       --issue "$issues" --json "$out/$day-$gpu-sweep-attn2.json"
-    # 256 and 512 splits, one or two sibling splits a CTA (Attn2Build.splits_per_cta): the same bits
-    # either way, head 0's bits across tp
-    run sweep-attn2-splits 200 python3 scripts/sweep-attn2.py --splits 256,512 --tp 8,16 --lengths 2048,32768,131072 \
+    # one or two sibling splits a CTA (Attn2Build.splits_per_cta; auto: the deployment's, two at tp 4):
+    # the same bits either way, head 0's bits across tp
+    run sweep-attn2-splits 200 python3 scripts/sweep-attn2.py --splits 256 --tp 4,8,16 --lengths 2048,32768,131072 \
       --splits-per-cta 1,auto --json "$out/$day-$gpu-sweep-attn2-splits.json"
     run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
     if command -v ncu > /dev/null; then
+      # the split and the combine kernel's durations, one launch at a time (tp 8)
+      run ncu-attn2-kernels 120 ncu --clock-control none -k regex:Attn2 --metrics gpu__time_duration.sum \
+        python3 scripts/profile-attn2.py --lengths 8192,131072
       for issue in ${issues//,/ }; do
         run "ncu-attn2-$issue" 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
           --metrics "regex:smsp__warp_issue_stalled_.*_per_warp_active.pct,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum" \
