@@ -20,7 +20,8 @@
 #               flushed between launches) each launch's duration and DRAM / L2 bytes
 #               (scripts/profile-qkv-front.py, warm and cold weights); FRONT_TREE=DIR (optional):
 #               another musebench tree (e.g. `git archive front-profile musebench`, carried) benched
-#               the same way, alternating with the checkout, for an A/B on one lease
+#               the same way, alternating with the checkout, for an A/B on one lease; then every
+#               CTA's phases from the traced build (scripts/trace-qkv-front.py)
 #   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
 #               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, bench attn, and (ncu)
@@ -154,6 +155,8 @@ case $part in
     else
       echo "== ncu-front: no ncu on this machine" | tee -a "$log"
     fi
+    # every CTA's phases in a graph of cold-weight launches (the traced build's clocks)
+    run trace-front 150 python3 scripts/trace-qkv-front.py --json "$out/$day-$gpu-trace-front.json"
     ;;
   attn2)
     gpu_tests pytest-attn2 300 tests/kernels/test_attn2_gpu.py tests/kernels/test_gmma_probe_gpu.py tests/cases/test_attn2.py

@@ -192,3 +192,59 @@ def test_sweep_attn2_splits_per_cta_values():
     assert per_cta("2", 2, 256) == 2 and per_cta("1", 2, 1) == 1
     with pytest.raises(ValueError, match="does not divide"):
         per_cta("2", 2, 1)
+
+
+TRACE_FRONT = REPO / "scripts" / "trace-qkv-front.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--tp", "2"], "--tp: '2' is not a comma list of 16, 8, 4"),
+    (["--tokens", "0"], "--tokens"),
+    (["--tokens", "x"], "--tokens"),
+    (["--tp", "16", "--calls", "5"], "needs --calls >= 13"),
+])
+def test_trace_qkv_front_refuses_bad_options_before_any_gpu_work(args, reason):
+    """trace-qkv-front.py: an option it cannot run exits 2 with the reason before the GPU is touched
+    (a tp outside 16 / 8 / 4, a token count outside 1..16, too few calls to keep the weights cold)."""
+    pytest.importorskip("cutlass")
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(TRACE_FRONT), *args], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr
+
+
+def _trace_row(smid: int, entry_ns: int, phases_cycles: tuple[int, int, int, int]) -> dict:
+    """A CTA's trace at 2 cycles a ns: entry at `entry_ns`, then the four phases' cycles."""
+    clocks = [1000]
+    for cycles in phases_cycles:
+        clocks.append(clocks[-1] + cycles)
+    life_ns = (clocks[-1] - clocks[0]) // 2
+    return dict(smid=smid, globaltimer_entry=entry_ns, globaltimer_end=entry_ns + life_ns, clock_entry=clocks[0],
+                clock_waited=clocks[1], clock_streamed=clocks[2], clock_reduced=clocks[3], clock_end=clocks[4])
+
+
+def test_trace_qkv_front_phases_and_sm_loads():
+    """The trace's arithmetic on made-up rows: phases in ns at the measured cycles-per-ns ratio, the
+    stream split by how many of the launch's CTAs shared the SM, spans, skew and overlap."""
+    pytest.importorskip("cutlass")
+    script = runpy.run_path(str(TRACE_FRONT), run_name="musebench_script_check")
+    fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_streamed",
+              "clock_reduced", "clock_end")
+    # launch A: SM 0 holds two CTAs (streams of 8000 cycles = 4 µs), SM 1 one (4000 cycles = 2 µs)
+    a = [_trace_row(0, 0, (200, 8000, 1000, 600)), _trace_row(0, 100, (200, 8000, 1000, 600)),
+         _trace_row(1, 50, (200, 4000, 1000, 600))]
+    # launch B starts 4000 ns after A's first entry, before A's last end (5000 ns): 1000 ns overlap
+    b = [_trace_row(2, 4000, (400, 4000, 1000, 600)), _trace_row(3, 4000, (400, 4000, 1000, 600))]
+    launches = [script["summarize"](rows, fields) for rows in (a, b)]
+    assert launches[0]["sm_load"] == [2, 2, 1] and launches[0]["entry_skew_ns"] == 100
+    assert launches[0]["cycles_per_ns"] == pytest.approx(2.0, rel=1e-3)
+    table = script["phase_table"](launches)
+    assert table["stream_by_ctas_on_the_sm"] == {"1": dict(ctas=3, median_ns=2000, max_ns=2000),
+                                                 "2": dict(ctas=2, median_ns=4000, max_ns=4000)}
+    assert table["pdl_wait"] == dict(median_ns=100, max_ns=200) and table["finish"]["median_ns"] == 300
+    assert table["launch_period_ns"] == {"median": 4000}
+    assert table["overlap_with_previous_ns"] == {"median": a[1]["globaltimer_end"] - 4000}

@@ -112,6 +112,20 @@ def st_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def st_global_u64(address: Int64, value: Int64, *, loc=None, ip=None) -> None:
+    """`st.global.u64`: one 64-bit word, weak."""
+    _asm(
+        None,
+        [_ir(Int64(address), loc, ip), _ir(Int64(value), loc, ip)],
+        "st.global.u64 [$0], $1;",
+        "l,l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def st_global_v4_u32(address: Int64, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> None:
     """`st.global.v4.u32`: 16 bytes, weak (own memory: outputs, re-arming)."""
     _asm(
@@ -217,6 +231,19 @@ def read_globaltimer_u64(*, loc=None, ip=None) -> Int64:
     Side effects keep LLVM from hoisting the read out of a polling loop.
     """
     return Int64(_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def read_clock64_u64(*, loc=None, ip=None) -> Int64:
+    """`mov.u64 %clock64`: the SM's cycle counter (per SM, not synchronised across SMs: a duration
+    within one CTA). Side effects keep each read where the kernel places it."""
+    return Int64(_asm(T.i64(), [], "mov.u64 $0, %clock64;", "=l", side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def read_smid_u32(*, loc=None, ip=None) -> Uint32:
+    """`mov.u32 %smid`: the SM this CTA runs on (a trace's label; may differ between launches)."""
+    return Uint32(_asm(T.i32(), [], "mov.u32 $0, %smid;", "=r", side_effects=True, loc=loc, ip=ip))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,16 @@ nothing. Every CTA reads its thread's position, slot and cos / sin words before 
 Memory: the host owns everything; pointers are passed as Int64 addresses (16-byte aligned,
 contiguous: `cute_ops.qkv_front_unsupported` checks before launch). No workspace, no counters:
 a launch is graph-capturable and allocates nothing.
+
+Trace (compile-time `trace`, an experiment: `launch(..., trace=buffer)`, `scripts/trace-qkv-front.py`;
+no deployment builds it): thread 0 of every CTA writes TRACE_WORDS int64 to row `head x 8 + rank`
+of an int64 [CTAS, TRACE_WORDS] buffer after its last store: its SM, %globaltimer at entry and at
+the end (ns, one clock for every SM), and %clock64 (the SM's cycles) at entry, right after the PDL
+wait (without PDL: after the prologue's copies are issued), after the stream (every copy landed and every
+MMA issued), after the cluster's reduction barrier, and at the end (`TRACE_FIELDS`). Every thread
+reads the clocks (no branch in the stream); only the writes are thread 0's. The bits of `out`,
+`tap` and the cache are the untraced build's: the trace adds reads of special registers and
+stores to its own buffer only.
 """
 
 from __future__ import annotations
@@ -131,6 +141,9 @@ CACHE_BLOCK = 16
 CACHE_WIDTH = 2 * HEAD_DIM
 INV_HEAD_DIM = 0.015625
 ROTARY_PAIRS = HEAD_DIM // 2
+TRACE_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_streamed",
+                "clock_reduced", "clock_end")
+TRACE_WORDS = len(TRACE_FIELDS)  # int64 words a CTA writes (`trace`)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -155,15 +168,18 @@ def ctas_per_sm(num_kv_heads: int) -> int:
 class _QkvFrontKernel:
     """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
-    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True) -> None:
+    def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
+                 trace: bool = False) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
         _require(isinstance(enable_pdl, bool), f"enable_pdl must be a bool, got {enable_pdl!r}")
+        _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         check_eps(eps)
         self.kv = num_kv_heads
         self.rope = bool(rope)
         self.tap = bool(tap)
         self.eps = float(eps)
         self.enable_pdl = enable_pdl
+        self.trace = trace
         self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
@@ -171,15 +187,19 @@ class _QkvFrontKernel:
 
     @cute.jit
     def __call__(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
-                 out: Int64, tap: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64,
+                 out: Int64, tap: Int64, trace: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64,
                  stream: cuda.CUstream) -> None:
-        self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, tokens, max_pos, slot_limit).launch(
+        self.kernel(x, weight, positions, cos_sin, slots, kv_cache, out, tap, trace, tokens, max_pos, slot_limit).launch(
             grid=(SPLIT, self.heads, 1), block=(THREADS, 1, 1), cluster=(SPLIT, 1, 1),
             smem=smem_bytes(self.kv), stream=stream, use_pdl=self.enable_pdl)
 
     @cute.kernel
     def kernel(self, x: Int64, weight: Int64, positions: Int64, cos_sin: Int64, slots: Int64, kv_cache: Int64,
-               out: Int64, tap: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64) -> None:
+               out: Int64, tap: Int64, trace: Int64, tokens: Int32, max_pos: Int64, slot_limit: Int64) -> None:
+        clocks = {}
+        if cutlass.const_expr(self.trace):
+            started = ptx.read_globaltimer_u64()
+            clocks["clock_entry"] = ptx.read_clock64_u64()
         rank, head, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -224,6 +244,8 @@ class _QkvFrontKernel:
                 self.issue_weight(st, st, weight_source, copy_target)
                 cute.arch.cp_async_commit_group()
             cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.trace):
+                clocks["clock_waited"] = ptx.read_clock64_u64()
             slot, position = self.slot_and_position(slots, positions, epilogue_row)
             zero = Uint32(0)
             x_words = [ptx.ld_global_cg_v4_u32(x_source + st * LINE_BYTES) for st in range(self.stages - 1)]
@@ -237,6 +259,8 @@ class _QkvFrontKernel:
             for st in cutlass.range_constexpr(self.stages - 1):
                 self.issue_stage(st, st, weight_source, x_source, x_bytes, copy_target)
                 cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.trace):
+                clocks["clock_waited"] = ptx.read_clock64_u64()
         # The cos / sin words of the position, clamped into [0, max_pos) so that no position reads
         # outside the table (the contract: a position outside it rotates by the nearest row); their
         # latency hides behind the stream.
@@ -273,6 +297,8 @@ class _QkvFrontKernel:
                         for i in cutlass.range_constexpr(4):
                             acc[4 * jj + i] = d[i]
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_streamed"] = ptx.read_clock64_u64()
         if cutlass.const_expr(self.enable_pdl):
             # Dependents may launch now: the stream is done, what is left is the cluster's
             # reduction and the epilogue (a few µs of latency, little bandwidth). Safe anywhere:
@@ -292,10 +318,20 @@ class _QkvFrontKernel:
                 ptx.st_shared_cluster_f32(remote, acc[i])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
+        if cutlass.const_expr(self.trace):
+            clocks["clock_reduced"] = ptx.read_clock64_u64()
 
         if rank == 0:
             self.finish(acc, ring_base, tile, head, warp, g, t, tidx, tokens, epilogue_inputs, kv_cache, out, tap,
                         slot_limit)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_end"] = ptx.read_clock64_u64()
+            ended = ptx.read_globaltimer_u64()
+            if tidx == 0:
+                words = dict(clocks, smid=Int64(ptx.read_smid_u32()), globaltimer_entry=started, globaltimer_end=ended)
+                row = Int64(trace) + Int64(head * SPLIT + rank) * (TRACE_WORDS * 8)
+                for i in cutlass.range_constexpr(TRACE_WORDS):
+                    ptx.st_global_u64(row + i * 8, words[TRACE_FIELDS[i]])
 
     @cute.jit
     def slot_and_position(self, slots: Int64, positions: Int64, epilogue_row: Int64):
@@ -393,22 +429,24 @@ class _QkvFrontKernel:
 
 
 def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
-                      arch: str | None = None, ptx_dir: str | None = None) -> Any:
+                      trace: bool = False, arch: str | None = None, ptx_dir: str | None = None) -> Any:
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
     `enable_pdl` (default True): launched with programmatic dependent launch, the weight's first
     ring stages streamed before `griddepcontrol.wait` (False: the launch without PDL, no griddepcontrol;
-    the same bits). `arch` overrides the target (default: CUTE_DSL_ARCH or the current GPU);
-    `ptx_dir` keeps the PTX there. All are in the cache key.
+    the same bits). `trace` (an experiment, default False): every CTA's clocks into a trace buffer
+    (the module docstring's Trace). `arch` overrides the target (default: CUTE_DSL_ARCH or the
+    current GPU); `ptx_dir` keeps the PTX there. All are in the cache key.
     """
-    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps), enable_pdl=enable_pdl)
+    config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps), enable_pdl=enable_pdl,
+                   trace=trace)
 
     def build() -> Any:
         kernel = _QkvFrontKernel(**config_)
         address = Int64(0)
         return compilation.compiler(arch, ptx_dir)(
-            kernel, address, address, address, address, address, address, address, address, Int32(1), Int64(1),
-            Int64(1), cuda.CUstream(0))
+            kernel, address, address, address, address, address, address, address, address, address, Int32(1),
+            Int64(1), Int64(1), cuda.CUstream(0))
 
     _QkvFrontKernel(**config_)  # validate before the cache is touched
     key = compilation.kernel_key(_QkvFrontKernel, arch=arch, ptx_dir=ptx_dir, **config_)
@@ -417,18 +455,26 @@ def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, e
 
 def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
            slot_mapping: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *, tap: torch.Tensor | None = None,
-           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True) -> None:
+           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True, trace: torch.Tensor | None = None) -> None:
     """One launch on the current stream (arguments checked by `cute_ops.launch_qkv_front`):
     compiles the variant on first use (refused during capture), then passes raw addresses and the
-    bounds the kernel keeps: max_pos (the table's rows) and pages x 16 (the cache's slots)."""
+    bounds the kernel keeps: max_pos (the table's rows) and pages x 16 (the cache's slots).
+    `trace` (an experiment): an int64 [CTAS[kv], TRACE_WORDS] contiguous tensor on x's device
+    (ValueError otherwise, before anything launches) that the traced build fills."""
     num_kv_heads = kv_cache.shape[1]
+    if trace is not None:
+        ctas = CTAS.get(num_kv_heads)
+        _require(isinstance(trace, torch.Tensor) and trace.dtype == torch.int64 and trace.is_contiguous()
+                 and ctas is not None and tuple(trace.shape) == (ctas, TRACE_WORDS) and trace.device == x.device,
+                 f"trace must be a contiguous int64 tensor of shape ({ctas}, {TRACE_WORDS}) on {x.device}, got "
+                 f"{getattr(trace, 'dtype', type(trace))} {tuple(getattr(trace, 'shape', ()))}")
     compiled = compile_qkv_front(num_kv_heads=num_kv_heads, rope=cos_sin_cache is not None, tap=tap is not None,
-                                 eps=eps, enable_pdl=enable_pdl)
+                                 eps=eps, enable_pdl=enable_pdl, trace=trace is not None)
     stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     max_pos = cos_sin_cache.shape[0] if cos_sin_cache is not None else 1
     compiled(
         Int64(x.data_ptr()), Int64(weight.data_ptr()), Int64(positions.data_ptr()),
         Int64(cos_sin_cache.data_ptr() if cos_sin_cache is not None else 0), Int64(slot_mapping.data_ptr()),
         Int64(kv_cache.data_ptr()), Int64(out.data_ptr()), Int64(tap.data_ptr() if tap is not None else 0),
-        Int32(x.shape[0]), Int64(max_pos), Int64(kv_cache.shape[0] * CACHE_BLOCK), stream,
+        Int64(trace.data_ptr() if trace is not None else 0), Int32(x.shape[0]), Int64(max_pos), Int64(kv_cache.shape[0] * CACHE_BLOCK), stream,
     )

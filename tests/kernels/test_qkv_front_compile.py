@@ -33,9 +33,9 @@ KV = (1, 2, 4)  # N = 1152 (tp 16), 2304 (tp 8), 4608 (tp 4)
 
 
 @functools.lru_cache(maxsize=None)
-def front_ptx(arch: str, kv: int, rope: bool, tap: bool, pdl: bool = True) -> str:
+def front_ptx(arch: str, kv: int, rope: bool, tap: bool, pdl: bool = True, trace: bool = False) -> str:
     folder = tempfile.mkdtemp(prefix="musebench-qkv-front-ptx-")
-    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, enable_pdl=pdl, arch=arch,
+    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, enable_pdl=pdl, trace=trace, arch=arch,
                                 ptx_dir=folder)
     (path,) = glob.glob(f"{folder}/*.ptx")
     with open(path) as f:
@@ -167,6 +167,52 @@ def test_knobs_are_validated():
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=0.0, arch="sm_90a")
     with pytest.raises(ValueError, match="enable_pdl"):
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, enable_pdl=1, arch="sm_90a")
+    with pytest.raises(ValueError, match="trace"):
+        qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, trace=1, arch="sm_90a")
+
+
+SPECIAL_REGISTERS = r"%clock64|%globaltimer|%smid"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_trace_reads_the_clocks_and_writes_one_row_a_cta(arch, pdl, tmp_path):
+    """The traced build (an experiment): 5 %clock64 reads (entry, the wait, the stream's end, the
+    reduction, the end), 2 %globaltimer, 1 %smid, TRACE_WORDS 64-bit stores; with PDL the second
+    clock right after griddepcontrol.wait; the rest of the kernel's contract instructions as the
+    untraced build's; no spills."""
+    text = front_ptx(arch, 1, True, False, pdl, True)
+    assert count(text, r"%clock64") == 5 and count(text, r"%globaltimer") == 2 and count(text, r"%smid") == 1
+    assert count(text, r"st\.global\.u64") == qkv_front.TRACE_WORDS == len(qkv_front.TRACE_FIELDS) == 8
+    check_contract_instructions(text, 1, True, False, pdl)
+    if pdl:
+        after_wait = text[text.index("griddepcontrol.wait;"):]
+        assert after_wait.index("%clock64") < after_wait.index("ld.global")
+    assert_no_spills(assemble(text, arch, tmp_path, "qkv_front_trace"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deployed_builds_read_no_clock(arch):
+    """Without the trace, no special-register read and no 64-bit store (the trace costs nothing)."""
+    for kv in KV:
+        text = front_ptx(arch, kv, True, False)
+        assert count(text, SPECIAL_REGISTERS) == 0 and count(text, r"st\.global\.u64") == 0
+
+
+def test_launch_refuses_a_bad_trace_buffer_before_compiling():
+    """A trace buffer of the wrong shape, dtype or layout is a ValueError before anything compiles."""
+    import torch
+
+    kv, t = 1, 2
+    x = torch.zeros(t, 8192, dtype=torch.bfloat16)
+    args = (x, torch.zeros(1152 * kv, 8192, dtype=torch.bfloat16), torch.zeros(t, dtype=torch.int64),
+            torch.zeros(16, 64), torch.zeros(t, dtype=torch.int64), torch.zeros(4, kv, 16, 128, dtype=torch.bfloat16),
+            torch.zeros(t, 1152 * kv, dtype=torch.bfloat16))
+    ctas = qkv_front.CTAS[kv]
+    for bad in (torch.zeros(ctas, 7, dtype=torch.int64), torch.zeros(ctas, 8, dtype=torch.int32),
+                torch.zeros(8, ctas, dtype=torch.int64).T, torch.zeros(ctas + 8, 8, dtype=torch.int64), "trace"):
+        with pytest.raises(ValueError, match="trace must be"):
+            qkv_front.launch(*args, trace=bad)
 
 
 def test_every_cta_is_resident_at_once_on_an_h200():

@@ -139,6 +139,40 @@ def test_pdl_and_no_pdl_give_the_same_bits_eagerly_and_in_a_graph():
             assert torch.equal(o[name].cpu().view(torch.int16), results[False][name]), (tp, name, "graph")
 
 
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+def test_the_trace_keeps_the_bits_and_times_every_cta(pdl):
+    """The traced build (`kernels.qkv_front` trace: an experiment, scripts/trace-qkv-front.py)
+    writes the untraced build's out, tap and cache bits, and one row per CTA: every CTA's SM below
+    the device's count, its clocks in order (entry <= waited <= streamed <= reduced <= end), its
+    globaltimer end after its entry; every row written (the buffer starts at -1)."""
+    from musebench.kernels import qkv_front
+
+    for tp in (16, 4):
+        case = front.FrontCase(tp=tp, tokens=5, inputs="adversarial")
+        inputs = front.make_inputs(case)
+        copies = front._device_copies(case, inputs, 0, torch.device("cuda"))
+        o = copies["outputs"]
+        kv = o[front.CACHE].shape[1]
+        trace = torch.full((qkv_front.CTAS[kv], qkv_front.TRACE_WORDS), -1, dtype=torch.int64, device="cuda")
+        results = []
+        for traced in (None, trace):
+            for t in o.values():
+                checks.poison(t)
+            qkv_front.launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"],
+                             front.pool(o[front.CACHE]), o[front.OUT], tap=o[front.TAP], enable_pdl=pdl, trace=traced)
+            torch.cuda.synchronize()
+            results.append({k: v.cpu().view(torch.int16) for k, v in o.items()})
+        for name in o:
+            assert torch.equal(results[0][name], results[1][name]), (tp, name)
+        rows = [dict(zip(qkv_front.TRACE_FIELDS, row)) for row in trace.cpu().tolist()]
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for i, r in enumerate(rows):
+            assert 0 <= r["smid"] < sms, (tp, i, r)
+            clocks = [r[f] for f in ("clock_entry", "clock_waited", "clock_streamed", "clock_reduced", "clock_end")]
+            assert clocks == sorted(clocks) and clocks[0] > 0, (tp, i, r)
+            assert r["globaltimer_end"] >= r["globaltimer_entry"] > 0, (tp, i, r)
+
+
 @pytest.mark.parametrize("tp", [16, 8, 4])
 @pytest.mark.parametrize("pdl", [True, False])
 def test_positions_and_slots_outside_the_tables_stay_inside_them(tp, pdl):
