@@ -566,6 +566,107 @@ class _Attn2Kernel:
                               page_key, own_key, low_key, inside, m, o)
 
     @cute.jit
+    def pair_at(self, i: Int32, ring_base: Int32, start: Int32, seq_len: Int32, k_words, v_words, descriptors,
+                a: list, g: Int32, c: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
+        """One step of two pages (`pages_per_step` 2): the split's pages i and i + 1 (stages
+        i % STAGES and (i + 1) % STAGES, keys from (start + i S) 16 and S 16 further), S of each
+        page its own chain from zero, the mask per page (the unmasked copy when every row sees
+        both pages whole), one max over the 32 keys and m, one alpha, O and l rescaled once, then
+        P V: page i's p_lo step, its p_hi step, page i + 1's p_lo, its p_hi. Returns (m, o)."""
+        offsets = [(i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, ((i + 1) % lay.PIPELINE_STAGES) * lay.PAGE_BYTES]
+        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
+        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
+        stages = [ring_base + offset for offset in offsets]
+        if cutlass.const_expr(self.mask_edges_only):
+            # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
+            ah = [Uint32(0) for _ in range(8)]
+            al = [Uint32(0) for _ in range(8)]
+            alpha = [Float32(0.0), Float32(0.0)]
+            if self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len):
+                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, False)
+            else:
+                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, True)
+        else:
+            m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
+                                                m, True)
+        o = self.step_rescale(alpha, o)
+        if cutlass.const_expr(self.wgmma):
+            values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
+            o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
+                            [values[0], values[0], values[1], values[1]], 1, o)
+        else:
+            for k in cutlass.range_constexpr(2):
+                o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
+                                     al[4 * k:4 * k + 4], o)
+        return m, o
+
+    @cute.jit
+    def pair_scores(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32, keys: list,
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
+        """The scores of a step's two pages (wgmma: both chains issued, then one wait), masked when
+        `masked`, and the step's weights (`step_weights`): (m, P hi, P lo (8 words each: page i's
+        A fragment, then page i + 1's), alpha)."""
+        saccs = [None, None]
+        if cutlass.const_expr(self.wgmma):
+            saccs = self.pair_scores_chains(offsets, descriptors, a)
+        scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
+                                  masked, saccs[k]) for k in range(2)]
+        return self.step_weights(scores, m)
+
+    @cute.jit
+    def pair_scores_chains(self, offsets: list, descriptors, a: list) -> list:
+        """wgmma: S = Q K^T of two pages, each four k16 steps from zero (as `page_scores_chain`),
+        behind one fence, committed as one group and waited for once; [page i's 8 accumulators,
+        page i + 1's]."""
+        fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
+        accumulators = []
+        for offset in offsets:
+            step = Int64(offset >> 4)
+            acc = None
+            for kk in cutlass.range_constexpr(K_TILES):
+                descriptor = gmma.advance_keys_descriptor(descriptors[0], step, kk)
+                fragment = fenced[4 * kk:4 * kk + 4]
+                if cutlass.const_expr(acc is None):
+                    acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, None, 0, 0)
+                else:
+                    acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
+            accumulators += list(acc)
+        ptx.wgmma_commit_group_sync_aligned()
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators)
+        return [done[:len(done) // 2], done[len(done) // 2:]]
+
+    @cute.jit
+    def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
+                   table_smem: Int32, total: Int32, k_words, v_words, descriptors, a: list, g: Int32, c: Int32,
+                   kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32,
+                   m: list, o: list):
+        """`steps` steps of two pages from the CTA's page `begin` (pages begin + 2j, begin + 2j + 1;
+        the split's logical page of CTA page i is chain_start + i S), from (m, o); returns (m, o).
+
+        One barrier a step. Before a step at page i, 6 + i copy groups are committed (one per page,
+        `lookahead` 6: `ring_prologue` and `split_chain` keep the count); waiting until at most 4
+        are pending completes pages i and i + 1. The barrier makes every thread's copies of both
+        visible and, as every warp reaches it only after its previous step, frees the stages of
+        pages i - 2 and i - 1: pages i + 6 and i + 7 go there after it, a commit group each."""
+        for j in cutlass.range(0, steps, unroll=1):
+            i = begin + 2 * j
+            cute.arch.cp_async_wait_group(self.lookahead - 2)
+            if cutlass.const_expr(self.wgmma):
+                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+            cute.arch.barrier()
+            for k in cutlass.range_constexpr(2):
+                ahead = i + self.lookahead + k
+                if ahead < total:
+                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                                   ahead, chain_start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
+            m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                low_key, m, o)
+        return m, o
+
+    @cute.jit
     def page_inside(self, page_key: Int32, seq_len: Int32):
         """`mask_edges_only`'s CTA-uniform test: every key of the page (keys page_key ..
         page_key + 15) visible to every row of the CTA: token 0's causal limit (the smallest own
@@ -822,7 +923,16 @@ class _Attn2Kernel:
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
         chain = (ring_base, cache_base, table_smem, total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len,
                  cache_pages, tidx, own_key, low_key)
-        if cutlass.const_expr(self.splits_per_cta == 1):
+        if cutlass.const_expr(self.pages_per_step == 2):
+            # Steps of two pages (`attn2_layout.split_steps`): pairs by place in the split's whole
+            # list (the split's page p is its (p // S)-th), so a step's pages do not depend on L or
+            # the window: a first page at an odd place runs alone, then pairs, an odd end alone.
+            lead = cutlass.min((starts[0] // self.num_splits) % 2, counts[0])
+            pairs = (counts[0] - lead) // 2
+            m, o = self.split_chain(Int32(0), lead, starts[0], None, starts[0], *chain, m, o)
+            m, o = self.pair_chain(lead, pairs, starts[0], *chain, m, o)
+            m, o = self.split_chain(lead + 2 * pairs, counts[0], starts[0], None, starts[0], *chain, m, o)
+        elif cutlass.const_expr(self.splits_per_cta == 1):
             m, o = self.split_chain(Int32(0), counts[0], starts[0], None, starts[0], *chain, m, o)
         else:
             # Three ranges, so that no page picks its copy's split: the first split's pages whose
