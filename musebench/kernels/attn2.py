@@ -33,6 +33,14 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    n-tile's accumulator is l and a page costs no FP32 adds for O or the row sums. n-tile t of
    P V is dims 8t .. 8t + 7, so a thread holds dims 8t + 2c, 8t + 2c + 1 of its rows g and
    g + 8 (t = 0 .. 7; `attn2_layout.lane_dims`).
+   With `Attn2Build.pages_per_step` 2 (an experiment; one split a CTA) a step takes two of the
+   split's pages (`attn2_layout.split_steps`: pairs by place in the split's whole list, so that no
+   step depends on L or the window; a lone first or last page runs the one-page loop): both in
+   the ring (it holds one page less ahead), one wait and one barrier, S per page, one max over
+   the 32 keys, one alpha and rescale, then P V page by page (p_lo, p_hi of the first, then of the
+   second). Other bits than one page a step (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the
+   same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
+   131 (`scripts/attn2-sass.py --pages-per-step 2`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
@@ -46,7 +54,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs, the tensor-core path and `SplitIssue`. Measured and removed (records/,
+the splits a CTA runs, the tensor-core path, `SplitIssue` and the pages a softmax step takes. Measured and removed (records/,
 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:

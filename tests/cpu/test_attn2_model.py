@@ -431,28 +431,10 @@ def test_the_two_pages_length_check_can_fail(monkeypatch):
     assert not torch.equal(_bits(now[1:]), _bits(then[:-1]))
 
 
-def test_split_steps_pair_the_splits_whole_list():
-    assert lay.split_steps(1, 4, 0, 20, 2) == [(1, 5), (9, 13), (17,)]
-    assert lay.split_steps(1, 4, 0, 20, 1) == [(1,), (5,), (9,), (13,), (17,)]
-    assert lay.split_steps(1, 4, 3, 20, 2) == [(5,), (9, 13), (17,)]  # page 1 (place 0) not visited
-    assert lay.split_steps(0, 1, 2, 7, 2) == [(2, 3), (4, 5), (6,)]
-    assert lay.split_steps(0, 1, 3, 7, 2) == [(3,), (4, 5), (6,)]
-    assert lay.split_steps(2, 4, 0, 2, 2) == []
-
-
-@pytest.mark.parametrize("bad", [0, 3, True, 2.0, "2", None])
-def test_pages_per_step_outside_the_choices_is_refused(bad):
-    with pytest.raises(ValueError, match="pages_per_step"):
-        lay.check_pages_per_step(bad)
+@pytest.mark.parametrize("bad", [0, 3, True, 2.0])
+def test_the_model_refuses_pages_per_step_outside_the_choices(bad):
     with pytest.raises(ValueError, match="pages_per_step"):
         attn2_model(make_problem("tiny", 20, 64, num_kv_heads=1), pages_per_step=bad)
-
-
-def test_two_pages_a_step_with_two_splits_a_cta_is_refused():
-    lay.check_pages_per_step(2, 1)
-    lay.check_pages_per_step(1, 2)
-    with pytest.raises(ValueError, match="splits_per_cta"):
-        lay.check_pages_per_step(2, 2)
 
 
 def _step_state(g: torch.Generator, seen: bool) -> tuple:
