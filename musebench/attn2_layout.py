@@ -66,6 +66,12 @@ MAX_SPLITS = SPLIT_TARGET_CLUSTERS
 # 32k 19.0 against 20.0, 8k 15.1 against 16.7 (records/2026-12-01-h200-e481202-sweep-attn2-splits).
 # The first leaf's state waits in shared memory (PENDING_BYTES), which bounds it at 2.
 SPLITS_PER_CTA_CHOICES = (1, 2)
+# PAGES_PER_STEP_CHOICES: pages one step of the split kernel's online softmax takes (an experiment,
+# `Attn2Build.pages_per_step`; every deployment takes 1). With 2 a step takes a pair of the split's
+# pages (`split_steps`): one row max, one alpha and one rescale for 32 keys, so the per-step
+# overhead and the chain's latency are paid once for two pages. Other bits than 1 (the max moves
+# once for two pages), the same properties (a row's bits whatever L and tp).
+PAGES_PER_STEP_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
 # SHORT_MAX_LEN: up to 2048 tokens (128 pages) one CTA per KV head reads the whole context; a
@@ -199,6 +205,17 @@ def check_splits_per_cta(per_cta: object, num_splits: int | None = None) -> None
         raise ValueError(f"splits_per_cta {per_cta} does not divide the plan's {num_splits} splits")
 
 
+def check_pages_per_step(per_step: object, splits_per_cta: int | None = None) -> None:
+    """Refuse (ValueError) a pages-per-step value a build cannot run: not an int of
+    PAGES_PER_STEP_CHOICES (a bool or a float included), or 2 with two splits a CTA (the paired
+    steps run one split a CTA only). The one check behind `Attn2Build`, the kernel, the CPU model
+    and the scripts."""
+    if type(per_step) is not int or per_step not in PAGES_PER_STEP_CHOICES:
+        raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP_CHOICES}, got {per_step!r}")
+    if per_step > 1 and splits_per_cta is not None and splits_per_cta > 1:
+        raise ValueError(f"pages_per_step {per_step} runs one split a CTA, got splits_per_cta {splits_per_cta}")
+
+
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
     """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
     running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split
@@ -230,6 +247,24 @@ def split_pages(split: int, num_splits: int, first_page: int, end_page: int) -> 
     `split` modulo num_splits."""
     start = first_page + (split - first_page) % num_splits
     return range(start, max(start, end_page), num_splits)
+
+
+def split_steps(split: int, num_splits: int, first_page: int, end_page: int, pages_per_step: int) -> list[tuple]:
+    """The steps of split `split`'s online softmax over its pages (`split_pages`), in order, each a
+    tuple of pages. With 1 a page a step; with 2 the split's pages in pairs by their place in the
+    split's whole list, page p its (p // num_splits)-th: pairs (2j, 2j + 1) of that list, so a
+    step's pages do not depend on L or the window (a window that starts at an odd place starts
+    with a one-page step; an odd end ends with one). Without a window (first_page 0) these are
+    pairs (0, 1), (2, 3), ... of the pages a split visits."""
+    check_pages_per_step(pages_per_step)
+    steps: list[tuple] = []
+    for page in split_pages(split, num_splits, first_page, end_page):
+        pair = (page // num_splits) // pages_per_step
+        if steps and (steps[-1][0] // num_splits) // pages_per_step == pair:
+            steps[-1] = steps[-1] + (page,)
+        else:
+            steps.append((page,))
+    return steps
 
 
 def visible_keys(seq_len: int, window: int) -> tuple[int, int]:

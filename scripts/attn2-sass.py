@@ -13,6 +13,11 @@ branch inside the page loop other than its back edge is followed.
 (`Attn2Build.splits_per_cta`; default: the layout's, `attn2_layout.splits_per_cta`). With 2 the
 CTA runs two page loops (one per split) through one ring: the loop counted is the one with the
 most tensor-core instructions, the first found among equals.
+
+`--pages-per-step 2` builds the split kernel whose softmax step takes two pages
+(`Attn2Build.pages_per_step`; one split a CTA only): the loop counted is the two-page step's (the
+one with the most tensor-core instructions), and the counts printed are per page, the step's
+counts / 2 (the line says so).
 """
 
 from __future__ import annotations
@@ -91,6 +96,8 @@ def main() -> None:
                              "('mask+lean': those two on, the rest off)")
     parser.add_argument("--splits-per-cta", type=int, default=None, choices=(1, 2),
                         help="sibling splits a split CTA runs (default: the layout's for the deployment)")
+    parser.add_argument("--pages-per-step", type=int, default=1, choices=(1, 2),
+                        help="pages a softmax step takes (2: counts are per step / 2)")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
@@ -98,6 +105,13 @@ def main() -> None:
     os.environ.setdefault("CUTE_DSL_ARCH", args.arch)
     from musebench.kernels import attn2
 
+    from musebench import attn2_layout as lay
+
+    try:
+        lay.check_pages_per_step(args.pages_per_step, args.splits_per_cta)
+    except ValueError as e:
+        print(f"--pages-per-step: {e}", file=sys.stderr)
+        sys.exit(2)
     names = [n for n in args.issue.split(",") if n]
     try:
         issues = {name: attn2.SplitIssue.named(name) for name in names}
@@ -111,7 +125,8 @@ def main() -> None:
             try:  # a deployment or splits_per_cta outside the plan (2 with one split) is refused before compiling
                 attn2.compile_attn2(args.heads, args.max_model_len, args.window,
                                     attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name],
-                                                     splits_per_cta=args.splits_per_cta))
+                                                     splits_per_cta=args.splits_per_cta,
+                                                     pages_per_step=args.pages_per_step))
             except ValueError as e:
                 print(f"attn2-sass: {e}", file=sys.stderr)
                 sys.exit(2)
@@ -122,7 +137,10 @@ def main() -> None:
                                     capture_output=True, text=True).stderr if shutil.which("ptxas") else ""
             regs = re.search(r"Used (\d+) registers", report)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-            print(f"{name:14s} per-page SASS paths {loop_paths(sass)}  registers {regs.group(1) if regs else '?'}  "
+            paths = loop_paths(sass)
+            if args.pages_per_step > 1:  # the loop is a step of pages_per_step pages
+                paths = f"{[n / args.pages_per_step for n in paths]} (a step's / {args.pages_per_step})"
+            print(f"{name:14s} per-page SASS paths {paths}  registers {regs.group(1) if regs else '?'}  "
                   f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'}", flush=True)
 
 

@@ -21,6 +21,14 @@ first --splits-per-cta value's (`bits_differing_from_first_splits_per_cta`), and
 (`head0_bits_differing_from_first_tp`); the run exits 1 if either is ever non-zero. A value outside
 1, 2, auto, or 2 with a one-split plan, exits 2 before any launch.
 
+`--pages-per-step 1,2` times the split kernel whose softmax step takes one or two pages
+(`Attn2Build.pages_per_step`; values run in ascending order) on the same plan. Two pages a step
+gives other bits (the max moves once for two pages), so this axis is not checked: each point
+reports `bits_differing_from_pages_per_step_1` (the elements that differ from the pages_per_step 1
+point of its setting; null without 1 in the list) as information only; the other axes' checks are
+made within one pages_per_step value. A value outside 1, 2, or 2 with two splits a CTA, exits 2
+before any launch.
+
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -73,6 +81,7 @@ def main() -> None:
                              "joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
                              "target's)")
     parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
+    parser.add_argument("--pages-per-step", default="1", help="comma list of 1, 2 (run ascending)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -101,11 +110,27 @@ def main() -> None:
     except ValueError as e:
         print(f"--splits-per-cta: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        names = [n for n in args.pages_per_step.split(",") if n]
+        if not names or len(set(names)) != len(names):
+            raise ValueError("name each value once, at least one")
+        if not all(n.isdigit() for n in names):
+            raise ValueError(f"{args.pages_per_step!r}: ints only")
+        per_step_values = sorted(int(n) for n in names)
+        for value in per_step_values:
+            lay.check_pages_per_step(value)
+            for tp in _csv(args.tp):
+                for splits in _csv(args.splits):
+                    for name in per_cta_names:
+                        lay.check_pages_per_step(value, _splits_per_cta(name, config.NUM_KV_HEADS // tp, splits))
+    except ValueError as e:
+        print(f"--pages-per-step: {e}", file=sys.stderr)
+        sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
     rows = []
-    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name): KV head 0's output at the first --tp
+    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name, pages_per_step): KV head 0 at the first --tp
     for tp in _csv(args.tp):
         for length in _csv(args.lengths):
             p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
@@ -120,32 +145,35 @@ def main() -> None:
             reference = None
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
-                    first_issue: dict = {}  # per splits_per_cta name: the first --issue's output
-                    first_per_cta: dict = {}  # per --issue: the first --splits-per-cta value's output
+                    first_issue: dict = {}  # per (splits_per_cta name, pages_per_step): the first --issue's output
+                    first_per_cta: dict = {}  # per (--issue, pages_per_step): the first --splits-per-cta value's
+                    one_page: dict = {}  # per (--issue, splits_per_cta name): pages_per_step 1's output
                     for issue_name, issue in issues.items():
-                        for per_cta_name in per_cta_names:
+                        for per_cta_name, per_step in ((n, k) for n in per_cta_names for k in per_step_values):
                             per_cta = _splits_per_cta(per_cta_name, heads, splits)
                             workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta)),
                                                     dtype=torch.uint8, device=device)
                             out = torch.full_like(p.q, float("nan"))
 
                             def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue,
-                                     per_cta=per_cta) -> None:
+                                     per_cta=per_cta, per_step=per_step) -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
-                                             splits_per_cta=per_cta)
+                                             splits_per_cta=per_cta, pages_per_step=per_step)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
                             finite = bool(torch.isfinite(out.float()).all())
                             if reference is None:
                                 reference = out.clone()
-                            first_issue.setdefault(per_cta_name, out.clone())
-                            first_per_cta.setdefault(issue_name, out.clone())
+                            first_issue.setdefault((per_cta_name, per_step), out.clone())
+                            first_per_cta.setdefault((issue_name, per_step), out.clone())
+                            if per_step == 1:
+                                one_page[(issue_name, per_cta_name)] = out.clone()
                             # KV head 0 (rank 0's first head at every tp): its 8 query heads' columns
                             head0 = out[:, :lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM].clone()
-                            tp_key = (length, splits, pdl, issue_name, per_cta_name)
+                            tp_key = (length, splits, pdl, issue_name, per_cta_name, per_step)
                             first_tp.setdefault(tp_key, head0)
 
                             def differing(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -153,13 +181,19 @@ def main() -> None:
 
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
+                                       pages_per_step=per_step,
                                        ctas=heads * splits // per_cta,
                                        us=round(us, 2), sdpa_us=round(sdpa_us, 2), ratio_to_sdpa=round(us / sdpa_us, 3),
                                        gbps=round(kv_bytes / us / 1e3, 1),
                                        roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
                                        bits_differing_from_first_plan=differing(out, reference),
-                                       bits_differing_from_first_issue=differing(out, first_issue[per_cta_name]),
-                                       bits_differing_from_first_splits_per_cta=differing(out, first_per_cta[issue_name]),
+                                       bits_differing_from_first_issue=differing(out, first_issue[(per_cta_name,
+                                                                                                   per_step)]),
+                                       bits_differing_from_first_splits_per_cta=differing(
+                                           out, first_per_cta[(issue_name, per_step)]),
+                                       bits_differing_from_pages_per_step_1=(
+                                           differing(out, one_page[(issue_name, per_cta_name)])
+                                           if (issue_name, per_cta_name) in one_page else None),
                                        head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]))
                             rows.append(row)
                             print(json.dumps(row), flush=True)
@@ -168,9 +202,11 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["splits_per_cta"]), []).append(r["ratio_to_sdpa"])
-    for (splits, pdl, issue_name, per_cta_name), ratios in sorted(by_plan.items()):
-        print(f"splits {splits} pdl {pdl} issue {issue_name} splits_per_cta {per_cta_name}: median attn2/SDPA "
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["splits_per_cta"], r["pages_per_step"]),
+                           []).append(r["ratio_to_sdpa"])
+    for (splits, pdl, issue_name, per_cta_name, per_step), ratios in sorted(by_plan.items()):
+        print(f"splits {splits} pdl {pdl} issue {issue_name} splits_per_cta {per_cta_name} pages_per_step {per_step}: "
+              f"median attn2/SDPA "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}")
     changed = [r for r in rows if r["bits_differing_from_first_issue"]]
     if changed:

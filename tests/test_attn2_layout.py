@@ -152,3 +152,27 @@ def test_workspace_is_one_partial_per_split_cta():
 def test_workspace_bytes_refuses(args, per_cta, match):
     with pytest.raises(ValueError, match=match):
         lay.workspace_bytes(*args, per_cta=per_cta)
+
+
+def test_split_steps_pair_the_splits_whole_list():
+    """Pairs (2j, 2j + 1) by place in the split's whole list (page p's place: p // S), whatever the
+    first page; a lone first page at an odd place, a lone last page; one page a step as visited."""
+    assert lay.split_steps(1, 4, 0, 20, 2) == [(1, 5), (9, 13), (17,)]
+    assert lay.split_steps(1, 4, 0, 20, 1) == [(1,), (5,), (9,), (13,), (17,)]
+    assert lay.split_steps(1, 4, 3, 20, 2) == [(5,), (9, 13), (17,)]  # page 1 (place 0) not visited
+    assert lay.split_steps(0, 1, 2, 7, 2) == [(2, 3), (4, 5), (6,)]
+    assert lay.split_steps(0, 1, 3, 7, 2) == [(3,), (4, 5), (6,)]
+    assert lay.split_steps(2, 4, 0, 2, 2) == []
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, 2.0, "2", None])
+def test_pages_per_step_outside_the_choices_is_refused(bad):
+    with pytest.raises(ValueError, match="pages_per_step"):
+        lay.check_pages_per_step(bad)
+
+
+def test_two_pages_a_step_with_two_splits_a_cta_is_refused():
+    lay.check_pages_per_step(2, 1)
+    lay.check_pages_per_step(1, 2)
+    with pytest.raises(ValueError, match="splits_per_cta"):
+        lay.check_pages_per_step(2, 2)

@@ -169,9 +169,14 @@ SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
     (["--splits-per-cta", "1,1"], "each value once"),
     (["--splits", "1", "--splits-per-cta", "2"], "does not divide the plan's 1 splits"),
     (["--splits", "3"], "not a power of two"),
+    (["--pages-per-step", "3"], "pages_per_step must be one of (1, 2)"),
+    (["--pages-per-step", "0,1"], "pages_per_step must be one of (1, 2)"),
+    (["--pages-per-step", "1.5"], "ints only"),
+    (["--pages-per-step", "2,2"], "each value once"),
+    (["--pages-per-step", "2", "--splits-per-cta", "2"], "runs one split a CTA"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --splits-per-cta / --splits: a value it cannot run exits 2 with the reason,
+    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step: a value it cannot run exits 2 with the reason,
     before the GPU is touched (this machine has none: reaching it would end otherwise)."""
     pytest.importorskip("cutlass")
     import os
@@ -248,3 +253,23 @@ def test_trace_qkv_front_phases_and_sm_loads():
     assert table["pdl_wait"] == dict(median_ns=100, max_ns=200) and table["finish"]["median_ns"] == 300
     assert table["launch_period_ns"] == {"median": 4000}
     assert table["overlap_with_previous_ns"] == {"median": a[1]["globaltimer_end"] - 4000}
+
+
+ATTN2_SASS = REPO / "scripts" / "attn2-sass.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--pages-per-step", "3"], "invalid choice"),
+    (["--pages-per-step", "2", "--splits-per-cta", "2"], "runs one split a CTA"),
+])
+def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
+    """attn2-sass.py --pages-per-step: 1 or 2, and 2 only with one split a CTA; exit 2 otherwise."""
+    pytest.importorskip("cutlass")
+    import os
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, str(ATTN2_SASS), *args], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr

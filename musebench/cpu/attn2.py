@@ -16,7 +16,9 @@ accumulator is l, so the row sums cost no FP32 adds), the fixed merge tree
 the norm's sum of squares in the kernel's lane order (lane c of a quad holds dims 8t + 2c,
 8t + 2c + 1 of n-tile t, the mma's natural C layout, `attn2_layout.lane_dims`; it sums its 16
 squares t ascending from +0.0, then the quad (0 + 1) + (2 + 3)), rstd = 1 / sqrt(ss / 64 + eps),
-then x rstd sigmoid(g). Only the sum of squares depends on which lane holds which dim: every
+then x rstd sigmoid(g). With `pages_per_step` 2 (`Attn2Build.pages_per_step`) a step of the online
+softmax takes two of a split's pages (`attn2_layout.split_steps`, `softmax_step`): one max, one
+alpha, one rescale for their 32 keys, then their P V steps page by page. Only the sum of squares depends on which lane holds which dim: every
 other step is element-wise or sums over keys, whose order the layout does not touch.
 
 The tensor cores, emulated (`tc_mma`): one m16n8k16 step is D = RZ(C + sum of the 16 products),
@@ -135,36 +137,57 @@ def _lane_sum_squares64(x: torch.Tensor) -> torch.Tensor:
 
 
 def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor, kv_head: int, seq_len: int,
-                  window: int, split: int, num_splits: int, scale_log2: torch.Tensor
+                  window: int, split: int, num_splits: int, scale_log2: torch.Tensor, pages_per_step: int = 1
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One CTA's partial: (O FP32 [64, 64], m [64], l [64]) for the 64 rows [token t, head j] of
-    one KV head (row = 8 t + j), over the pages of split `split`."""
+    one KV head (row = 8 t + j), over the pages of split `split`, `pages_per_step` pages a step of
+    the online softmax (`attn2_layout.split_steps`, `softmax_step`)."""
     rows = lay.ROWS_PER_KV_HEAD
-    token = torch.arange(rows) // lay.HEADS_PER_KV_HEAD
-    last_key = seq_len - lay.QUERY_LEN + token  # row's own position
-    first_key = (last_key - window + 1).clamp_min(0) if window else torch.zeros(rows, dtype=torch.long)
     first, end = lay.visible_keys(seq_len, window)
     o = torch.zeros(rows, lay.HEAD_DIM, dtype=torch.float32)
     m = torch.full((rows,), NEG_INF, dtype=torch.float32)
     lsum = torch.zeros(rows, dtype=torch.float32)
     qf = q.float()
-    for page in lay.split_pages(split, num_splits, first // lay.PAGE_TOKENS, lay.max_pages(end)):
-        slots = cache[int(table_row[page]), kv_head].float()  # [16, 128]
+    for step in lay.split_steps(split, num_splits, first // lay.PAGE_TOKENS, lay.max_pages(end), pages_per_step):
+        slots = [cache[int(table_row[page]), kv_head].float() for page in step]  # [16, 128] each
+        o, m, lsum = softmax_step(qf, step, slots, seq_len, window, scale_log2, o, m, lsum)
+    return o, m, lsum
+
+
+def softmax_step(qf: torch.Tensor, pages: tuple, slots: list[torch.Tensor], seq_len: int, window: int,
+                 scale_log2: torch.Tensor, o: torch.Tensor, m: torch.Tensor, lsum: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the online softmax over `pages` (one or two logical pages, ascending; `slots`
+    their FP32 [16, 128] K | V of the KV head) for the 64 rows of qf FP32 [64, 64]: S per page (its
+    own k-step chain from zero), the mask per page, one row max over the step's keys and m, one
+    alpha, P of every key as p_hi + p_lo, (O, l) rescaled once, then per page in order p_lo's and
+    p_hi's P V steps (`accumulate_page`). Returns the new (O, m, l). A page no row sees adds
+    nothing (P 0, and the max does not move): a step with it is the step without it, bit for bit."""
+    token = torch.arange(lay.ROWS_PER_KV_HEAD) // lay.HEADS_PER_KV_HEAD
+    last_key = seq_len - lay.QUERY_LEN + token  # row's own position
+    first_key = (last_key - window + 1).clamp_min(0) if window else torch.zeros_like(last_key)
+    scores = []
+    loaded = []
+    for page, page_slots in zip(pages, slots):
         keys_idx = page * lay.PAGE_TOKENS + torch.arange(lay.PAGE_TOKENS)
         in_l = keys_idx < seq_len
-        slots = torch.where(in_l[:, None], slots, torch.zeros(()))  # slots past L are never loaded: zeros
-        s = page_scores(qf, slots[:, : lay.HEAD_DIM])
+        page_slots = torch.where(in_l[:, None], page_slots, torch.zeros(()))  # slots past L: never loaded, zeros
+        s = page_scores(qf, page_slots[:, : lay.HEAD_DIM])
         visible = (keys_idx[None, :] <= last_key[:, None]) & (keys_idx[None, :] >= first_key[:, None])
-        s = torch.where(visible, s, torch.full((), NEG_INF))
-        m_new = torch.maximum(m, s.max(dim=1).values)
-        m_use = torch.where(m_new == NEG_INF, torch.zeros(()), m_new)
-        alpha = weight((m - m_use) * scale_log2)
-        p = weight((s - m_use[:, None]) * scale_log2)
-        p_hi = p.to(torch.bfloat16).float()
-        p_lo = (p - p_hi).to(torch.bfloat16).float()
-        o, lsum = accumulate_page(o * alpha[:, None], lsum * alpha, p_hi, p_lo, slots[:, lay.HEAD_DIM :])
-        m = m_new
-    return o, m, lsum
+        scores.append(torch.where(visible, s, torch.full((), NEG_INF)))
+        loaded.append(page_slots)
+    s = torch.cat(scores, dim=1)
+    m_new = torch.maximum(m, s.max(dim=1).values)
+    m_use = torch.where(m_new == NEG_INF, torch.zeros(()), m_new)
+    alpha = weight((m - m_use) * scale_log2)
+    p = weight((s - m_use[:, None]) * scale_log2)
+    p_hi = p.to(torch.bfloat16).float()
+    p_lo = (p - p_hi).to(torch.bfloat16).float()
+    o, lsum = o * alpha[:, None], lsum * alpha
+    for k, page_slots in enumerate(loaded):
+        keys = slice(k * lay.PAGE_TOKENS, (k + 1) * lay.PAGE_TOKENS)
+        o, lsum = accumulate_page(o, lsum, p_hi[:, keys], p_lo[:, keys], page_slots[:, lay.HEAD_DIM :])
+    return o, m_new, lsum
 
 
 def merge(left: tuple, right: tuple, scale_log2: torch.Tensor) -> tuple:
@@ -196,9 +219,11 @@ def epilogue(o: torch.Tensor, lsum: torch.Tensor, gate: torch.Tensor, eps: float
 
 
 def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: float = config.ATTN_SCALE,
-                eps: float = config.RMS_NORM_EPS) -> torch.Tensor:
+                eps: float = config.RMS_NORM_EPS, pages_per_step: int = 1) -> torch.Tensor:
     """The kernel's output, bf16 [8 R, 512 K], computed on the CPU as the kernel computes it;
-    `num_splits` defaults to the deployment's (`attn2_layout.splits`)."""
+    `num_splits` defaults to the deployment's (`attn2_layout.splits`), `pages_per_step` is
+    `Attn2Build.pages_per_step`'s (1 or 2; ValueError otherwise)."""
+    lay.check_pages_per_step(pages_per_step)
     p = problem.to("cpu")
     heads = p.num_kv_heads
     splits = num_splits or lay.splits(p.max_model_len, p.window, heads)
@@ -212,7 +237,8 @@ def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: flo
             cols = slice(h * width, (h + 1) * width)
             q = p.q[rows, cols].reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)  # row 8 t + j
             gate = p.gate[rows, cols].reshape(lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM)
-            partials = [split_partial(q, p.kv_cache, p.page_table[r], h, seq_len, p.window, s, splits, scale_log2)
+            partials = [split_partial(q, p.kv_cache, p.page_table[r], h, seq_len, p.window, s, splits, scale_log2,
+                                      pages_per_step)
                         for s in range(splits)]
             o, _, lsum = merge_tree(partials, scale_log2)
             out[rows, cols] = epilogue(o, lsum, gate, eps).reshape(lay.QUERY_LEN, width)

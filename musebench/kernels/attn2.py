@@ -33,6 +33,14 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    n-tile's accumulator is l and a page costs no FP32 adds for O or the row sums. n-tile t of
    P V is dims 8t .. 8t + 7, so a thread holds dims 8t + 2c, 8t + 2c + 1 of its rows g and
    g + 8 (t = 0 .. 7; `attn2_layout.lane_dims`).
+   With `Attn2Build.pages_per_step` 2 (an experiment; one split a CTA) a step takes two of the
+   split's pages (`attn2_layout.split_steps`: pairs by place in the split's whole list, so that no
+   step depends on L or the window; a lone first or last page runs the one-page loop): both in
+   the ring (it holds one page less ahead), one wait and one barrier, S per page, one max over
+   the 32 keys, one alpha and rescale, then P V page by page (p_lo, p_hi of the first, then of the
+   second). Other bits than one page a step (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the
+   same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
+   131 (`scripts/attn2-sass.py --pages-per-step 2`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
@@ -46,7 +54,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path and `SplitIssue`. Measured and removed (records/,
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` and the pages a softmax step takes. Measured and removed (records/,
 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
@@ -197,8 +205,10 @@ class Attn2Build:
     current GPU), a folder for the PTX (tests) and, for experiments (`scripts/sweep-attn2.py`),
     a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
     plan, not the deployment's), the splits a CTA runs other than `attn2_layout.splits_per_cta`'s
-    (1 or 2: the same bits either way) and the split kernel's instruction savings (`SplitIssue`:
-    the same bits with any setting)."""
+    (1 or 2: the same bits either way), the split kernel's instruction savings (`SplitIssue`:
+    the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: 1, or 2
+    with one split a CTA; 2 gives other bits than 1, those of `cpu.attn2.attn2_model` with
+    pages_per_step 2, with the same determinism)."""
 
     enable_pdl: bool = True
     arch: str | None = None
@@ -207,11 +217,13 @@ class Attn2Build:
     issue: SplitIssue = SplitIssue()
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
+    pages_per_step: int = 1  # experiments only: 1 or 2 (`attn2_layout.split_steps`); other bits with 2
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
+        lay.check_pages_per_step(self.pages_per_step, self.splits_per_cta)
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -243,9 +255,14 @@ class _Attn2Kernel:
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
-                 wgmma: bool = False, splits_per_cta: int = 1) -> None:
+                 wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         lay.check_splits_per_cta(splits_per_cta, num_splits)
+        lay.check_pages_per_step(pages_per_step, splits_per_cta)
+        self.pages_per_step = pages_per_step
+        # pages the ring holds ahead of the step's first page: STAGES - 1 with one page a step, one
+        # stage less with two (a step's two pages occupy two stages while the rest load)
+        self.lookahead = lay.PIPELINE_STAGES - pages_per_step
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -371,6 +388,12 @@ class _Attn2Kernel:
                         al: list, alpha: list, o: list):
         """The second half of `page_step`: O and l times alpha (or not, `skip_unit_rescale`), then
         the page's P V into them (`page_values`)."""
+        o = self.step_rescale(alpha, o)
+        return self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o)
+
+    @cute.jit
+    def step_rescale(self, alpha: list, o: list) -> list:
+        """O and l times alpha, once a step (or not, `skip_unit_rescale`)."""
         if cutlass.const_expr(self.skip_unit_rescale):
             # Every alpha of the warp exactly 1.0 (no row's max moved): x * 1.0 == x bit for bit for
             # every non-NaN x (-0.0 included: -0.0 * 1.0 is -0.0; subnormals: mul.rn.f32 keeps them;
@@ -380,7 +403,7 @@ class _Attn2Kernel:
             o = self.rescale(o, alpha, unit)
         else:
             o = [ptx.mul_rn_f32(o[k], alpha[(k % 4) // 2]) for k in range(ACCUMULATORS)]
-        return self.page_values(stage, stage_offset, v_words, descriptors, g, c, ah, al, o)
+        return o
 
     @cute.jit
     def page_scores(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32, page_key: Int32,
@@ -388,13 +411,21 @@ class _Attn2Kernel:
         """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
         visible to every row: each select would pick its score unchanged), the new row maxima and
         P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row)."""
-        scale_log2 = Float32(SCALE_LOG2)
-        # S = Q K^T: s[4 nt + j]
+        s = self.score_page(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, masked)
+        return self.step_weights([s], m)
+
+    @cute.jit
+    def score_page(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32,
+                   page_key: Int32, own_key: Int32, low_key: Int32, masked: cutlass.Constexpr, sacc=None) -> list:
+        """A page's 8 scores of this thread, s[4 nt + j] (keys page_key + 8 nt + 2c + (j % 2), rows g
+        for j < 2, g + 8), unscaled, -inf where masked (`masked`): wgmma's chain (`sacc`, or the
+        page's own `page_scores_chain`) or mma.sync's two n-tiles of four k16 steps from zero."""
         s = []
         if cutlass.const_expr(self.wgmma):
             # four k16 steps from zero (scale-d 0), K-major K from the stage's K region: step kk
             # starts 32 kk bytes in (`kernels.gmma`); d[4 nt + j] is mma.sync's s[4 nt + j]
-            sacc = self.page_scores_chain(stage_offset, descriptors, a)
+            if cutlass.const_expr(sacc is None):
+                sacc = self.page_scores_chain(stage_offset, descriptors, a)
             for j in cutlass.range_constexpr(8):
                 if cutlass.const_expr(masked):
                     key = page_key + (j // 4) * 8 + 2 * c + (j % 2)
@@ -429,14 +460,26 @@ class _Attn2Kernel:
                     s.append(cutlass.select_(visible, scaled, Float32(NEG_INF)))
                 else:
                     s.append(scaled)
+        return s
 
+    @cute.jit
+    def step_weights(self, scores: list, m: list):
+        """The online softmax of one step over its pages' scores (`scores`: one `score_page` list a
+        page, one or two): each row's max over the step's keys (a page's four of the thread, then
+        the pages', then the quad's by two shuffles) and m, one alpha, and P of every key as two
+        BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row), the fragments
+        4 words a page, pages in order."""
+        scale_log2 = Float32(SCALE_LOG2)
         m = list(m)
         alpha = []
         p_hi = []
         p_lo = []
         for half in cutlass.range_constexpr(2):  # row g (elements 0, 1), row g + 8 (2, 3)
-            e = [s[2 * half], s[2 * half + 1], s[4 + 2 * half], s[4 + 2 * half + 1]]
-            top = ptx.max_f32(ptx.max_f32(e[0], e[1]), ptx.max_f32(e[2], e[3]))
+            es = [[s[2 * half], s[2 * half + 1], s[4 + 2 * half], s[4 + 2 * half + 1]] for s in scores]
+            top = None
+            for e in es:
+                page_top = ptx.max_f32(ptx.max_f32(e[0], e[1]), ptx.max_f32(e[2], e[3]))
+                top = page_top if top is None else ptx.max_f32(top, page_top)
             top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=1))
             top = ptx.max_f32(top, cute.arch.shuffle_sync_bfly(top, offset=2))
             m_new = ptx.max_f32(m[half], top)
@@ -447,19 +490,24 @@ class _Attn2Kernel:
             m[half] = m_new
             hi = []
             lo = []
-            for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
-                px0 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k], m_use, scale_log2))
-                px1 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
-                pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
-                h0 = ptx.bitcast_u32_to_f32(pword << 16)
-                h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
-                hi.append(pword)
-                lo.append(ptx.cvt_rn_bf16x2_f32(ptx.sub_rn_f32(px1, h1), ptx.sub_rn_f32(px0, h0)))
+            for e in es:
+                for k in cutlass.range_constexpr(2):  # keys (2c, 2c + 1), then (8 + 2c, 9 + 2c)
+                    px0 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k], m_use, scale_log2))
+                    px1 = ptx.ex2_approx_ftz_f32(scaled_difference(e[2 * k + 1], m_use, scale_log2))
+                    pword = ptx.cvt_rn_bf16x2_f32(px1, px0)
+                    h0 = ptx.bitcast_u32_to_f32(pword << 16)
+                    h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
+                    hi.append(pword)
+                    lo.append(ptx.cvt_rn_bf16x2_f32(ptx.sub_rn_f32(px1, h1), ptx.sub_rn_f32(px0, h0)))
             p_hi.append(hi)
             p_lo.append(lo)
-        # A fragments of P: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c.., a3 row g + 8.
-        ah = [p_hi[0][0], p_hi[1][0], p_hi[0][1], p_hi[1][1]]
-        al = [p_lo[0][0], p_lo[1][0], p_lo[0][1], p_lo[1][1]]
+        # A fragments of P, per page: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c..,
+        # a3 row g + 8.
+        ah = []
+        al = []
+        for k in cutlass.range_constexpr(len(scores)):
+            ah += [p_hi[0][2 * k], p_hi[1][2 * k], p_hi[0][2 * k + 1], p_hi[1][2 * k + 1]]
+            al += [p_lo[0][2 * k], p_lo[1][2 * k], p_lo[0][2 * k + 1], p_lo[1][2 * k + 1]]
         return m, ah, al, alpha
 
     @cute.jit
@@ -526,6 +574,107 @@ class _Attn2Kernel:
                               page_key, own_key, low_key, inside, m, o)
 
     @cute.jit
+    def pair_at(self, i: Int32, ring_base: Int32, start: Int32, seq_len: Int32, k_words, v_words, descriptors,
+                a: list, g: Int32, c: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
+        """One step of two pages (`pages_per_step` 2): the split's pages i and i + 1 (stages
+        i % STAGES and (i + 1) % STAGES, keys from (start + i S) 16 and S 16 further), S of each
+        page its own chain from zero, the mask per page (the unmasked copy when every row sees
+        both pages whole), one max over the 32 keys and m, one alpha, O and l rescaled once, then
+        P V: page i's p_lo step, its p_hi step, page i + 1's p_lo, its p_hi. Returns (m, o)."""
+        offsets = [(i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, ((i + 1) % lay.PIPELINE_STAGES) * lay.PAGE_BYTES]
+        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
+        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
+        stages = [ring_base + offset for offset in offsets]
+        if cutlass.const_expr(self.mask_edges_only):
+            # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
+            ah = [Uint32(0) for _ in range(8)]
+            al = [Uint32(0) for _ in range(8)]
+            alpha = [Float32(0.0), Float32(0.0)]
+            if self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len):
+                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, False)
+            else:
+                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, True)
+        else:
+            m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
+                                                m, True)
+        o = self.step_rescale(alpha, o)
+        if cutlass.const_expr(self.wgmma):
+            values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
+            o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
+                            [values[0], values[0], values[1], values[1]], 1, o)
+        else:
+            for k in cutlass.range_constexpr(2):
+                o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
+                                     al[4 * k:4 * k + 4], o)
+        return m, o
+
+    @cute.jit
+    def pair_scores(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32, keys: list,
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
+        """The scores of a step's two pages (wgmma: both chains issued, then one wait), masked when
+        `masked`, and the step's weights (`step_weights`): (m, P hi, P lo (8 words each: page i's
+        A fragment, then page i + 1's), alpha)."""
+        saccs = [None, None]
+        if cutlass.const_expr(self.wgmma):
+            saccs = self.pair_scores_chains(offsets, descriptors, a)
+        scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
+                                  masked, saccs[k]) for k in range(2)]
+        return self.step_weights(scores, m)
+
+    @cute.jit
+    def pair_scores_chains(self, offsets: list, descriptors, a: list) -> list:
+        """wgmma: S = Q K^T of two pages, each four k16 steps from zero (as `page_scores_chain`),
+        behind one fence, committed as one group and waited for once; [page i's 8 accumulators,
+        page i + 1's]."""
+        fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
+        accumulators = []
+        for offset in offsets:
+            step = Int64(offset >> 4)
+            acc = None
+            for kk in cutlass.range_constexpr(K_TILES):
+                descriptor = gmma.advance_keys_descriptor(descriptors[0], step, kk)
+                fragment = fenced[4 * kk:4 * kk + 4]
+                if cutlass.const_expr(acc is None):
+                    acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, None, 0, 0)
+                else:
+                    acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
+            accumulators += list(acc)
+        ptx.wgmma_commit_group_sync_aligned()
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators)
+        return [done[:len(done) // 2], done[len(done) // 2:]]
+
+    @cute.jit
+    def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
+                   table_smem: Int32, total: Int32, k_words, v_words, descriptors, a: list, g: Int32, c: Int32,
+                   kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32,
+                   m: list, o: list):
+        """`steps` steps of two pages from the CTA's page `begin` (pages begin + 2j, begin + 2j + 1;
+        the split's logical page of CTA page i is chain_start + i S), from (m, o); returns (m, o).
+
+        One barrier a step. Before a step at page i, 6 + i copy groups are committed (one per page,
+        `lookahead` 6: `ring_prologue` and `split_chain` keep the count); waiting until at most 4
+        are pending completes pages i and i + 1. The barrier makes every thread's copies of both
+        visible and, as every warp reaches it only after its previous step, frees the stages of
+        pages i - 2 and i - 1: pages i + 6 and i + 7 go there after it, a commit group each."""
+        for j in cutlass.range(0, steps, unroll=1):
+            i = begin + 2 * j
+            cute.arch.cp_async_wait_group(self.lookahead - 2)
+            if cutlass.const_expr(self.wgmma):
+                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+            cute.arch.barrier()
+            for k in cutlass.range_constexpr(2):
+                ahead = i + self.lookahead + k
+                if ahead < total:
+                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                                   ahead, chain_start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                cute.arch.cp_async_commit_group()
+            m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
+                                low_key, m, o)
+        return m, o
+
+    @cute.jit
     def page_inside(self, page_key: Int32, seq_len: Int32):
         """`mask_edges_only`'s CTA-uniform test: every key of the page (keys page_key ..
         page_key + 15) visible to every row of the CTA: token 0's causal limit (the smallest own
@@ -582,9 +731,9 @@ class _Attn2Kernel:
     @cute.jit
     def ring_prologue(self, ring_base: Int32, cache_base: Int64, table_smem: Int32, starts: list, counts: list,
                       total: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
-        """The ring's first copies (every stage free): the CTA's pages 0 .. STAGES - 2, a commit
-        group each."""
-        for st in cutlass.range_constexpr(lay.PIPELINE_STAGES - 1):
+        """The ring's first copies (every stage free): the CTA's pages 0 .. lookahead - 1 (STAGES - 2
+        with one page a step, STAGES - 3 with two), a commit group each."""
+        for st in cutlass.range_constexpr(self.lookahead):
             if st < total:
                 index, page = self.stream_page(Int32(st), starts, counts)
                 self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, index, page, kv_head, seq_len,
@@ -604,16 +753,18 @@ class _Attn2Kernel:
         cuts the ranges where the copies change split (`kernel`).
 
         One barrier a page. Before page i, 7 + i copy groups are committed (one per page); waiting
-        until at most PIPELINE_STAGES - 2 are pending completes page i's. The barrier then makes
+        until at most PIPELINE_STAGES - 2 are pending completes page i's. (With two pages a step
+        the ring holds one page less ahead, `lookahead`: 6 + i committed, 5 pending at most, page
+        i + 6 copied; `pair_chain` keeps the same count.) The barrier then makes
         every thread's copies of page i visible to the CTA, and, as every warp reaches it only
         after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
         page i + 7's copies go there after it, 7 pages in flight while page i computes."""
         for i in cutlass.range(begin, end, unroll=1):
-            cute.arch.cp_async_wait_group(lay.PIPELINE_STAGES - 2)
+            cute.arch.cp_async_wait_group(self.lookahead - 1)
             if cutlass.const_expr(self.wgmma):
                 ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
             cute.arch.barrier()
-            ahead = i + (lay.PIPELINE_STAGES - 1)
+            ahead = i + self.lookahead
             if ahead < total:
                 index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
                 self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
@@ -780,7 +931,16 @@ class _Attn2Kernel:
                            | gmma.leading_offset_field(Int64(ones_base - v_region)))
         chain = (ring_base, cache_base, table_smem, total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len,
                  cache_pages, tidx, own_key, low_key)
-        if cutlass.const_expr(self.splits_per_cta == 1):
+        if cutlass.const_expr(self.pages_per_step == 2):
+            # Steps of two pages (`attn2_layout.split_steps`): pairs by place in the split's whole
+            # list (the split's page p is its (p // S)-th), so a step's pages do not depend on L or
+            # the window: a first page at an odd place runs alone, then pairs, an odd end alone.
+            lead = cutlass.min((starts[0] // self.num_splits) % 2, counts[0])
+            pairs = (counts[0] - lead) // 2
+            m, o = self.split_chain(Int32(0), lead, starts[0], None, starts[0], *chain, m, o)
+            m, o = self.pair_chain(lead, pairs, starts[0], *chain, m, o)
+            m, o = self.split_chain(lead + 2 * pairs, counts[0], starts[0], None, starts[0], *chain, m, o)
+        elif cutlass.const_expr(self.splits_per_cta == 1):
             m, o = self.split_chain(Int32(0), counts[0], starts[0], None, starts[0], *chain, m, o)
         else:
             # Three ranges, so that no page picks its copy's split: the first split's pages whose
@@ -1145,8 +1305,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
+    lay.check_pages_per_step(build.pages_per_step, knobs["splits_per_cta"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
-    split_knobs = dict(knobs, **build.issue.knobs())
+    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=build.pages_per_step)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1244,14 +1405,18 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
-           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None) -> None:
+           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None,
+           pages_per_step: int = 1) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops` and `splits_per_cta`:
-    experiments only (`Attn2Build`; refused before any compile or launch outside their choices)."""
+    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta` and
+    `pages_per_step`: experiments only (`Attn2Build`; refused before any compile or launch outside
+    their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
-                       splits_per_cta=splits_per_cta)
+                       splits_per_cta=splits_per_cta, pages_per_step=pages_per_step)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta)
+    lay.check_pages_per_step(pages_per_step, lay.splits_per_cta(int(kv_cache.shape[1]), splits)
+                             if splits_per_cta is None else splits_per_cta)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves

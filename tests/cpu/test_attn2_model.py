@@ -393,3 +393,95 @@ def test_the_pairing_check_catches_a_wrong_pair_or_a_wrong_merge():
     assert not _same_bits(_combine(_pair_in_cta(leaves, merge=_fused_merge)), whole)
     swapped = _combine(_pair_in_cta(leaves, pair=lambda j, n: (2 * j + 1, 2 * j)))
     assert _same_bits((swapped[0], swapped[2]), (whole[0], whole[2]))
+
+
+# Two pages a softmax step (`Attn2Build.pages_per_step` 2, `attn2_layout.split_steps`).
+
+
+@pytest.mark.parametrize("seq_len, window", [(8, 0), (31, 0), (47, 0), (60, 30), (64, 16), (150, 0), (206, 60),
+                                             (210, 60)])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_two_pages_a_step_same_keys_same_bits_at_every_length(seq_len, window, splits):
+    """With two pages a step, row t at L and row t - 1 at L + 1 see the same keys: equal bits
+    (at (210, 60) the window's first page moves on at L + 1, so with pairs counted from the pages
+    a split visits every later pair would shift; `split_steps` counts them from the split's whole
+    list)."""
+    p = make_problem("random", seq_len, 256, window=window, num_kv_heads=2)
+    later = _extended(p)
+    now = attn2_model(p, num_splits=splits, pages_per_step=2)
+    then = attn2_model(later, num_splits=splits, pages_per_step=2)
+    assert torch.equal(_bits(now[1:]), _bits(then[:-1]))
+
+
+def _steps_from_the_visited_pages(split, num_splits, first_page, end_page, pages_per_step):
+    """A wrong step plan: pairs of the pages the split visits at this L (0, 1), (2, 3), ..."""
+    pages = list(lay.split_pages(split, num_splits, first_page, end_page))
+    return [tuple(pages[i:i + pages_per_step]) for i in range(0, len(pages), pages_per_step)]
+
+
+def test_the_two_pages_length_check_can_fail(monkeypatch):
+    """Fault injection for the test above: pairs counted from the pages visited at each L (the
+    window's first page dropped at L + 1 shifts them) give the shifted rows other bits."""
+    p = make_problem("random", 210, 256, window=60, num_kv_heads=2)
+    later = _extended(p)
+    assert lay.visible_keys(210, 60)[0] // 16 != lay.visible_keys(211, 60)[0] // 16
+    monkeypatch.setattr(lay, "split_steps", _steps_from_the_visited_pages)
+    now = attn2_model(p, num_splits=1, pages_per_step=2)
+    then = attn2_model(later, num_splits=1, pages_per_step=2)
+    assert not torch.equal(_bits(now[1:]), _bits(then[:-1]))
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, 2.0])
+def test_the_model_refuses_pages_per_step_outside_the_choices(bad):
+    with pytest.raises(ValueError, match="pages_per_step"):
+        attn2_model(make_problem("tiny", 20, 64, num_kv_heads=1), pages_per_step=bad)
+
+
+def _step_state(g: torch.Generator, seen: bool) -> tuple:
+    """(O, m, l) of 64 rows before a step: a row that has seen keys (raw max, l >= 1) or none yet."""
+    if not seen:
+        return torch.zeros(ROWS, lay.HEAD_DIM), torch.full((ROWS,), float("-inf")), torch.zeros(ROWS)
+    return torch.randn(ROWS, lay.HEAD_DIM, generator=g), torch.randn(ROWS, generator=g) * 3, 1 + torch.rand(ROWS, generator=g)
+
+
+@pytest.mark.parametrize("seen", [False, True])
+@pytest.mark.parametrize("masked_first", [True, False])
+def test_a_masked_page_inside_a_pair_is_a_no_op(seen, masked_first):
+    """A step of two pages one of which no row sees (keys past every row's causal limit: page 4 at
+    L 40; or before every row's window: page 0 at L 60, W 16) gives the bits of the one-page step
+    of the other page, from a fresh state and from one that has seen keys."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(ROWS, lay.HEAD_DIM, generator=g).to(torch.bfloat16).float()
+    slots = {page: torch.randn(lay.PAGE_TOKENS, lay.SLOT_WIDTH, generator=g).to(torch.bfloat16).float()
+             for page in range(5)}
+    state = _step_state(g, seen)
+    if masked_first:  # rows see keys 37 .. 59: page 0 (keys 0-15) none, page 2 some
+        seq_len, window, pages, live, seen_too = 60, 16, (0, 2), 2, (2, 3)
+    else:  # rows see keys 0 .. 39: page 1 all, page 4 (keys 64-79) none
+        seq_len, window, pages, live, seen_too = 40, 0, (1, 4), 1, (1, 2)
+    pair = model_module.softmax_step(q, pages, [slots[p] for p in pages], seq_len, window, SCALE_LOG2, *state)
+    one = model_module.softmax_step(q, (live,), [slots[live]], seq_len, window, SCALE_LOG2, *state)
+    assert _same_bits(pair, one)
+    # fault injection: a second page some row sees does change the step
+    other = model_module.softmax_step(q, seen_too, [slots[p] for p in seen_too], seq_len, window, SCALE_LOG2, *state)
+    assert not _same_bits(other, one)
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, window, splits", [(100, 0, 2), (400, 100, 2), (700, 0, 4), (2047, 0, 8)])
+def test_two_pages_a_step_differs_from_one_yet_stays_accurate(family, seq_len, window, splits):
+    """pages_per_step 2 is not ignored: on random requests with splits of several pages split 1's
+    FP32 partial (O, m, l) differs from 1's in some bits (the max moves once for two pages); both stay within the accuracy bound of
+    `test_model_is_accurate` against the FP64 reference."""
+    p = make_problem(family, seq_len, 2048, window=window, num_kv_heads=1)
+    _, exact = attn2_reference(p)
+    stock = ulp_error(stock_attn2(p), exact)
+    outs = {n: attn2_model(p, num_splits=splits, pages_per_step=n) for n in (1, 2)}
+    for n, out in outs.items():
+        err = ulp_error(out, exact)
+        assert err.nonfinite == 0 and err.max < max(8, 2 * stock.max) and err.mean < max(0.3, 1.5 * stock.mean), (n, err)
+    if family == "random":  # the max moves within pairs: the split's FP32 partial differs (BF16 outputs rarely)
+        q = p.q.reshape(ROWS, lay.HEAD_DIM)
+        partials = [model_module.split_partial(q, p.kv_cache, p.page_table[0], 0, seq_len, window, 1, splits,
+                                               SCALE_LOG2, n) for n in (1, 2)]
+        assert not _same_bits(*partials)

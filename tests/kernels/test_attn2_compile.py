@@ -13,7 +13,10 @@ installed) reports no spill (its own test). Two sibling splits a CTA (`splits_pe
 default at 128k with 2+ KV heads; forced through `Attn2Build`): the page loop twice, the first
 split's state held in shared memory between the loops and merged after them (`_pairing_failures`),
 no spill, registers and shared memory within the CTAs an SM. Refusals of bad deployments, builds,
-tensor-core paths and splits_per_cta. On ints, no compile: the K and V fragment addresses (`k_fragment_row`, `v_fragment_row`)
+tensor-core paths and splits_per_cta. Two pages a softmax step (`pages_per_step` 2, an experiment)
+at tp 8 and tp 16, 128k, with and without the window: the two-page step's MMAs and one barrier a
+step besides the one-page loops (`_step_failures`), PDL as the deployments', no spill, registers
+within the cap; its refusals. On ints, no compile: the K and V fragment addresses (`k_fragment_row`, `v_fragment_row`)
 give every lane its mma B fragments through an emulated
 ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions)."""
 
@@ -44,15 +47,16 @@ TENSOR_OPS = {"sync": "sync"}
 _PTX: dict[tuple, tuple[str, str | None]] = {}
 
 
-def _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue="all", per_cta=None):
+def _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue="all", per_cta=None, per_step=1):
     """(split kernel PTX, combine kernel PTX or None), compiled once per module; `per_cta`:
-    `Attn2Build.splits_per_cta` (None: the layout's)."""
-    key = (arch, heads, max_model_len, window, issue, per_cta)
+    `Attn2Build.splits_per_cta` (None: the layout's); `per_step`: `Attn2Build.pages_per_step`."""
+    key = (arch, heads, max_model_len, window, issue, per_cta, per_step)
     if key not in _PTX:
         folder = tmp_path_factory.mktemp("attn2")
         attn2.compile_attn2(heads, max_model_len, window,
                             attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES[issue],
-                                             tensor_ops=TENSOR_OPS.get(issue), splits_per_cta=per_cta))
+                                             tensor_ops=TENSOR_OPS.get(issue), splits_per_cta=per_cta,
+                                             pages_per_step=per_step))
         split = sorted(folder.glob(f"*_Attn2Kernel_*{arch}*.ptx")) or sorted(folder.glob("*_Attn2Kernel_*.ptx"))
         combine = sorted(folder.glob("*_Attn2CombineKernel_*.ptx"))
         assert split, "no split kernel PTX kept"
@@ -574,3 +578,139 @@ def test_v_fragment_checks_fail_on_wrong_addresses():
 
     assert _conflict_free(swapped, *V_SELECTORS) and not _fragments_are_mma_b(swapped)
     assert not _fragments_are_mma_b(unswizzled) and not _conflict_free(unswizzled, *V_SELECTORS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two pages a softmax step (`Attn2Build.pages_per_step` 2): one split a CTA only.
+
+# tp 8 and tp 16 at 128k (256 splits), without and with the window (64 splits)
+STEP_DEPLOYMENTS = [(2, 131072, 0), (1, 131072, 0), (2, 131072, 2048), (1, 131072, 2048)]
+STEP_ARCH_ISSUES = [("sm_90a", "all"), ("sm_90a", "sync"), ("sm_90a", "none"), ("sm_100a", "all")]
+
+
+def _one_page_loops(window: int) -> int:
+    """Copies of the one-page loop beside the two-page step's: the lone last page, and with a window
+    the lone first page (a split's first page at an odd place; without a window every split starts
+    at place 0, so LLVM drops that loop)."""
+    return 2 if window else 1
+
+
+def _step_failures(ptx: str, wgmma: bool, copies: int, single_loops: int) -> list[str]:
+    """What the split kernel's PTX lacks for two pages a step (empty: nothing): `single_loops`
+    one-page loops and one two-page loop, each with `copies` copies of the scores (masked and
+    unmasked). wgmma: Q K^T four m64n16k16 a page a copy, P V two m64n72k16 a page (the pair's
+    one chain of four); mma.sync: 8 a page a copy for Q K^T, 18 a page for P V, V's fragments
+    four ldmatrix.x4.trans a page; one CTA barrier a step (one before the ring and one a loop)
+    and one proxy fence a wgmma fence's commit."""
+    pages = single_loops + 2  # page bodies: one a one-page loop, two in the step's
+    failures = []
+    if wgmma:
+        want = {WGMMA_S: attn2.K_TILES * copies * pages, WGMMA_PV: 2 * pages, "mma.sync": 0, "ldmatrix": 0}
+        if ptx.count("wgmma.fence.sync.aligned") != ptx.count("wgmma.commit_group.sync.aligned"):
+            failures.append("a wgmma fence without its commit")
+        if "wgmma.wait_group.sync.aligned 1;" in ptx:
+            failures.append("a wgmma chain not waited for")
+    else:
+        want = {MMA: pages * (copies * 2 * attn2.K_TILES + 2 * (attn2.V_TILES + 1)), LDMATRIX_TRANS:
+                pages * attn2.V_TILE_PAIRS, "wgmma": 0}
+    want["bar.sync"] = 1 + single_loops + 1
+    for text, count in want.items():
+        if ptx.count(text) != count:
+            failures.append(f"{ptx.count(text)} {text} (want {count})")
+    return failures
+
+
+@pytest.mark.parametrize("arch, issue", STEP_ARCH_ISSUES)
+@pytest.mark.parametrize("heads, max_model_len, window", STEP_DEPLOYMENTS)
+def test_two_pages_a_step_compiles_without_spills(tmp_path_factory, tmp_path, arch, issue, heads, max_model_len,
+                                                  window):
+    """pages_per_step 2 on both targets and both tensor-core paths: the two-page step's PTX
+    (`_step_failures`), PDL's wait before every global read and its release after the MMAs,
+    one split a CTA (no hold, no merge), no local memory, the partial stored; ptxas assembles it
+    without spills or serialization, within the register cap of the target's CTAs an SM."""
+    ptx, combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue, None, 2)
+    on = ISSUES[issue]
+    wgmma = attn2.tensor_ops_for(arch, TENSOR_OPS.get(issue)) == "wgmma"
+    assert _step_failures(ptx, wgmma, 2 if on.mask_edges_only else 1, _one_page_loops(window)) == []
+    assert "mbarrier" not in ptx and "atom." not in ptx and ".local" not in ptx and "prmt" not in ptx
+    assert ("vote.sync.all.pred" in ptx) == on.skip_unit_rescale
+    assert _reads_after_wait(ptx, r"ld\.global|cp\.async")
+    assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("mma")  # as the deployments' (block order)
+    assert f".minnctapersm {lay.split_ctas_per_sm(arch)}" in ptx
+    assert ptx.count("st.global.v4.u32") == lay.PARTIAL_O_VECTORS + 1 and combine is not None
+    assert _pairing_failures(ptx, 1) == []
+    report = assemble(ptx, arch, tmp_path, "attn2_step")
+    assert_no_spills(report)
+    assert "Performance Loss" not in report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm(arch)), report
+
+
+def test_the_step_check_fails_on_the_one_page_kernel_and_on_edits(tmp_path_factory):
+    """Fault injection for `_step_failures`: it fails on the one-page kernel's PTX (both paths), on
+    a P V step dropped, on a barrier added, and with the lone first page's loop expected where
+    there is none (the compiled PTX, edited)."""
+    for issue, wgmma in (("all", True), ("sync", False)):
+        two, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0, issue, None, 2)
+        one, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0, issue, None, 1)
+        assert _step_failures(two, wgmma, 2, 1) == []
+        assert _step_failures(one, wgmma, 2, 1) and _step_failures(two, wgmma, 2, 2)
+        step = re.search(WGMMA_PV if wgmma else re.escape(MMA), two).group(0)
+        line = re.search(r"[^\n]*" + re.escape(step) + r"[^\n]*\n", two).group(0)
+        assert _step_failures(two.replace(line, "", 1), wgmma, 2, 1)
+        assert _step_failures(two.replace("bar.sync", "bar.sync \t0;\n\tbar.sync", 1), wgmma, 2, 1)
+
+
+@pytest.mark.parametrize("per_step", [0, 3, True, 2.0, "2", None])
+def test_pages_per_step_outside_the_choices_is_refused_by_the_build(per_step):
+    with pytest.raises(ValueError, match="pages_per_step"):
+        attn2.Attn2Build(pages_per_step=per_step)
+
+
+def test_two_pages_a_step_with_two_splits_a_cta_is_refused_before_compile():
+    """pages_per_step 2 runs one split a CTA: with splits_per_cta 2 the build is refused (the
+    kernel and compile_attn2 check the resolved count again); nothing compiles."""
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match="splits_per_cta"):
+        attn2.Attn2Build(pages_per_step=2, splits_per_cta=2)
+    with pytest.raises(ValueError, match="splits_per_cta"):
+        _split_kernel_with(4, 131072, 0, 2, pages_per_step=2)
+    assert len(attn2.compilation.CACHE) == before
+
+
+def _split_kernel_with(heads, max_model_len, window, per_cta, **knobs):
+    variant = attn2._variant(heads, max_model_len, window, None, per_cta)
+    return attn2._Attn2Kernel(**variant, enable_pdl=True, **knobs)
+
+
+def test_launch_refuses_pages_per_step_before_anything_launches():
+    """`launch(..., pages_per_step=)` outside (1, 2), or 2 with two splits a CTA: ValueError before
+    the tensors are checked for a device (CPU tensors here); 2 alone passes to the device check."""
+    import torch
+
+    width = 2 * 8 * 64
+    args = dict(q=torch.zeros(8, width, dtype=torch.bfloat16), gate=torch.zeros(8, width, dtype=torch.bfloat16),
+                kv_cache=torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16),
+                page_table=torch.zeros(1, lay.max_pages(8192), dtype=torch.int32),
+                seq_lens=torch.tensor([40], dtype=torch.int32), out=torch.zeros(8, width, dtype=torch.bfloat16),
+                workspace=None, max_model_len=8192, window=0)
+    before = len(attn2.compilation.CACHE)
+    for bad in (dict(pages_per_step=3), dict(pages_per_step=True), dict(pages_per_step=2, splits_per_cta=2)):
+        with pytest.raises(ValueError, match="pages_per_step|splits_per_cta"):
+            attn2.launch(**args, **bad)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        attn2.launch(**args, pages_per_step=2)
+    assert len(attn2.compilation.CACHE) == before
+
+
+def test_pages_per_step_is_its_own_variant():
+    """1 and 2 are two compiled split kernels (the compile key holds pages_per_step); the combine is
+    the same variant for both."""
+    before = set(attn2.compilation.CACHE.keys())
+    for per_step in (1, 2):
+        attn2.compile_attn2(2, 8192, 0, attn2.Attn2Build(arch="sm_90a", pages_per_step=per_step))
+    new = [k for k in set(attn2.compilation.CACHE.keys()) - before]
+    splits = [dict(k[3]) for k in new if k[0].endswith("_Attn2Kernel")]
+    assert sorted(k["pages_per_step"] for k in splits) in ([2], [1, 2])
+    assert not any("pages_per_step" in dict(k[3]) for k in attn2.compilation.CACHE.keys()
+                   if k[0].endswith("_Attn2CombineKernel"))

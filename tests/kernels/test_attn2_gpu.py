@@ -215,3 +215,73 @@ def test_splits_per_cta_refused_before_launch():
                    window=p.window, splits_per_cta=per_cta)
         torch.cuda.synchronize()
         assert out.isnan().all() and not workspace.any()
+
+
+# Two pages a softmax step (`Attn2Build.pages_per_step` 2, an experiment): other bits than one page
+# a step, those of the CPU model with pages_per_step 2 (within its tolerance), with the same
+# determinism (calls, tensor-core paths, tp, L).
+
+# one split (many pairs a split, lone last pages), the split kernel at 4096 with and without the
+# window (a lone first page where the window starts at an odd place), 128k
+STEP_CASES = [
+    (8, 2048, 0), (17, 2048, 0), (2047, 2048, 0), (2048, 2048, 0), (2049, 4096, 0), (4000, 4096, 0),
+    (2055, 4096, 2048), (4000, 4096, 2048), (3002, 8192, 100), (100000, 131072, 0),
+]
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window", STEP_CASES)
+def test_two_pages_a_step_matches_model(family, seq_len, max_model_len, window):
+    """pages_per_step 2 agrees with the CPU model run with pages_per_step 2 (`agreement`, the bound
+    of `test_matches_model_and_beats_stock`) and is within the stock's error of the FP64 reference."""
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
+    got, _ = _launch(problem, pages_per_step=2)
+    model = attn2_model(problem, pages_per_step=2)
+    _, exact = attn2_reference(problem)
+    agree = agreement(got, model)
+    mine, stock = ulp_error(got, exact), ulp_error(stock_attn2(problem.to("cuda")), exact)
+    print(f"\n[attn2 pages_per_step 2 {family} L={seq_len} max_model_len={max_model_len} W={window}] vs model: "
+          f"{agree.describe()}\n  vs FP64: max {mine.max:.2f} mean {mine.mean:.4f} | stock max {stock.max:.2f} "
+          f"mean {stock.mean:.4f}")
+    assert agree.ok, agree.describe()
+    assert mine.nonfinite == 0
+    assert mine.within(stock), (mine, stock)
+
+
+@pytest.mark.parametrize("seq_len, max_model_len, window", [(2047, 2048, 0), (4000, 4096, 2048), (3002, 8192, 100),
+                                                            (70001, 131072, 4096), (131072, 131072, 0)])
+def test_two_pages_a_step_repeats_its_bits_on_both_tensor_core_paths(seq_len, max_model_len, window):
+    """pages_per_step 2: the same bits on every call, and the GPU's tensor-core path (wgmma on an
+    H200) gives mma.sync's bits, on 2 and 4 KV heads."""
+    for heads in (2, 4):
+        problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=heads)
+        first, _ = _launch(problem, pages_per_step=2)
+        assert not first.isnan().any()
+        for _ in range(2):
+            again, _ = _launch(problem, pages_per_step=2)
+            assert torch.equal(again.view(torch.int16), first.view(torch.int16)), _first_difference(again, first)
+        sync, _ = _launch(problem, tensor_ops="sync", pages_per_step=2)
+        assert torch.equal(sync.view(torch.int16), first.view(torch.int16)), (heads, _first_difference(sync, first))
+
+
+def test_two_pages_a_step_kv_head_bits_whatever_the_tp_at_128k():
+    """KV head 0 (and 1) at 128k with pages_per_step 2: tp 8 (both in one launch) and tp 16 (one
+    each) give the same bits (the same 256-split plan)."""
+    whole = make_problem("random", 100000, 131072, num_kv_heads=2)
+    tp8, _ = _launch(whole, pages_per_step=2)
+    tp16 = torch.cat([_launch(for_rank(whole, r, 2), pages_per_step=2)[0] for r in range(2)], dim=1)
+    assert torch.equal(tp8.view(torch.int16), tp16.view(torch.int16)), _first_difference(tp8, tp16)
+
+
+def test_two_pages_a_step_same_keys_same_bits_at_every_length():
+    """Row t at L and row t - 1 at L + 1 with pages_per_step 2: equal bits, across a page boundary,
+    with the split kernel, and at a window edge (3002, W 100: the window's first page moves on at
+    L + 1; the steps' pairs do not, `attn2_layout.split_steps`)."""
+    from tests.cpu.test_attn2_model import _extended
+
+    for seq_len, window in ((2063, 0), (2064, 0), (3000, 0), (3002, 100), (3010, 100)):
+        problem = make_problem("random", seq_len, 8192, window=window, num_kv_heads=2)
+        now, _ = _launch(problem, pages_per_step=2)
+        then, _ = _launch(_extended(problem), pages_per_step=2)
+        assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), (
+            seq_len, window, _first_difference(now[1:], then[:-1]))
