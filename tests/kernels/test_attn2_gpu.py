@@ -252,15 +252,16 @@ def test_two_pages_a_step_matches_model(family, seq_len, max_model_len, window):
                                                             (70001, 131072, 4096), (131072, 131072, 0)])
 def test_two_pages_a_step_repeats_its_bits_on_both_tensor_core_paths(seq_len, max_model_len, window):
     """pages_per_step 2: the same bits on every call, and the GPU's tensor-core path (wgmma on an
-    H200) gives mma.sync's bits, on 2 and 4 KV heads."""
+    H200) gives mma.sync's bits, on 2 and 4 KV heads (one split a CTA: 4 KV heads at 128k would
+    pair siblings by default, which two pages a step refuses)."""
     for heads in (2, 4):
         problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=heads)
-        first, _ = _launch(problem, pages_per_step=2)
+        first, _ = _launch(problem, pages_per_step=2, splits_per_cta=1)
         assert not first.isnan().any()
         for _ in range(2):
-            again, _ = _launch(problem, pages_per_step=2)
+            again, _ = _launch(problem, pages_per_step=2, splits_per_cta=1)
             assert torch.equal(again.view(torch.int16), first.view(torch.int16)), _first_difference(again, first)
-        sync, _ = _launch(problem, tensor_ops="sync", pages_per_step=2)
+        sync, _ = _launch(problem, tensor_ops="sync", pages_per_step=2, splits_per_cta=1)
         assert torch.equal(sync.view(torch.int16), first.view(torch.int16)), (heads, _first_difference(sync, first))
 
 
