@@ -33,13 +33,15 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    n-tile's accumulator is l and a page costs no FP32 adds for O or the row sums. n-tile t of
    P V is dims 8t .. 8t + 7, so a thread holds dims 8t + 2c, 8t + 2c + 1 of its rows g and
    g + 8 (t = 0 .. 7; `attn2_layout.lane_dims`).
-   With `Attn2Build.pages_per_step` 2 (an experiment; one split a CTA) a step takes two of the
+   With `Attn2Build.pages_per_step` 2 (the deployments' for split plans without a window,
+   `attn2_layout.pages_per_step`, at every tp; one or two splits a CTA) a step takes two of the
    split's pages (`attn2_layout.split_steps`: pairs by place in the split's whole list, so that no
    step depends on L or the window; a lone first or last page runs the one-page loop): both in
    the ring (it holds one page less ahead), one wait and one barrier, S per page, one max over
    the 32 keys, one alpha and rescale, then P V page by page (p_lo, p_hi of the first, then of the
-   second). Other bits than one page a step (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the
-   same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
+   second). With two splits a CTA each split steps through its own pages so (`step_chain`), as
+   a CTA running it alone would. Other bits than one page a step
+   (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
    131 (`scripts/attn2-sass.py --pages-per-step 2`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
@@ -54,7 +56,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` and the pages a softmax step takes. Measured and removed (records/,
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` and the pages a softmax step
+takes (forced against the rule). Measured and removed (records/,
 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
@@ -206,9 +209,10 @@ class Attn2Build:
     a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
     plan, not the deployment's), the splits a CTA runs other than `attn2_layout.splits_per_cta`'s
     (1 or 2: the same bits either way), the split kernel's instruction savings (`SplitIssue`:
-    the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: 1, or 2
-    with one split a CTA; 2 gives other bits than 1, those of `cpu.attn2.attn2_model` with
-    pages_per_step 2, with the same determinism)."""
+    the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: None,
+    the deployment's rule for the build's plan, `attn2_layout.pages_per_step`, resolved into the
+    compile key; 1 or 2 forced, with one or two splits a CTA; 2 gives other bits than 1, those of
+    `cpu.attn2.attn2_model` with pages_per_step 2, with the same determinism)."""
 
     enable_pdl: bool = True
     arch: str | None = None
@@ -1462,8 +1466,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            pages_per_step: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta` and
-    `pages_per_step`: experiments only (`Attn2Build`; refused before any compile or launch outside
-    their choices)."""
+    `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced): experiments
+    only (`Attn2Build`; refused before any compile or launch outside their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
