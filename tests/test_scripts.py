@@ -273,7 +273,7 @@ ATTN2_SASS = REPO / "scripts" / "attn2-sass.py"
 
 @pytest.mark.parametrize("args, reason", [
     (["--pages-per-step", "3"], "invalid choice"),
-    (["--pages-per-step", "auto"], "invalid choice"),
+    (["--pages-per-step", "auto"], "invalid int value"),
     (["--max-model-len", "0"], "max_model_len must be a positive int"),
 ])
 def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
