@@ -66,11 +66,11 @@ MAX_SPLITS = SPLIT_TARGET_CLUSTERS
 # 32k 19.0 against 20.0, 8k 15.1 against 16.7 (records/2026-12-01-h200-e481202-sweep-attn2-splits).
 # The first leaf's state waits in shared memory (PENDING_BYTES), which bounds it at 2.
 SPLITS_PER_CTA_CHOICES = (1, 2)
-# PAGES_PER_STEP_CHOICES: pages one step of the split kernel's online softmax takes (an experiment,
-# `Attn2Build.pages_per_step`; every deployment takes 1). With 2 a step takes a pair of the split's
-# pages (`split_steps`): one row max, one alpha and one rescale for 32 keys, so the per-step
-# overhead and the chain's latency are paid once for two pages. Other bits than 1 (the max moves
-# once for two pages), the same properties (a row's bits whatever L and tp).
+# PAGES_PER_STEP_CHOICES: pages one step of the split kernel's online softmax takes
+# (`Attn2Build.pages_per_step`; a deployment's is `pages_per_step`'s). With 2 a step takes a pair of
+# the split's pages (`split_steps`): one row max, one alpha and one rescale for 32 keys, so the
+# per-step overhead and the chain's latency are paid once for two pages. Other bits than 1 (the
+# max moves once for two pages), the same properties (a row's bits whatever L and tp).
 PAGES_PER_STEP_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
@@ -205,15 +205,40 @@ def check_splits_per_cta(per_cta: object, num_splits: int | None = None) -> None
         raise ValueError(f"splits_per_cta {per_cta} does not divide the plan's {num_splits} splits")
 
 
-def check_pages_per_step(per_step: object, splits_per_cta: int | None = None) -> None:
+def check_pages_per_step(per_step: object) -> None:
     """Refuse (ValueError) a pages-per-step value a build cannot run: not an int of
-    PAGES_PER_STEP_CHOICES (a bool or a float included), or 2 with two splits a CTA (the paired
-    steps run one split a CTA only). The one check behind `Attn2Build`, the kernel, the CPU model
-    and the scripts."""
+    PAGES_PER_STEP_CHOICES (a bool or a float included). Either value runs with one or two splits
+    a CTA. The one check behind `Attn2Build`, the kernel, the CPU model and the scripts."""
     if type(per_step) is not int or per_step not in PAGES_PER_STEP_CHOICES:
         raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP_CHOICES}, got {per_step!r}")
-    if per_step > 1 and splits_per_cta is not None and splits_per_cta > 1:
-        raise ValueError(f"pages_per_step {per_step} runs one split a CTA, got splits_per_cta {splits_per_cta}")
+
+
+# TWO_PAGE_STEPS: the deployments whose softmax steps take two pages (`pages_per_step`): the split
+# plans without a window. Measured on the H200 (CUDA-graph medians, 256 splits, one page a step
+# against two; 0 bits differing in the BF16 output on those inputs, KV head 0 equal across tp):
+# tp 8 L 8k / 32k / 128k 13.74 / 15.64 / 33.78 us against 13.62 / 14.61 / 29.76; tp 16 10.09 /
+# 14.16 / 30.39 against 10.32 / 13.36 / 26.33. Not taken: the window's plans (2048: 64 splits),
+# where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN),
+# unmeasured. A row's bits follow the value, so it depends only on the plan (max_model_len, window,
+# splits), never on tp or the splits a CTA runs: tp 4 and 2 (two splits a CTA) take it too.
+TWO_PAGE_STEPS = "split plans without a window"
+
+
+def pages_per_step(max_model_len: int, window: int, num_splits: int) -> int:
+    """A deployment's pages a softmax step (`TWO_PAGE_STEPS`): 2 for a split plan (num_splits > 1)
+    without a window (window 0), else 1. Independent of num_kv_heads and tp by signature: a KV
+    head's bits are the same at every tp of a deployment. `max_model_len` is validated only (the
+    plan, `splits`, already carries it); ValueError for a bad value."""
+    _check_positive(max_model_len=max_model_len, num_splits=num_splits)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
+    return 2 if num_splits > 1 and window == 0 else 1
+
+
+def deployment_pages_per_step(max_model_len: int, window: int) -> int:
+    """`pages_per_step` of a deployment's own plan (`splits`; its split count does not depend on
+    the KV heads, so neither does this)."""
+    return pages_per_step(max_model_len, window, splits(max_model_len, window, 1))
 
 
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:

@@ -14,10 +14,11 @@ branch inside the page loop other than its back edge is followed.
 CTA runs two page loops (one per split) through one ring: the loop counted is the one with the
 most tensor-core instructions, the first found among equals.
 
-`--pages-per-step 2` builds the split kernel whose softmax step takes two pages
-(`Attn2Build.pages_per_step`; one split a CTA only): the loop counted is the two-page step's (the
-one with the most tensor-core instructions), and the counts printed are per page, the step's
-counts / 2 (the line says so).
+`--pages-per-step 1|2` builds the split kernel whose softmax step takes that many pages
+(`Attn2Build.pages_per_step`; default: the deployment's, `attn2_layout.pages_per_step`: 2 for
+split plans without a window). With 2 the loop counted is the two-page step's (the one with the
+most tensor-core instructions), and the counts printed are per page, the step's counts / 2 (the
+line says so).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def main() -> None:
                              "('mask+lean': those two on, the rest off)")
     parser.add_argument("--splits-per-cta", type=int, default=None, choices=(1, 2),
                         help="sibling splits a split CTA runs (default: the layout's for the deployment)")
-    parser.add_argument("--pages-per-step", type=int, default=1, choices=(1, 2),
-                        help="pages a softmax step takes (2: counts are per step / 2)")
+    parser.add_argument("--pages-per-step", type=int, default=None, choices=(1, 2),
+                        help="pages a softmax step takes (default: the deployment's; 2: counts are per step / 2)")
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
@@ -108,9 +109,10 @@ def main() -> None:
     from musebench import attn2_layout as lay
 
     try:
-        lay.check_pages_per_step(args.pages_per_step, args.splits_per_cta)
+        per_step = args.pages_per_step or lay.pages_per_step(
+            args.max_model_len, args.window, lay.splits(args.max_model_len, args.window, args.heads))
     except ValueError as e:
-        print(f"--pages-per-step: {e}", file=sys.stderr)
+        print(f"attn2-sass: {e}", file=sys.stderr)
         sys.exit(2)
     names = [n for n in args.issue.split(",") if n]
     try:
@@ -126,7 +128,7 @@ def main() -> None:
                 attn2.compile_attn2(args.heads, args.max_model_len, args.window,
                                     attn2.Attn2Build(arch=args.arch, ptx_dir=tmp, issue=issues[name],
                                                      splits_per_cta=args.splits_per_cta,
-                                                     pages_per_step=args.pages_per_step))
+                                                     pages_per_step=per_step))
             except ValueError as e:
                 print(f"attn2-sass: {e}", file=sys.stderr)
                 sys.exit(2)
@@ -138,8 +140,8 @@ def main() -> None:
             regs = re.search(r"Used (\d+) registers", report)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
             paths = loop_paths(sass)
-            if args.pages_per_step > 1:  # the loop is a step of pages_per_step pages
-                paths = f"{[n / args.pages_per_step for n in paths]} (a step's / {args.pages_per_step})"
+            if per_step > 1:  # the loop is a step of per_step pages
+                paths = f"{[n / per_step for n in paths]} (a step's / {per_step})"
             print(f"{name:14s} per-page SASS paths {paths}  registers {regs.group(1) if regs else '?'}  "
                   f"spill st/ld {spill.group(1) + '/' + spill.group(2) if spill else '?'}", flush=True)
 

@@ -21,13 +21,14 @@ first --splits-per-cta value's (`bits_differing_from_first_splits_per_cta`), and
 (`head0_bits_differing_from_first_tp`); the run exits 1 if either is ever non-zero. A value outside
 1, 2, auto, or 2 with a one-split plan, exits 2 before any launch.
 
-`--pages-per-step 1,2` times the split kernel whose softmax step takes one or two pages
-(`Attn2Build.pages_per_step`; values run in ascending order) on the same plan. Two pages a step
-gives other bits (the max moves once for two pages), so this axis is not checked: each point
-reports `bits_differing_from_pages_per_step_1` (the elements that differ from the pages_per_step 1
-point of its setting; null without 1 in the list) as information only; the other axes' checks are
-made within one pages_per_step value. A value outside 1, 2, or 2 with two splits a CTA, exits 2
-before any launch.
+`--pages-per-step 1,2,auto` times the split kernel whose softmax step takes one or two pages
+(`Attn2Build.pages_per_step`; "auto", the default: the deployment's for the plan,
+`attn2_layout.pages_per_step`: 2 for split plans without a window) on the same plan; a plan's
+values run in ascending order of the pages they take. Two pages a step gives other bits (the max
+moves once for two pages), so this axis is not checked: each point reports
+`bits_differing_from_pages_per_step_1` (the elements that differ from the point of its setting
+that takes 1; null without one) as information only; the other axes' checks are made within one
+--pages-per-step value. A value outside 1, 2, auto exits 2 before any launch.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -66,6 +67,18 @@ def _splits_per_cta(name: str, heads: int, splits: int) -> int:
     return int(name)
 
 
+def _pages_per_step(name: str, max_model_len: int, window: int, splits: int) -> int:
+    """A --pages-per-step value for a plan: an int as written, or "auto": the deployment's rule
+    (`attn2_layout.pages_per_step`; ValueError for anything else, or what `check_pages_per_step`
+    refuses)."""
+    if name == "auto":
+        return lay.pages_per_step(max_model_len, window, splits)
+    if not name.isdigit():
+        raise ValueError(f"{name!r} is neither an int nor auto")
+    lay.check_pages_per_step(int(name))
+    return int(name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", default="64,128,256")
@@ -81,7 +94,8 @@ def main() -> None:
                              "joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
                              "target's)")
     parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
-    parser.add_argument("--pages-per-step", default="1", help="comma list of 1, 2 (run ascending)")
+    parser.add_argument("--pages-per-step", default="auto",
+                        help="comma list of 1, 2, auto (the deployment's: 2 for split plans without a window)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -111,18 +125,12 @@ def main() -> None:
         print(f"--splits-per-cta: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        names = [n for n in args.pages_per_step.split(",") if n]
-        if not names or len(set(names)) != len(names):
+        per_step_names = [n for n in args.pages_per_step.split(",") if n]
+        if not per_step_names or len(set(per_step_names)) != len(per_step_names):
             raise ValueError("name each value once, at least one")
-        if not all(n.isdigit() for n in names):
-            raise ValueError(f"{args.pages_per_step!r}: ints only")
-        per_step_values = sorted(int(n) for n in names)
-        for value in per_step_values:
-            lay.check_pages_per_step(value)
-            for tp in _csv(args.tp):
-                for splits in _csv(args.splits):
-                    for name in per_cta_names:
-                        lay.check_pages_per_step(value, _splits_per_cta(name, config.NUM_KV_HEADS // tp, splits))
+        for name in per_step_names:
+            for splits in _csv(args.splits):
+                _pages_per_step(name, args.max_model_len, args.window, splits)
     except ValueError as e:
         print(f"--pages-per-step: {e}", file=sys.stderr)
         sys.exit(2)
@@ -130,7 +138,7 @@ def main() -> None:
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
     rows = []
-    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name, pages_per_step): KV head 0 at the first --tp
+    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name, pages_per_step name): KV head 0 at the first --tp
     for tp in _csv(args.tp):
         for length in _csv(args.lengths):
             p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
@@ -145,11 +153,14 @@ def main() -> None:
             reference = None
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
-                    first_issue: dict = {}  # per (splits_per_cta name, pages_per_step): the first --issue's output
-                    first_per_cta: dict = {}  # per (--issue, pages_per_step): the first --splits-per-cta value's
-                    one_page: dict = {}  # per (--issue, splits_per_cta name): pages_per_step 1's output
+                    first_issue: dict = {}  # per (splits_per_cta name, pages_per_step name): the first --issue's output
+                    first_per_cta: dict = {}  # per (--issue, pages_per_step name): the first --splits-per-cta value's
+                    one_page: dict = {}  # per (--issue, splits_per_cta name): the output with 1 page a step
+                    per_steps = sorted(((_pages_per_step(n, args.max_model_len, args.window, splits), n)
+                                        for n in per_step_names))
                     for issue_name, issue in issues.items():
-                        for per_cta_name, per_step in ((n, k) for n in per_cta_names for k in per_step_values):
+                        for per_cta_name, (per_step, per_step_name) in ((n, k) for n in per_cta_names
+                                                                         for k in per_steps):
                             per_cta = _splits_per_cta(per_cta_name, heads, splits)
                             workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta)),
                                                     dtype=torch.uint8, device=device)
@@ -167,13 +178,13 @@ def main() -> None:
                             finite = bool(torch.isfinite(out.float()).all())
                             if reference is None:
                                 reference = out.clone()
-                            first_issue.setdefault((per_cta_name, per_step), out.clone())
-                            first_per_cta.setdefault((issue_name, per_step), out.clone())
+                            first_issue.setdefault((per_cta_name, per_step_name), out.clone())
+                            first_per_cta.setdefault((issue_name, per_step_name), out.clone())
                             if per_step == 1:
                                 one_page[(issue_name, per_cta_name)] = out.clone()
                             # KV head 0 (rank 0's first head at every tp): its 8 query heads' columns
                             head0 = out[:, :lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM].clone()
-                            tp_key = (length, splits, pdl, issue_name, per_cta_name, per_step)
+                            tp_key = (length, splits, pdl, issue_name, per_cta_name, per_step_name)
                             first_tp.setdefault(tp_key, head0)
 
                             def differing(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -181,16 +192,16 @@ def main() -> None:
 
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
-                                       pages_per_step=per_step,
+                                       pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,
                                        us=round(us, 2), sdpa_us=round(sdpa_us, 2), ratio_to_sdpa=round(us / sdpa_us, 3),
                                        gbps=round(kv_bytes / us / 1e3, 1),
                                        roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
                                        bits_differing_from_first_plan=differing(out, reference),
                                        bits_differing_from_first_issue=differing(out, first_issue[(per_cta_name,
-                                                                                                   per_step)]),
+                                                                                                   per_step_name)]),
                                        bits_differing_from_first_splits_per_cta=differing(
-                                           out, first_per_cta[(issue_name, per_step)]),
+                                           out, first_per_cta[(issue_name, per_step_name)]),
                                        bits_differing_from_pages_per_step_1=(
                                            differing(out, one_page[(issue_name, per_cta_name)])
                                            if (issue_name, per_cta_name) in one_page else None),

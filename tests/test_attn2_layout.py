@@ -171,8 +171,54 @@ def test_pages_per_step_outside_the_choices_is_refused(bad):
         lay.check_pages_per_step(bad)
 
 
-def test_two_pages_a_step_with_two_splits_a_cta_is_refused():
-    lay.check_pages_per_step(2, 1)
-    lay.check_pages_per_step(1, 2)
-    with pytest.raises(ValueError, match="splits_per_cta"):
-        lay.check_pages_per_step(2, 2)
+def test_either_pages_per_step_is_accepted():
+    """1 and 2 both pass the check (two pages a step runs with one or two splits a CTA)."""
+    for per_step in lay.PAGES_PER_STEP_CHOICES:
+        lay.check_pages_per_step(per_step)
+    assert lay.PAGES_PER_STEP_CHOICES == (1, 2)
+
+
+# (max_model_len, window): the short plan, the split plans without a window, the window's
+DEPLOYMENT_PLANS = [(2048, 0), (4096, 0), (8192, 0), (32768, 0), (131072, 0), (131072, 2048), (8192, 2048),
+                    (4096, 1)]
+
+
+@pytest.mark.parametrize("max_model_len, window", DEPLOYMENT_PLANS)
+def test_pages_per_step_rule_is_two_for_split_plans_without_a_window(max_model_len, window):
+    """`pages_per_step`: 2 exactly for a split plan (num_splits > 1) without a window, 1 for the
+    window's plans and the one-split plans, the same at every tp (1, 2, 4, 8, 16 KV heads: the
+    plan's splits do not depend on them, nor does the rule)."""
+    values = {lay.pages_per_step(max_model_len, window, lay.splits(max_model_len, window, heads))
+              for heads in (1, 2, 4, 8, 16)}
+    splits = lay.splits(max_model_len, window, 1)
+    assert values == {2 if splits > 1 and window == 0 else 1}
+    assert lay.deployment_pages_per_step(max_model_len, window) in values
+
+
+def test_pages_per_step_rule_values():
+    """The deployments' values: 2 at 4096 .. 128k without a window, 1 at 2048 (one split) and with
+    the 2048 window; a forced plan follows its own split count."""
+    assert [lay.deployment_pages_per_step(n, 0) for n in (2048, 4096, 8192, 131072)] == [1, 2, 2, 2]
+    assert lay.deployment_pages_per_step(131072, 2048) == 1
+    assert lay.pages_per_step(131072, 0, 1) == 1 and lay.pages_per_step(2048, 0, 2) == 2
+    assert lay.pages_per_step(131072, 2048, 256) == 1
+    assert lay.TWO_PAGE_STEPS
+
+
+def test_pages_per_step_rule_can_fail():
+    """Fault injection: a rule keyed on tp (two pages only where one split runs a CTA, as the
+    refusal before it had it) gives tp 4 and tp 8 different values, which the tp-independence
+    check above sees; a rule ignoring the window gives the window's plan 2."""
+    def by_tp(max_model_len, window, heads):
+        splits = lay.splits(max_model_len, window, heads)
+        return 2 if splits > 1 and not window and lay.splits_per_cta(heads, splits) == 1 else 1
+
+    assert len({by_tp(131072, 0, heads) for heads in (1, 2, 4, 8, 16)}) == 2
+    assert lay.pages_per_step(131072, 2048, 64) != lay.pages_per_step(131072, 0, 64)
+
+
+@pytest.mark.parametrize("args", [(0, 0, 256), (131072, -1, 256), (131072, 0, 0), (131072, True, 256),
+                                  (131072, 0, 2.0)])
+def test_pages_per_step_rule_refuses_bad_plans(args):
+    with pytest.raises(ValueError):
+        lay.pages_per_step(*args)

@@ -171,9 +171,9 @@ SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
     (["--splits", "3"], "not a power of two"),
     (["--pages-per-step", "3"], "pages_per_step must be one of (1, 2)"),
     (["--pages-per-step", "0,1"], "pages_per_step must be one of (1, 2)"),
-    (["--pages-per-step", "1.5"], "ints only"),
+    (["--pages-per-step", "1.5"], "neither an int nor auto"),
     (["--pages-per-step", "2,2"], "each value once"),
-    (["--pages-per-step", "2", "--splits-per-cta", "2"], "runs one split a CTA"),
+    (["--pages-per-step", "auto,auto"], "each value once"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step: a value it cannot run exits 2 with the reason,
@@ -187,6 +187,19 @@ def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 2, result.stderr
     assert reason in result.stderr
+
+
+def test_sweep_attn2_pages_per_step_values():
+    """auto is the deployment's rule for the plan (`attn2_layout.pages_per_step`: 2 for split plans
+    without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with
+    two splits a CTA runs)."""
+    pytest.importorskip("cutlass")
+    per_step = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_pages_per_step"]
+    assert per_step("auto", 131072, 0, 256) == 2 and per_step("auto", 8192, 0, 256) == 2
+    assert per_step("auto", 131072, 2048, 64) == 1 and per_step("auto", 2048, 0, 1) == 1
+    assert per_step("1", 131072, 0, 256) == 1 and per_step("2", 131072, 2048, 64) == 2
+    with pytest.raises(ValueError, match="must be one of"):
+        per_step("3", 131072, 0, 256)
 
 
 def test_sweep_attn2_splits_per_cta_values():
@@ -261,10 +274,12 @@ ATTN2_SASS = REPO / "scripts" / "attn2-sass.py"
 
 @pytest.mark.parametrize("args, reason", [
     (["--pages-per-step", "3"], "invalid choice"),
-    (["--pages-per-step", "2", "--splits-per-cta", "2"], "runs one split a CTA"),
+    (["--pages-per-step", "auto"], "invalid int value"),
+    (["--max-model-len", "0"], "max_model_len must be a positive int"),
 ])
 def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
-    """attn2-sass.py --pages-per-step: 1 or 2, and 2 only with one split a CTA; exit 2 otherwise."""
+    """attn2-sass.py --pages-per-step: 1 or 2 (default: the deployment's, which needs a valid
+    plan); exit 2 otherwise, before compiling."""
     pytest.importorskip("cutlass")
     import os
     import subprocess

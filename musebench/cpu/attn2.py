@@ -16,9 +16,10 @@ accumulator is l, so the row sums cost no FP32 adds), the fixed merge tree
 the norm's sum of squares in the kernel's lane order (lane c of a quad holds dims 8t + 2c,
 8t + 2c + 1 of n-tile t, the mma's natural C layout, `attn2_layout.lane_dims`; it sums its 16
 squares t ascending from +0.0, then the quad (0 + 1) + (2 + 3)), rstd = 1 / sqrt(ss / 64 + eps),
-then x rstd sigmoid(g). With `pages_per_step` 2 (`Attn2Build.pages_per_step`) a step of the online
-softmax takes two of a split's pages (`attn2_layout.split_steps`, `softmax_step`): one max, one
-alpha, one rescale for their 32 keys, then their P V steps page by page. Only the sum of squares depends on which lane holds which dim: every
+then x rstd sigmoid(g). With `pages_per_step` 2 (`Attn2Build.pages_per_step`; the deployments'
+rule, `attn2_layout.pages_per_step`, takes it for split plans without a window) a step of the
+online softmax takes two of a split's pages (`attn2_layout.split_steps`, `softmax_step`): one max,
+one alpha, one rescale for their 32 keys, then their P V steps page by page. Only the sum of squares depends on which lane holds which dim: every
 other step is element-wise or sums over keys, whose order the layout does not touch.
 
 The tensor cores, emulated (`tc_mma`): one m16n8k16 step is D = RZ(C + sum of the 16 products),
@@ -137,11 +138,15 @@ def _lane_sum_squares64(x: torch.Tensor) -> torch.Tensor:
 
 
 def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor, kv_head: int, seq_len: int,
-                  window: int, split: int, num_splits: int, scale_log2: torch.Tensor, pages_per_step: int = 1
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One CTA's partial: (O FP32 [64, 64], m [64], l [64]) for the 64 rows [token t, head j] of
+                  window: int, split: int, num_splits: int, scale_log2: torch.Tensor,
+                  pages_per_step: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One split's partial: (O FP32 [64, 64], m [64], l [64]) for the 64 rows [token t, head j] of
     one KV head (row = 8 t + j), over the pages of split `split`, `pages_per_step` pages a step of
-    the online softmax (`attn2_layout.split_steps`, `softmax_step`)."""
+    the online softmax (`attn2_layout.split_steps`, `softmax_step`; None: the plan's rule,
+    `attn2_layout.pages_per_step`, which reads only the plan's split count and window: 2 for
+    num_splits > 1 without a window, else 1)."""
+    if pages_per_step is None:
+        pages_per_step = lay.pages_per_step(seq_len, window, num_splits)
     rows = lay.ROWS_PER_KV_HEAD
     first, end = lay.visible_keys(seq_len, window)
     o = torch.zeros(rows, lay.HEAD_DIM, dtype=torch.float32)
@@ -219,14 +224,17 @@ def epilogue(o: torch.Tensor, lsum: torch.Tensor, gate: torch.Tensor, eps: float
 
 
 def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: float = config.ATTN_SCALE,
-                eps: float = config.RMS_NORM_EPS, pages_per_step: int = 1) -> torch.Tensor:
+                eps: float = config.RMS_NORM_EPS, pages_per_step: int | None = None) -> torch.Tensor:
     """The kernel's output, bf16 [8 R, 512 K], computed on the CPU as the kernel computes it;
     `num_splits` defaults to the deployment's (`attn2_layout.splits`), `pages_per_step` is
-    `Attn2Build.pages_per_step`'s (1 or 2; ValueError otherwise)."""
-    lay.check_pages_per_step(pages_per_step)
+    `Attn2Build.pages_per_step`'s (1 or 2; ValueError otherwise; None: the plan's rule,
+    `attn2_layout.pages_per_step`, as the kernel's default)."""
     p = problem.to("cpu")
     heads = p.num_kv_heads
     splits = num_splits or lay.splits(p.max_model_len, p.window, heads)
+    if pages_per_step is None:
+        pages_per_step = lay.pages_per_step(p.max_model_len, p.window, splits)
+    lay.check_pages_per_step(pages_per_step)
     scale_log2 = _f32(scale * LOG2_E)
     out = torch.empty_like(p.q)
     width = lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM

@@ -33,13 +33,15 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    n-tile's accumulator is l and a page costs no FP32 adds for O or the row sums. n-tile t of
    P V is dims 8t .. 8t + 7, so a thread holds dims 8t + 2c, 8t + 2c + 1 of its rows g and
    g + 8 (t = 0 .. 7; `attn2_layout.lane_dims`).
-   With `Attn2Build.pages_per_step` 2 (an experiment; one split a CTA) a step takes two of the
+   With `Attn2Build.pages_per_step` 2 (the deployments' for split plans without a window,
+   `attn2_layout.pages_per_step`, at every tp; one or two splits a CTA) a step takes two of the
    split's pages (`attn2_layout.split_steps`: pairs by place in the split's whole list, so that no
    step depends on L or the window; a lone first or last page runs the one-page loop): both in
    the ring (it holds one page less ahead), one wait and one barrier, S per page, one max over
    the 32 keys, one alpha and rescale, then P V page by page (p_lo, p_hi of the first, then of the
-   second). Other bits than one page a step (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the
-   same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
+   second). With two splits a CTA each split steps through its own pages so (`step_chain`), as
+   a CTA running it alone would. Other bits than one page a step
+   (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
    131 (`scripts/attn2-sass.py --pages-per-step 2`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
@@ -54,7 +56,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` and the pages a softmax step takes. Measured and removed (records/,
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` and the pages a softmax step
+takes (forced against the rule). Measured and removed (records/,
 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
@@ -206,9 +209,10 @@ class Attn2Build:
     a split count other than `attn2_layout.splits`' (a power of two; the bits then follow that
     plan, not the deployment's), the splits a CTA runs other than `attn2_layout.splits_per_cta`'s
     (1 or 2: the same bits either way), the split kernel's instruction savings (`SplitIssue`:
-    the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: 1, or 2
-    with one split a CTA; 2 gives other bits than 1, those of `cpu.attn2.attn2_model` with
-    pages_per_step 2, with the same determinism)."""
+    the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: None,
+    the deployment's rule for the build's plan, `attn2_layout.pages_per_step`, resolved into the
+    compile key; 1 or 2 forced, with one or two splits a CTA; 2 gives other bits than 1, those of
+    `cpu.attn2.attn2_model` with pages_per_step 2, with the same determinism)."""
 
     enable_pdl: bool = True
     arch: str | None = None
@@ -217,13 +221,14 @@ class Attn2Build:
     issue: SplitIssue = SplitIssue()
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
-    pages_per_step: int = 1  # experiments only: 1 or 2 (`attn2_layout.split_steps`); other bits with 2
+    pages_per_step: int | None = None  # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
-        lay.check_pages_per_step(self.pages_per_step, self.splits_per_cta)
+        if self.pages_per_step is not None:
+            lay.check_pages_per_step(self.pages_per_step)
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -258,7 +263,7 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         lay.check_splits_per_cta(splits_per_cta, num_splits)
-        lay.check_pages_per_step(pages_per_step, splits_per_cta)
+        lay.check_pages_per_step(pages_per_step)
         self.pages_per_step = pages_per_step
         # pages the ring holds ahead of the step's first page: STAGES - 1 with one page a step, one
         # stage less with two (a step's two pages occupy two stages while the rest load)
@@ -649,7 +654,7 @@ class _Attn2Kernel:
     def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
                    table_smem: Int32, total: Int32, k_words, v_words, descriptors, a: list, g: Int32, c: Int32,
                    kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32, low_key: Int32,
-                   m: list, o: list):
+                   m: list, o: list, streams=None):
         """`steps` steps of two pages from the CTA's page `begin` (pages begin + 2j, begin + 2j + 1;
         the split's logical page of CTA page i is chain_start + i S), from (m, o); returns (m, o).
 
@@ -657,7 +662,9 @@ class _Attn2Kernel:
         `lookahead` 6: `ring_prologue` and `split_chain` keep the count); waiting until at most 4
         are pending completes pages i and i + 1. The barrier makes every thread's copies of both
         visible and, as every warp reaches it only after its previous step, frees the stages of
-        pages i - 2 and i - 1: pages i + 6 and i + 7 go there after it, a commit group each."""
+        pages i - 2 and i - 1: pages i + 6 and i + 7 go there after it, a commit group each. The
+        count runs on across the splits of a CTA. `streams`: as `split_chain`'s (None: the copies
+        are this chain's split's pages, table entry = CTA page)."""
         for j in cutlass.range(0, steps, unroll=1):
             i = begin + 2 * j
             cute.arch.cp_async_wait_group(self.lookahead - 2)
@@ -667,8 +674,13 @@ class _Attn2Kernel:
             for k in cutlass.range_constexpr(2):
                 ahead = i + self.lookahead + k
                 if ahead < total:
+                    if cutlass.const_expr(streams is None):
+                        index = ahead
+                        page = chain_start + ahead * self.num_splits
+                    else:
+                        index, page = self.stream_page(ahead, streams[0], streams[1])
                     self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                                   ahead, chain_start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                                   index, page, kv_head, seq_len, cache_pages, tidx)
                 cute.arch.cp_async_commit_group()
             m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
@@ -744,7 +756,7 @@ class _Attn2Kernel:
     def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, load_offset, load_start: Int32,
                     ring_base: Int32, cache_base: Int64, table_smem: Int32, total: Int32, k_words, v_words,
                     descriptors, a: list, g: Int32, c: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32,
-                    tidx: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
+                    tidx: Int32, own_key: Int32, low_key: Int32, m: list, o: list, streams=None):
         """The CTA's pages begin .. end - 1 of one split (the CTA's page i is the split's logical page
         chain_start + i S) through the ring, from (m, o); returns (m, o). The ring runs on across
         splits: page i copies the CTA's page i + STAGES - 1 (below `total`), the table entry
@@ -758,7 +770,9 @@ class _Attn2Kernel:
         i + 6 copied; `pair_chain` keeps the same count.) The barrier then makes
         every thread's copies of page i visible to the CTA, and, as every warp reaches it only
         after its page i - 1 (its tensor-core reads waited for), frees stage (i - 1) % STAGES:
-        page i + 7's copies go there after it, 7 pages in flight while page i computes."""
+        page i + 7's copies go there after it, 7 pages in flight while page i computes.
+        `streams` (the CTA's (starts, counts), or None): each copy's table entry and logical page
+        from `stream_page` instead of load_offset and load_start."""
         for i in cutlass.range(begin, end, unroll=1):
             cute.arch.cp_async_wait_group(self.lookahead - 1)
             if cutlass.const_expr(self.wgmma):
@@ -766,13 +780,40 @@ class _Attn2Kernel:
             cute.arch.barrier()
             ahead = i + self.lookahead
             if ahead < total:
-                index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
+                if cutlass.const_expr(streams is None):
+                    index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
+                    page = load_start + ahead * self.num_splits
+                else:
+                    index, page = self.stream_page(ahead, streams[0], streams[1])
                 self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                               index, load_start + ahead * self.num_splits, kv_head, seq_len, cache_pages, tidx)
+                               index, page, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
             m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
         return m, o
+
+    @cute.jit
+    def step_chain(self, begin, count: Int32, chain_start: Int32, split_start: Int32, streams, chain: tuple,
+                   m: list, o: list):
+        """One split's `count` pages in steps of two (`pages_per_step` 2), from the CTA's page
+        `begin` (None: 0; its logical page of CTA page i is chain_start + i S), from (m, o); returns
+        (m, o). The steps are `attn2_layout.split_steps`': pairs by place in the split's whole
+        list (its first page `split_start` is its (split_start // S)-th), so a step's pages do not
+        depend on L, the window, or the split's place in the CTA: a first page at an odd place
+        runs alone (`split_chain`), then the pairs (`pair_chain`), an odd last page alone. The
+        same steps in the same order as a CTA running this split alone. `streams`: None (the CTA's
+        pages are this split's), or the CTA's (starts, counts) (`stream_page`: two splits a CTA)."""
+        lead = cutlass.min((split_start // self.num_splits) % 2, count)
+        pairs = (count - lead) // 2
+        if cutlass.const_expr(begin is None):
+            m, o = self.split_chain(Int32(0), lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
+            m, o = self.pair_chain(lead, pairs, chain_start, *chain, m, o, streams=streams)
+            return self.split_chain(lead + 2 * pairs, count, chain_start, None, chain_start, *chain, m, o,
+                                    streams=streams)
+        m, o = self.split_chain(begin, begin + lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
+        m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
+        return self.split_chain(begin + lead + 2 * pairs, begin + count, chain_start, None, chain_start, *chain, m, o,
+                                streams=streams)
 
     @cute.jit
     def hold_pending(self, pending_base: Int32, tidx: Int32, m: list, o: list) -> None:
@@ -932,14 +973,20 @@ class _Attn2Kernel:
         chain = (ring_base, cache_base, table_smem, total, k_words, v_words, descriptors, a, g, c, kv_head, seq_len,
                  cache_pages, tidx, own_key, low_key)
         if cutlass.const_expr(self.pages_per_step == 2):
-            # Steps of two pages (`attn2_layout.split_steps`): pairs by place in the split's whole
-            # list (the split's page p is its (p // S)-th), so a step's pages do not depend on L or
-            # the window: a first page at an odd place runs alone, then pairs, an odd end alone.
-            lead = cutlass.min((starts[0] // self.num_splits) % 2, counts[0])
-            pairs = (counts[0] - lead) // 2
-            m, o = self.split_chain(Int32(0), lead, starts[0], None, starts[0], *chain, m, o)
-            m, o = self.pair_chain(lead, pairs, starts[0], *chain, m, o)
-            m, o = self.split_chain(lead + 2 * pairs, counts[0], starts[0], None, starts[0], *chain, m, o)
+            # Steps of two pages, split by split, each as a CTA running it alone would step
+            # (`step_chain`). With two splits a CTA every copy finds its split's table entry and
+            # logical page through `stream_page` (a few selects a copy, no range cuts); the first
+            # split's state is held while the second runs from a fresh state, as below.
+            streams = None
+            if cutlass.const_expr(self.splits_per_cta > 1):
+                streams = (starts, counts)
+            m, o = self.step_chain(None, counts[0], starts[0], starts[0], streams, chain, m, o)
+            if cutlass.const_expr(self.splits_per_cta > 1):
+                self.hold_pending(pending_base, tidx, m, o)
+                fresh_m = [Float32(NEG_INF), Float32(NEG_INF)]
+                fresh_o = [Float32(0.0) for _ in range(ACCUMULATORS)]
+                second = starts[1] - counts[0] * self.num_splits  # its logical page of CTA page i: + i S
+                m, o = self.step_chain(counts[0], counts[1], second, starts[1], streams, chain, fresh_m, fresh_o)
         elif cutlass.const_expr(self.splits_per_cta == 1):
             m, o = self.split_chain(Int32(0), counts[0], starts[0], None, starts[0], *chain, m, o)
         else:
@@ -1300,14 +1347,24 @@ class CompiledAttn2:
     combine: Any | None
 
 
+def resolved_pages_per_step(requested: int | None, max_model_len: int, window: int, num_splits: int) -> int:
+    """The pages a softmax step takes in a build: `requested` (1 or 2, checked), or with None the
+    rule of the build's split plan (`attn2_layout.pages_per_step`: 2 for split plans without a
+    window); never anything that depends on the KV heads or tp."""
+    if requested is None:
+        return lay.pages_per_step(max_model_len, window, num_splits)
+    lay.check_pages_per_step(requested)
+    return requested
+
+
 def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Attn2Build = Attn2Build()) -> CompiledAttn2:
     """The compiled attn2 kernels of a deployment (one compile per process: the one cache).
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
-    lay.check_pages_per_step(build.pages_per_step, knobs["splits_per_cta"])
+    per_step = resolved_pages_per_step(build.pages_per_step, max_model_len, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
-    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=build.pages_per_step)
+    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1406,17 +1463,15 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None,
-           pages_per_step: int = 1) -> None:
+           pages_per_step: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta` and
-    `pages_per_step`: experiments only (`Attn2Build`; refused before any compile or launch outside
-    their choices)."""
+    `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced): experiments
+    only (`Attn2Build`; refused before any compile or launch outside their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta)
-    lay.check_pages_per_step(pages_per_step, lay.splits_per_cta(int(kv_cache.shape[1]), splits)
-                             if splits_per_cta is None else splits_per_cta)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if workspace is None or splits == 1:
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves

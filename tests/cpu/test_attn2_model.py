@@ -437,6 +437,55 @@ def test_the_model_refuses_pages_per_step_outside_the_choices(bad):
         attn2_model(make_problem("tiny", 20, 64, num_kv_heads=1), pages_per_step=bad)
 
 
+@pytest.mark.parametrize("seq_len, max_model_len, window, splits", [
+    (40, 256, 0, None),  # the short plan (one split): 1
+    (150, 4096, 0, None),  # a split plan without a window: 2
+    (150, 4096, 40, None),  # the window's plan: 1
+    (150, 256, 0, 4),  # a forced split plan: its own rule, 2
+])
+def test_the_models_default_follows_the_deployment_rule(monkeypatch, seq_len, max_model_len, window, splits):
+    """attn2_model's default pages_per_step is `attn2_layout.pages_per_step` of its plan: every
+    split's partial is computed with the rule's value, and the output is bit for bit the model
+    forced to it (the BF16 outputs of 1 and 2 rarely differ, so the value passed is what is
+    checked; `test_split_partials_default_follows_the_rule` sees the FP32 partials differ)."""
+    p = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=2)
+    plan = splits or lay.splits(max_model_len, window, 2)
+    rule = lay.pages_per_step(max_model_len, window, plan)
+    assert rule == (2 if plan > 1 and not window else 1)
+    seen = []
+    partial = model_module.split_partial
+
+    def recording(*args, **kwargs):
+        seen.append(args[9] if len(args) > 9 else kwargs.get("pages_per_step"))
+        return partial(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "split_partial", recording)
+    default = attn2_model(p, num_splits=splits)
+    assert set(seen) == {rule}
+    assert torch.equal(_bits(default), _bits(attn2_model(p, num_splits=splits, pages_per_step=rule)))
+    seen.clear()
+    attn2_model(p, num_splits=splits, pages_per_step=3 - rule)  # the recording sees a forced value
+    assert set(seen) == {3 - rule}
+
+
+def test_split_partials_default_follows_the_rule():
+    """split_partial's default (None) is the rule of its (num_splits, window): 2 for split plans
+    without a window, 1 with one split or a window."""
+    from musebench.cpu.attn2 import split_partial
+
+    p = make_problem("random", 150, 4096, num_kv_heads=1)
+    scale_log2 = torch.tensor(config.ATTN_SCALE * 1.4426950408889634, dtype=torch.float32)
+    for window, splits in ((0, 2), (0, 1), (60, 2)):
+        want = 2 if splits > 1 and not window else 1
+        # the last split: pages (1, 3), (5, 7), 9 without a window; (5, 7), 9 with it
+        args = (p.q[:8].reshape(64, 64), p.kv_cache, p.page_table[0], 0, 150, window, splits - 1, splits, scale_log2)
+        got = split_partial(*args)
+        forced = split_partial(*args, pages_per_step=want)
+        other = split_partial(*args, pages_per_step=3 - want)
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, forced))
+        assert not all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(got, other))
+
+
 def _step_state(g: torch.Generator, seen: bool) -> tuple:
     """(O, m, l) of 64 rows before a step: a row that has seen keys (raw max, l >= 1) or none yet."""
     if not seen:

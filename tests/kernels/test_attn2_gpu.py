@@ -86,7 +86,8 @@ def test_deterministic_across_calls_and_graph_replays():
 def test_kv_head_bits_whatever_the_tp():
     """A KV head's bits are the same at tp 2, 4, 8 and 16 (the split count ignores the heads; at
     8192, 256 splits: tp 2 and 4 run two sibling splits a CTA, tp 8 and 16 one, so the pairing of
-    the deployments is checked here too)."""
+    the deployments is checked here too; every tp takes the rule's two pages a step, so two pages
+    a step with two splits a CTA meets one split a CTA here)."""
     whole = make_problem("random", 2100, 8192, num_kv_heads=16)
     per_tp = {tp: torch.cat([_run(for_rank(whole, r, tp))[0] for r in range(tp)], dim=1) for tp in (2, 4, 8, 16)}
     for tp in (4, 8, 16):
@@ -123,7 +124,7 @@ def _launch(problem, num_splits=None, **experiment):
     p = problem.to("cuda")
     heads = p.num_kv_heads
     splits = num_splits or cute_ops.attn2_splits(p.max_model_len, p.window, heads)
-    per_cta = experiment.get("splits_per_cta") or lay.splits_per_cta(heads, splits)
+    per_cta = experiment.get("splits_per_cta") or lay.splits_per_cta(heads, splits)  # pages_per_step: None, the rule
     workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, heads, splits, per_cta)), dtype=torch.uint8,
                             device="cuda")
     out = torch.full_like(p.q, float("nan"))
@@ -178,7 +179,8 @@ def test_split_issue_comparison_sees_a_change():
 ])
 def test_splits_per_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
     """Two sibling splits a CTA (merged in the CTA) give the bits of one split a CTA (merged by the
-    combine), with 2 and 4 KV heads, on the GPU's tensor-core path and on mma.sync."""
+    combine), with 2 and 4 KV heads, on the GPU's tensor-core path and on mma.sync, each plan with
+    the rule's pages a step (two without a window, one with it)."""
     for heads in (2, 4):
         problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=heads)
         for ops in (None, "sync"):
@@ -217,9 +219,10 @@ def test_splits_per_cta_refused_before_launch():
         assert out.isnan().all() and not workspace.any()
 
 
-# Two pages a softmax step (`Attn2Build.pages_per_step` 2, an experiment): other bits than one page
-# a step, those of the CPU model with pages_per_step 2 (within its tolerance), with the same
-# determinism (calls, tensor-core paths, tp, L).
+# Two pages a softmax step (`Attn2Build.pages_per_step` 2, the rule's for split plans without a
+# window; forced here on every plan): other bits than one page a step, those of the CPU model with
+# pages_per_step 2 (within its tolerance), with the same determinism (calls, tensor-core paths,
+# tp, L, splits a CTA).
 
 # one split (many pairs a split, lone last pages), the split kernel at 4096 with and without the
 # window (a lone first page where the window starts at an odd place), 128k
@@ -252,16 +255,16 @@ def test_two_pages_a_step_matches_model(family, seq_len, max_model_len, window):
                                                             (70001, 131072, 4096), (131072, 131072, 0)])
 def test_two_pages_a_step_repeats_its_bits_on_both_tensor_core_paths(seq_len, max_model_len, window):
     """pages_per_step 2: the same bits on every call, and the GPU's tensor-core path (wgmma on an
-    H200) gives mma.sync's bits, on 2 and 4 KV heads (one split a CTA: 4 KV heads at 128k would
-    pair siblings by default, which two pages a step refuses)."""
+    H200) gives mma.sync's bits, on 2 and 4 KV heads (the layout's splits a CTA: 4 KV heads at 128k
+    run two sibling splits a CTA)."""
     for heads in (2, 4):
         problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=heads)
-        first, _ = _launch(problem, pages_per_step=2, splits_per_cta=1)
+        first, _ = _launch(problem, pages_per_step=2)
         assert not first.isnan().any()
         for _ in range(2):
-            again, _ = _launch(problem, pages_per_step=2, splits_per_cta=1)
+            again, _ = _launch(problem, pages_per_step=2)
             assert torch.equal(again.view(torch.int16), first.view(torch.int16)), _first_difference(again, first)
-        sync, _ = _launch(problem, tensor_ops="sync", pages_per_step=2, splits_per_cta=1)
+        sync, _ = _launch(problem, tensor_ops="sync", pages_per_step=2)
         assert torch.equal(sync.view(torch.int16), first.view(torch.int16)), (heads, _first_difference(sync, first))
 
 
@@ -286,3 +289,54 @@ def test_two_pages_a_step_same_keys_same_bits_at_every_length():
         then, _ = _launch(_extended(problem), pages_per_step=2)
         assert torch.equal(now[1:].view(torch.int16), then[:-1].view(torch.int16)), (
             seq_len, window, _first_difference(now[1:], then[:-1]))
+
+
+# two splits a CTA with two pages a step: 128k (many pairs a split, the deployment's tp 4 / tp 2
+# plan) and 8192 (short splits: lone last pages), without and with a window (a split's lone first
+# page where the window starts at an odd place), and 512 splits
+PAIRED_STEP_CASES = [
+    (131072, 131072, 0, None), (100001, 131072, 0, None), (2100, 8192, 0, None), (6001, 8192, 0, None),
+    (3002, 8192, 100, None), (70001, 131072, 4096, None), (40000, 131072, 0, 512),
+]
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_splits", PAIRED_STEP_CASES)
+def test_two_pages_a_step_with_two_splits_a_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
+    """pages_per_step 2 with two sibling splits a CTA (each split's steps as a CTA running it alone,
+    the first held and merged in the CTA) gives the bits of one split a CTA, with 2 and 4 KV heads,
+    on the GPU's tensor-core path and on mma.sync."""
+    for heads in (2, 4):
+        problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=heads)
+        for ops in (None, "sync"):
+            one, _ = _launch(problem, num_splits, tensor_ops=ops, splits_per_cta=1, pages_per_step=2)
+            two, _ = _launch(problem, num_splits, tensor_ops=ops, splits_per_cta=2, pages_per_step=2)
+            assert torch.equal(two.view(torch.int16), one.view(torch.int16)), ((heads, ops), _first_difference(two, one))
+            assert not one.isnan().any()
+
+
+def test_two_pages_a_step_splits_per_cta_comparison_sees_a_change():
+    """The comparison above is not vacuous: with KV heads 0 and 1 of the cache swapped, two splits a
+    CTA with two pages a step differ from one split a CTA on the original cache (on both paths)."""
+    problem = make_problem("random", 6000, 8192, num_kv_heads=2)
+    swapped = problem.to("cuda")
+    swapped.kv_cache.copy_(swapped.kv_cache.flip(1))
+    for ops in (None, "sync"):
+        one, _ = _launch(problem, tensor_ops=ops, splits_per_cta=1, pages_per_step=2)
+        two, _ = _launch(swapped, tensor_ops=ops, splits_per_cta=2, pages_per_step=2)
+        assert not torch.equal(two.view(torch.int16), one.view(torch.int16))
+
+
+def test_the_deployments_pages_per_step_is_the_rules():
+    """The deployment's launch (`cute_ops.launch_attn2`, no experiment argument) gives the bits of
+    the rule's pages a step forced (`attn2_layout.pages_per_step`: 2 at 8192 and 128k without a
+    window, 1 with the window and at 2048), at tp 4 (two splits a CTA) and tp 8."""
+    for seq_len, max_model_len, window in ((3001, 8192, 0), (100000, 131072, 0), (3001, 8192, 100), (1500, 2048, 0)):
+        rule = lay.deployment_pages_per_step(max_model_len, window)
+        assert rule == (1 if window or max_model_len <= lay.SHORT_MAX_LEN else 2)
+        for heads in (2, 4):
+            problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=heads)
+            deployed, _ = _run(problem)
+            forced, _ = _launch(problem, pages_per_step=rule)
+            assert torch.equal(deployed.view(torch.int16), forced.view(torch.int16)), (
+                (seq_len, heads), _first_difference(deployed, forced))
