@@ -1,7 +1,7 @@
 """Where a QKV front launch spends its time, CTA by CTA: the traced build (`kernels.qkv_front`,
 `trace`) in a CUDA graph of back-to-back launches, as `bench front --cold-weights` times them.
 
-    python3 scripts/trace-qkv-front.py [--tp 16,8,4] [--tokens 1,16] [--calls 20] [--spread 0,1] [--json PATH]
+    python3 scripts/trace-qkv-front.py [--tp 16,8,4] [--tokens 1,16] [--calls 20] [--json PATH]
 
 Why: the bench gives one number a launch (N 1152: 7.1 µs against a 4.49 µs weight-read roofline)
 and Nsight Compute times a launch alone, without the PDL overlap of the graph. The trace says, per
@@ -10,11 +10,7 @@ waited for its cluster's reduction, and finished, and on which SM it ran; so the
 split into launch skew, PDL wait, stream, reduction and epilogue, and the stream compared between
 SMs holding one CTA of the launch and SMs holding two.
 
-`--spread 0,1` traces the default cluster placement and the build whose launch asks the driver to
-spread each cluster over distinct SMs (`kernels.qkv_front` `spread_clusters`), one after the
-other per configuration, so the SM loads and the launch period can be compared in one run.
-
-Per (tp, tokens, spread): `--calls` launches, each reading another weight copy (cold in L2, as the bench's
+Per (tp, tokens): `--calls` launches, each reading another weight copy (cold in L2, as the bench's
 `cold weights` column: `cases.qkv_front.cold_copies_for`) and writing its own rows of one int64
 [calls, CTAS, TRACE_WORDS] trace, captured in one graph after an eager warm-up (which compiles),
 replayed twice; the second replay's trace is read. Launch 0 is left out (its predecessor is the
@@ -94,12 +90,10 @@ def main() -> None:
     parser.add_argument("--tp", default="16,8,4", help="16, 8, 4 (N = 1152, 2304, 4608)")
     parser.add_argument("--tokens", default="1,16", help="token counts, 1..16")
     parser.add_argument("--calls", type=int, default=20, help="launches in the graph, each its own weight copy")
-    parser.add_argument("--spread", default="0", help="0 (the deployment's placement), 1 (spread_clusters) or 0,1")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     tps = _csv(args.tp, TPS, "--tp")
     tokens = _csv(args.tokens, tuple(range(1, 17)), "--tokens")
-    spreads = _csv(args.spread, (0, 1), "--spread")
 
     import torch
 
@@ -129,46 +123,35 @@ def main() -> None:
             cache = case_mod.pool(case_mod.cache_buffer(kv, device))
             out = torch.empty(t, 1152 * kv, dtype=torch.bfloat16, device=device)
             trace = torch.zeros(args.calls, qkv_front.CTAS[kv], qkv_front.TRACE_WORDS, dtype=torch.int64, device=device)
-            for spread in spreads:
 
-                def launches() -> None:
-                    for j in range(args.calls):
-                        qkv_front.launch(x, weights[j], positions, cos_sin, slots, cache, out, trace=trace[j],
-                                         spread_clusters=bool(spread))
+            def launches() -> None:
+                for j in range(args.calls):
+                    qkv_front.launch(x, weights[j], positions, cos_sin, slots, cache, out, trace=trace[j])
 
-                launches()  # compiles, outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    launches()
-                for _ in range(2):
-                    graph.replay()
-                torch.cuda.synchronize()
-                host = trace.cpu().tolist()
-                per_launch = [summarize([dict(zip(fields, row)) for row in host[j]], fields)
-                              for j in range(1, args.calls)]
-                table = phase_table(per_launch)
-                table.update(tp=tp, n=1152 * kv, tokens=t, spread_clusters=bool(spread), ctas=qkv_front.CTAS[kv],
-                             launches=len(per_launch))
-                report.append(table)
-                _print(table)
+            launches()  # compiles, outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launches()
+            for _ in range(2):
+                graph.replay()
+            torch.cuda.synchronize()
+            host = trace.cpu().tolist()
+            per_launch = [summarize([dict(zip(fields, row)) for row in host[j]], fields) for j in range(1, args.calls)]
+            table = phase_table(per_launch)
+            table.update(tp=tp, n=1152 * kv, tokens=t, ctas=qkv_front.CTAS[kv], launches=len(per_launch))
+            report.append(table)
+            loads = ", ".join(f"{k} a SM: {v['ctas']} CTAs, stream median {v['median_ns'] / 1e3:.2f} max "
+                              f"{v['max_ns'] / 1e3:.2f} µs" for k, v in table["stream_by_ctas_on_the_sm"].items())
+            print(f"tp {tp} N {1152 * kv} T {t}: period {table['launch_period_ns'].get('median', 0) / 1e3:.2f} µs, span "
+                  f"{table['launch_span_ns']['median'] / 1e3:.2f} µs, overlap with the previous "
+                  f"{table['overlap_with_previous_ns'].get('median', 0) / 1e3:.2f} µs, entry skew "
+                  f"{table['entry_skew_ns']['median'] / 1e3:.2f} µs; " + "; ".join(
+                      f"{name} {table[name]['median_ns'] / 1e3:.2f} (max {table[name]['max_ns'] / 1e3:.2f})"
+                      for name, _, _ in PHASES) + f" µs; {loads}; {table['cycles_per_ns']:.3f} cycles/ns", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-
-
-def _print(table: dict) -> None:
-    """One line a configuration: period, span, overlap, skew, the phases, the stream by SM load."""
-    loads = ", ".join(f"{k} a SM: {v['ctas']} CTAs, stream median {v['median_ns'] / 1e3:.2f} max "
-                      f"{v['max_ns'] / 1e3:.2f} µs" for k, v in table["stream_by_ctas_on_the_sm"].items())
-    phases = "; ".join(f"{name} {table[name]['median_ns'] / 1e3:.2f} (max {table[name]['max_ns'] / 1e3:.2f})"
-                       for name, _, _ in PHASES)
-    label = f"tp {table['tp']} N {table['n']} T {table['tokens']}{' spread' if table['spread_clusters'] else ''}"
-    print(f"{label}: period {table['launch_period_ns'].get('median', 0) / 1e3:.2f} µs, span "
-          f"{table['launch_span_ns']['median'] / 1e3:.2f} µs, overlap with the previous "
-          f"{table['overlap_with_previous_ns'].get('median', 0) / 1e3:.2f} µs, entry skew "
-          f"{table['entry_skew_ns']['median'] / 1e3:.2f} µs; {phases} µs; {loads}; "
-          f"{table['cycles_per_ns']:.3f} cycles/ns", flush=True)
 
 
 if __name__ == "__main__":

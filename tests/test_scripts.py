@@ -219,7 +219,6 @@ TRACE_FRONT = REPO / "scripts" / "trace-qkv-front.py"
     (["--tp", "2"], "--tp: '2' is not a comma list of 16, 8, 4"),
     (["--tokens", "0"], "--tokens"),
     (["--tokens", "x"], "--tokens"),
-    (["--spread", "2"], "--spread"),
     (["--tp", "16", "--calls", "5"], "needs --calls >= 13"),
 ])
 def test_trace_qkv_front_refuses_bad_options_before_any_gpu_work(args, reason):

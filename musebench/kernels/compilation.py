@@ -20,21 +20,15 @@
 - `cute_view` / `cute_flat`: torch tensors as CuTe tensors at call time; `from_dlpack` exports
   with stream -1 in CuTe DSL 4.8 (no producer synchronization), so it is safe under capture and
   allocates no device memory.
-- `spread_clusters()`: while a build traces its launch, the launch asks the driver to spread each
-  cluster's CTAs over distinct SMs (`cudaLaunchAttributeClusterSchedulingPolicyPreference` =
-  Spread). CuTe DSL 4.8's `launch` takes no argument for it; its launch-config ops do, so this
-  adds the op next to the cooperative flag the DSL always sets. A preference: the driver may
-  still place CTAs together where it must.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import shutil
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -143,32 +137,6 @@ def compiler(arch: str | None, ptx_dir: str | None):
     # always a dump folder: without one the DSL writes the kept files into the current directory
     options.append(DumpDir(ptx_dir if ptx_dir is not None else dump_dir()))
     return cute.compile[tuple(options)]
-
-
-_SPREAD_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def spread_clusters() -> Iterator[None]:
-    """Within the block, every launch a compile traces carries the cluster scheduling policy
-    Spread (the module docstring). Compiles inside it are serialized (the hook is process-wide
-    while it lasts); the compiled launch keeps the attribute, nothing else changes."""
-    from cutlass._mlir.dialects import cuda as cuda_dialect
-    from cutlass._mlir.dialects._cuda_enum_gen import CudaClusterSchedulingPolicy
-
-    with _SPREAD_LOCK:
-        cooperative = cuda_dialect.launch_cfg_cooperative
-
-        def with_spread(cfg, value, *, loc=None, ip=None):
-            cuda_dialect.launch_cfg_cluster_scheduling_policy(
-                cfg, CudaClusterSchedulingPolicy.cudaClusterSchedulingPolicySpread, loc=loc, ip=ip)
-            return cooperative(cfg, value, loc=loc, ip=ip)
-
-        cuda_dialect.launch_cfg_cooperative = with_spread
-        try:
-            yield
-        finally:
-            cuda_dialect.launch_cfg_cooperative = cooperative
 
 
 def fake_flat(dtype, divisibility: int, align: int):

@@ -77,12 +77,14 @@ Memory: the host owns everything; pointers are passed as Int64 addresses (16-byt
 contiguous: `cute_ops.qkv_front_unsupported` checks before launch). No workspace, no counters:
 a launch is graph-capturable and allocates nothing.
 
-Cluster placement (compile-time `spread_clusters`, an experiment, default SPREAD_CLUSTERS): the
-launch asks the driver to spread each cluster's 8 CTAs over 8 SMs
-(`compilation.spread_clusters`). Without it the trace (below) shows the cluster launch packing
-CTAs: at N 1152 about 119 of a launch's 144 CTAs share their SM with another of the launch
-(stream 4.0 us median against 3.25 alone), on about 85 of the 132 SMs; at N 2304 most run three
-an SM (6.6 against 4.7). The placement changes no bit: each CTA computes the same chains.
+Cluster placement (measured, nothing kept): the trace (below) shows the cluster launch packing CTAs
+of one launch onto fewer SMs than it could use: at N 1152 about 119 of the 144 CTAs share their SM
+with another (stream 4.0 us median against 3.2 alone), at N 2304 most run three an SM (6.4 against
+4.5 alone), at N 4608 five. A launch asking the driver to spread each cluster over distinct SMs
+(the cluster scheduling policy Spread, added to CuTe DSL 4.8's launch config through its
+launch-config op) changed neither the packing nor the time (records/2026-12-01-h200-50ccdea-*-front-
+spread*: cold-weight medians within -0.6 .. +0.3 us, the trace's SM loads the same), so it was
+removed again.
 
 Trace (compile-time `trace`, an experiment: `launch(..., trace=buffer)`, `scripts/trace-qkv-front.py`;
 no deployment builds it): thread 0 of every CTA writes TRACE_WORDS int64 to row `head x 8 + rank`
@@ -97,7 +99,6 @@ stores to its own buffer only.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -149,7 +150,6 @@ CACHE_BLOCK = 16
 CACHE_WIDTH = 2 * HEAD_DIM
 INV_HEAD_DIM = 0.015625
 ROTARY_PAIRS = HEAD_DIM // 2
-SPREAD_CLUSTERS = False  # the deployment's cluster placement (`spread_clusters`): the driver's default
 TRACE_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_streamed",
                 "clock_reduced", "clock_end")
 TRACE_WORDS = len(TRACE_FIELDS)  # int64 words a CTA writes (`trace`)
@@ -178,11 +178,10 @@ class _QkvFrontKernel:
     """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
     def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
-                 trace: bool = False, spread_clusters: bool = SPREAD_CLUSTERS) -> None:
+                 trace: bool = False) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
         _require(isinstance(enable_pdl, bool), f"enable_pdl must be a bool, got {enable_pdl!r}")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
-        _require(isinstance(spread_clusters, bool), f"spread_clusters must be a bool, got {spread_clusters!r}")
         check_eps(eps)
         self.kv = num_kv_heads
         self.rope = bool(rope)
@@ -190,7 +189,6 @@ class _QkvFrontKernel:
         self.eps = float(eps)
         self.enable_pdl = enable_pdl
         self.trace = trace
-        self.spread_clusters = spread_clusters
         self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
@@ -440,28 +438,24 @@ class _QkvFrontKernel:
 
 
 def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
-                      trace: bool = False, spread_clusters: bool = SPREAD_CLUSTERS, arch: str | None = None,
-                      ptx_dir: str | None = None) -> Any:
+                      trace: bool = False, arch: str | None = None, ptx_dir: str | None = None) -> Any:
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
     `enable_pdl` (default True): launched with programmatic dependent launch, the weight's first
     ring stages streamed before `griddepcontrol.wait` (False: the launch without PDL, no griddepcontrol;
     the same bits). `trace` (an experiment, default False): every CTA's clocks into a trace buffer
-    (the module docstring's Trace). `spread_clusters` (an experiment; default SPREAD_CLUSTERS):
-    the launch's cluster scheduling policy Spread. `arch` overrides the target (default: CUTE_DSL_ARCH or the
+    (the module docstring's Trace). `arch` overrides the target (default: CUTE_DSL_ARCH or the
     current GPU); `ptx_dir` keeps the PTX there. All are in the cache key.
     """
     config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps), enable_pdl=enable_pdl,
-                   trace=trace, spread_clusters=spread_clusters)
+                   trace=trace)
 
     def build() -> Any:
         kernel = _QkvFrontKernel(**config_)
         address = Int64(0)
-        placement = compilation.spread_clusters() if spread_clusters else contextlib.nullcontext()
-        with placement:
-            return compilation.compiler(arch, ptx_dir)(
-                kernel, address, address, address, address, address, address, address, address, address, Int32(1),
-                Int64(1), Int64(1), cuda.CUstream(0))
+        return compilation.compiler(arch, ptx_dir)(
+            kernel, address, address, address, address, address, address, address, address, address, Int32(1),
+            Int64(1), Int64(1), cuda.CUstream(0))
 
     _QkvFrontKernel(**config_)  # validate before the cache is touched
     key = compilation.kernel_key(_QkvFrontKernel, arch=arch, ptx_dir=ptx_dir, **config_)
@@ -470,14 +464,12 @@ def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, e
 
 def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
            slot_mapping: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *, tap: torch.Tensor | None = None,
-           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True, trace: torch.Tensor | None = None,
-           spread_clusters: bool = SPREAD_CLUSTERS) -> None:
+           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True, trace: torch.Tensor | None = None) -> None:
     """One launch on the current stream (arguments checked by `cute_ops.launch_qkv_front`):
     compiles the variant on first use (refused during capture), then passes raw addresses and the
     bounds the kernel keeps: max_pos (the table's rows) and pages x 16 (the cache's slots).
     `trace` (an experiment): an int64 [CTAS[kv], TRACE_WORDS] contiguous tensor on x's device
-    (ValueError otherwise, before anything launches) that the traced build fills; `spread_clusters`
-    (an experiment) the cluster placement."""
+    (ValueError otherwise, before anything launches) that the traced build fills."""
     num_kv_heads = kv_cache.shape[1]
     if trace is not None:
         ctas = CTAS.get(num_kv_heads)
@@ -486,8 +478,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_s
                  f"trace must be a contiguous int64 tensor of shape ({ctas}, {TRACE_WORDS}) on {x.device}, got "
                  f"{getattr(trace, 'dtype', type(trace))} {tuple(getattr(trace, 'shape', ()))}")
     compiled = compile_qkv_front(num_kv_heads=num_kv_heads, rope=cos_sin_cache is not None, tap=tap is not None,
-                                 eps=eps, enable_pdl=enable_pdl, trace=trace is not None,
-                                 spread_clusters=spread_clusters)
+                                 eps=eps, enable_pdl=enable_pdl, trace=trace is not None)
     stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     max_pos = cos_sin_cache.shape[0] if cos_sin_cache is not None else 1
     compiled(

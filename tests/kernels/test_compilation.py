@@ -123,19 +123,3 @@ def test_kernel_modules_keep_no_cache_of_their_own():
     assert not found, found
     uses = [path.name for path in KERNELS.glob("*.py") if "compilation.compiled(" in path.read_text()]
     assert {"approx.py", "ep_tail.py", "routing.py", "tp_tail.py"} <= set(uses)
-
-
-def test_spread_clusters_restores_the_launch_hook_even_on_error():
-    """`spread_clusters` wraps the DSL's cooperative launch-config op only inside the block: the
-    original op is back after it, and after an exception raised in it."""
-    pytest.importorskip("cutlass")
-    from cutlass._mlir.dialects import cuda as cuda_dialect
-
-    original = cuda_dialect.launch_cfg_cooperative
-    with compilation.spread_clusters():
-        assert cuda_dialect.launch_cfg_cooperative is not original
-    assert cuda_dialect.launch_cfg_cooperative is original
-    with pytest.raises(RuntimeError, match="inside"):
-        with compilation.spread_clusters():
-            raise RuntimeError("inside")
-    assert cuda_dialect.launch_cfg_cooperative is original

@@ -169,32 +169,6 @@ def test_knobs_are_validated():
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, enable_pdl=1, arch="sm_90a")
     with pytest.raises(ValueError, match="trace"):
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, trace=1, arch="sm_90a")
-    with pytest.raises(ValueError, match="spread_clusters"):
-        qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, spread_clusters=1, arch="sm_90a")
-
-
-def _host_launch_attributes(compiled) -> int:
-    """Launch attributes the compiled host code sets: each is appended behind a bounds check that
-    prints and traps (the DSL's 'max number of attributes'), so the checks count them."""
-    return str(compiled.ir_module).count("llvm.call @printf")
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_spread_clusters_adds_one_launch_attribute_and_no_device_code(arch, tmp_path):
-    """`spread_clusters`: the host launch carries exactly one attribute more (the cluster scheduling
-    policy) and the device code is the default build's, PTX byte for byte (comments aside)."""
-    builds = {}
-    for spread in (False, True):
-        folder = tmp_path / f"spread{int(spread)}"
-        folder.mkdir()
-        compiled = qkv_front.compile_qkv_front(num_kv_heads=1, rope=True, tap=False, eps=1e-5, spread_clusters=spread,
-                                               arch=arch, ptx_dir=str(folder))
-        (path,) = glob.glob(f"{folder}/*.ptx")
-        with open(path) as f:
-            ptx = "\n".join(line for line in f.read().splitlines() if not line.lstrip().startswith("//"))
-        builds[spread] = (_host_launch_attributes(compiled), ptx)
-    assert builds[True][0] == builds[False][0] + 1
-    assert builds[True][1] == builds[False][1]
 
 
 SPECIAL_REGISTERS = r"%clock64|%globaltimer|%smid"

@@ -139,28 +139,6 @@ def test_pdl_and_no_pdl_give_the_same_bits_eagerly_and_in_a_graph():
             assert torch.equal(o[name].cpu().view(torch.int16), results[False][name]), (tp, name, "graph")
 
 
-def test_spread_clusters_keeps_every_bit():
-    """The launch with the cluster scheduling policy Spread (`spread_clusters`, an experiment)
-    writes the default launch's out, tap and cache bits at every N."""
-    from musebench.kernels import qkv_front
-
-    for tp in (16, 8, 4):
-        case = front.FrontCase(tp=tp, tokens=6, inputs="adversarial")
-        inputs = front.make_inputs(case)
-        copies = front._device_copies(case, inputs, 0, torch.device("cuda"))
-        o = copies["outputs"]
-        results = []
-        for spread in (False, True):
-            for t in o.values():
-                checks.poison(t)
-            qkv_front.launch(copies["x"], copies["weight"], copies["positions"], copies["cos_sin"], copies["slots"],
-                             front.pool(o[front.CACHE]), o[front.OUT], tap=o[front.TAP], spread_clusters=spread)
-            torch.cuda.synchronize()
-            results.append({k: v.cpu().view(torch.int16) for k, v in o.items()})
-        for name in o:
-            assert torch.equal(results[0][name], results[1][name]), (tp, name)
-
-
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
 def test_the_trace_keeps_the_bits_and_times_every_cta(pdl):
     """The traced build (`kernels.qkv_front` trace: an experiment, scripts/trace-qkv-front.py)
