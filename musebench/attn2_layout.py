@@ -221,6 +221,9 @@ def check_pages_per_step(per_step: object) -> None:
 # where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN),
 # unmeasured. A row's bits follow the value, so it depends only on the plan (max_model_len, window,
 # splits), never on tp or the splits a CTA runs: tp 4 and 2 (two splits a CTA) take it too.
+# Deployed (records/2026-12-01-h200-50ccdea-*): bench attn tp 8 128k 29.97 us (34.40 with one page
+# a step), tp 16 27.08 (30.47); tp 4 8k / 128k 16.37 / 53.16 against 16.17 / 61.86, tp 2 28.78 /
+# 103.80 against 29.75 / 118.67; L 512 at tp 8 9.88 against 9.38 (lone pages take the one-page loop).
 TWO_PAGE_STEPS = "split plans without a window"
 
 
