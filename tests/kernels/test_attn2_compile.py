@@ -458,17 +458,23 @@ def test_two_splits_a_cta_of_a_one_split_plan_is_refused_before_compile(heads, m
     assert len(attn2.compilation.CACHE) == before  # nothing compiled
 
 
-def test_launch_refuses_splits_per_cta_before_anything_launches():
-    """`launch(..., splits_per_cta=)`: outside the choices, or 2 with one split, refused before the
-    tensors are even checked for a device (CPU tensors here)."""
+def _cpu_launch_args(max_model_len: int) -> dict:
+    """`attn2.launch`'s arguments on CPU tensors (2 KV heads, one request of 40 tokens, no
+    workspace): every refusal before the device check can be reached with them, nothing launches."""
     import torch
 
     width = 2 * 8 * 64
-    args = dict(q=torch.zeros(8, width, dtype=torch.bfloat16), gate=torch.zeros(8, width, dtype=torch.bfloat16),
+    return dict(q=torch.zeros(8, width, dtype=torch.bfloat16), gate=torch.zeros(8, width, dtype=torch.bfloat16),
                 kv_cache=torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16),
-                page_table=torch.zeros(1, lay.max_pages(2048), dtype=torch.int32),
+                page_table=torch.zeros(1, lay.max_pages(max_model_len), dtype=torch.int32),
                 seq_lens=torch.tensor([40], dtype=torch.int32), out=torch.zeros(8, width, dtype=torch.bfloat16),
-                workspace=None, max_model_len=2048, window=0)
+                workspace=None, max_model_len=max_model_len, window=0)
+
+
+def test_launch_refuses_splits_per_cta_before_anything_launches():
+    """`launch(..., splits_per_cta=)`: outside the choices, or 2 with one split, refused before the
+    tensors are even checked for a device (CPU tensors here)."""
+    args = _cpu_launch_args(2048)
     before = len(attn2.compilation.CACHE)
     for per_cta in (2, 3):
         with pytest.raises(ValueError, match="splits_per_cta"):
@@ -747,14 +753,7 @@ def test_launch_refuses_pages_per_step_before_anything_launches():
     """`launch(..., pages_per_step=)` outside (1, 2): ValueError before the tensors are checked for
     a device (CPU tensors here); 2, 2 with two splits a CTA, 1 and None (the rule) pass to the
     device check."""
-    import torch
-
-    width = 2 * 8 * 64
-    args = dict(q=torch.zeros(8, width, dtype=torch.bfloat16), gate=torch.zeros(8, width, dtype=torch.bfloat16),
-                kv_cache=torch.zeros(3, 2, 16, 128, dtype=torch.bfloat16),
-                page_table=torch.zeros(1, lay.max_pages(8192), dtype=torch.int32),
-                seq_lens=torch.tensor([40], dtype=torch.int32), out=torch.zeros(8, width, dtype=torch.bfloat16),
-                workspace=None, max_model_len=8192, window=0)
+    args = _cpu_launch_args(8192)
     before = len(attn2.compilation.CACHE)
     for bad in (dict(pages_per_step=3), dict(pages_per_step=True), dict(pages_per_step=0, splits_per_cta=2)):
         with pytest.raises(ValueError, match="pages_per_step"):
