@@ -41,8 +41,9 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    the 32 keys, one alpha and rescale, then P V page by page (p_lo, p_hi of the first, then of the
    second). With two splits a CTA each split steps through its own pages so (`step_chain`), as
    a CTA running it alone would. Other bits than one page a step
-   (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a, tp 8 128k, every row sees both, no rescale) 103 against
-   131 (`scripts/attn2-sass.py --pages-per-step 2`).
+   (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a,
+   tp 8 128k, every row sees both, no rescale) 103 against 131 (`scripts/attn2-sass.py
+   --pages-per-step 2`).
    `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
@@ -221,7 +222,8 @@ class Attn2Build:
     issue: SplitIssue = SplitIssue()
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
-    pages_per_step: int | None = None  # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
+    # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
+    pages_per_step: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
