@@ -99,16 +99,15 @@ PIPELINE_STAGES = 8  # pages in flight per CTA (cp.async, 4 KB each): see SPLIT_
 # two a CTA: tp 4 19.01 / 28.44 / 62.56 us against 15.93 / 24.96 / 61.76 at L 8k / 32k / 128k; tp 2
 # 36.93 / 54.37 / 121.86 against 29.49 / 48.89 / 120.68. GB200 (148 SMs, 3 an SM: 444) is
 # unmeasured; the threshold does not move the bits either way.
-PAIRED_LEAVES: int | None = 1024
+PAIRED_LEAVES = 1024
 
 
 def splits_per_cta(num_kv_heads: int, num_splits: int) -> int:
     """Sibling splits one split CTA of a deployment runs (`SPLITS_PER_CTA_CHOICES`): 2 where a
-    request has at least PAIRED_LEAVES leaves (num_kv_heads x num_splits), else 1 (PAIRED_LEAVES
-    None: always 1). A performance choice only: the bits are the same either way."""
+    request has at least PAIRED_LEAVES leaves (num_kv_heads x num_splits), else 1. A performance
+    choice only: the bits are the same either way."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
-    paired = PAIRED_LEAVES is not None and num_kv_heads * num_splits >= PAIRED_LEAVES
-    return 2 if num_splits >= 2 and paired else 1
+    return 2 if num_splits >= 2 and num_kv_heads * num_splits >= PAIRED_LEAVES else 1
 PAGE_BYTES = PAGE_TOKENS * SLOT_WIDTH * 2  # 4096: one page of one KV head, K | V per slot
 
 # The natural layout of a row's 64 dims over the 4 lanes of a quad (the mma's C fragment, and
@@ -213,8 +212,8 @@ def check_pages_per_step(per_step: object) -> None:
         raise ValueError(f"pages_per_step must be one of {PAGES_PER_STEP_CHOICES}, got {per_step!r}")
 
 
-# TWO_PAGE_STEPS: the deployments whose softmax steps take two pages (`pages_per_step`): the split
-# plans without a window. Measured on the H200 (CUDA-graph medians, 256 splits, one page a step
+# The deployments' pages a softmax step (`pages_per_step`): two on the split plans without a
+# window. Measured on the H200 (CUDA-graph medians, 256 splits, one page a step
 # against two; 0 bits differing in the BF16 output on those inputs, KV head 0 equal across tp):
 # tp 8 L 8k / 32k / 128k 13.74 / 15.64 / 33.78 us against 13.62 / 14.61 / 29.76; tp 16 10.09 /
 # 14.16 / 30.39 against 10.32 / 13.36 / 26.33. Not taken: the window's plans (2048: 64 splits),
@@ -224,24 +223,17 @@ def check_pages_per_step(per_step: object) -> None:
 # Deployed (records/2026-12-01-h200-50ccdea-*): bench attn tp 8 128k 29.97 us (34.40 with one page
 # a step), tp 16 27.08 (30.47); tp 4 8k / 128k 16.37 / 53.16 against 16.17 / 61.86, tp 2 28.78 /
 # 103.80 against 29.75 / 118.67; L 512 at tp 8 9.88 against 9.38 (lone pages take the one-page loop).
-TWO_PAGE_STEPS = "split plans without a window"
 
 
-def pages_per_step(max_model_len: int, window: int, num_splits: int) -> int:
-    """A deployment's pages a softmax step (`TWO_PAGE_STEPS`): 2 for a split plan (num_splits > 1)
-    without a window (window 0), else 1. Independent of num_kv_heads and tp by signature: a KV
-    head's bits are the same at every tp of a deployment. `max_model_len` is validated only (the
-    plan, `splits`, already carries it); ValueError for a bad value."""
-    _check_positive(max_model_len=max_model_len, num_splits=num_splits)
+def pages_per_step(window: int, num_splits: int) -> int:
+    """A deployment's pages a softmax step (the comment above): 2 for a split plan (num_splits > 1)
+    without a window (window 0), else 1. Independent of num_kv_heads and tp by signature (a plan's
+    split count, `splits`, does not depend on them either): a KV head's bits are the same at every
+    tp of a deployment. ValueError for a bad value."""
+    _check_positive(num_splits=num_splits)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
     return 2 if num_splits > 1 and window == 0 else 1
-
-
-def deployment_pages_per_step(max_model_len: int, window: int) -> int:
-    """`pages_per_step` of a deployment's own plan (`splits`; its split count does not depend on
-    the KV heads, so neither does this)."""
-    return pages_per_step(max_model_len, window, splits(max_model_len, window, 1))
 
 
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:

@@ -506,7 +506,6 @@ QUERY_LEN = attn2_layout.QUERY_LEN  # 8: 1 + 7 draft tokens per request
 # Pages a softmax step takes: 2 for split plans without a window (measured faster at tp 8 and 16,
 # taken at every tp: a row's bits follow it), 1 for the window's and the one-split plans; the
 # deployment's launch and prepare_attn2 take attn2_layout.pages_per_step's value.
-TWO_PAGE_STEPS = attn2_layout.TWO_PAGE_STEPS
 # head_dim^-0.5 * qk_scale_factor, as MuseSpark1xAttention computes it (float64, 0.684125); the
 # kernel multiplies scores by fp32(SM_SCALE * log2(e)) and exponentiates in base 2.
 SM_SCALE = config.ATTN_SCALE

@@ -110,7 +110,7 @@ def main() -> None:
 
     try:
         per_step = args.pages_per_step or lay.pages_per_step(
-            args.max_model_len, args.window, lay.splits(args.max_model_len, args.window, args.heads))
+            args.window, lay.splits(args.max_model_len, args.window, args.heads))
     except ValueError as e:
         print(f"attn2-sass: {e}", file=sys.stderr)
         sys.exit(2)

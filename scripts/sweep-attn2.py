@@ -56,27 +56,28 @@ def _csv(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _splits_per_cta(name: str, heads: int, splits: int) -> int:
-    """A --splits-per-cta value at `heads` KV heads and `splits` splits: an int as written, or
-    "auto": the deployment's (ValueError for anything else, or what `check_splits_per_cta` refuses)."""
-    if name == "auto":
-        return lay.splits_per_cta(heads, splits)
-    if not name.isdigit():
-        raise ValueError(f"{name!r} is neither an int nor auto")
-    lay.check_splits_per_cta(int(name), splits)
-    return int(name)
-
-
-def _pages_per_step(name: str, max_model_len: int, window: int, splits: int) -> int:
-    """A --pages-per-step value for a plan: an int as written, or "auto": the deployment's rule
-    (`attn2_layout.pages_per_step`; ValueError for anything else, or what `check_pages_per_step`
+def _axis_value(name: str, auto, check) -> int:
+    """A value of a comma list of 1, 2, auto: "auto" is the deployment's (`auto()`), an int is
+    taken as written once `check` accepts it (ValueError for anything else, or what `check`
     refuses)."""
     if name == "auto":
-        return lay.pages_per_step(max_model_len, window, splits)
+        return auto()
     if not name.isdigit():
         raise ValueError(f"{name!r} is neither an int nor auto")
-    lay.check_pages_per_step(int(name))
+    check(int(name))
     return int(name)
+
+
+def _splits_per_cta(name: str, heads: int, splits: int) -> int:
+    """A --splits-per-cta value at `heads` KV heads and `splits` splits (`attn2_layout.splits_per_cta`
+    for auto; `check_splits_per_cta` refuses what a plan cannot run)."""
+    return _axis_value(name, lambda: lay.splits_per_cta(heads, splits), lambda v: lay.check_splits_per_cta(v, splits))
+
+
+def _pages_per_step(name: str, window: int, splits: int) -> int:
+    """A --pages-per-step value for a plan (`attn2_layout.pages_per_step` for auto;
+    `check_pages_per_step` refuses what no build runs)."""
+    return _axis_value(name, lambda: lay.pages_per_step(window, splits), lay.check_pages_per_step)
 
 
 def main() -> None:
@@ -130,7 +131,7 @@ def main() -> None:
             raise ValueError("name each value once, at least one")
         for name in per_step_names:
             for splits in _csv(args.splits):
-                _pages_per_step(name, args.max_model_len, args.window, splits)
+                _pages_per_step(name, args.window, splits)
     except ValueError as e:
         print(f"--pages-per-step: {e}", file=sys.stderr)
         sys.exit(2)
@@ -156,7 +157,7 @@ def main() -> None:
                     first_issue: dict = {}  # per (splits_per_cta name, pages_per_step name): the first --issue's output
                     first_per_cta: dict = {}  # per (--issue, pages_per_step name): the first --splits-per-cta value's
                     one_page: dict = {}  # per (--issue, splits_per_cta name): the output with 1 page a step
-                    per_steps = sorted(((_pages_per_step(n, args.max_model_len, args.window, splits), n)
+                    per_steps = sorted(((_pages_per_step(n, args.window, splits), n)
                                         for n in per_step_names))
                     for issue_name, issue in issues.items():
                         for per_cta_name, (per_step, per_step_name) in ((n, k) for n in per_cta_names

@@ -188,21 +188,18 @@ def test_pages_per_step_rule_is_two_for_split_plans_without_a_window(max_model_l
     """`pages_per_step`: 2 exactly for a split plan (num_splits > 1) without a window, 1 for the
     window's plans and the one-split plans, the same at every tp (1, 2, 4, 8, 16 KV heads: the
     plan's splits do not depend on them, nor does the rule)."""
-    values = {lay.pages_per_step(max_model_len, window, lay.splits(max_model_len, window, heads))
-              for heads in (1, 2, 4, 8, 16)}
+    values = {lay.pages_per_step(window, lay.splits(max_model_len, window, heads)) for heads in (1, 2, 4, 8, 16)}
     splits = lay.splits(max_model_len, window, 1)
     assert values == {2 if splits > 1 and window == 0 else 1}
-    assert lay.deployment_pages_per_step(max_model_len, window) in values
 
 
 def test_pages_per_step_rule_values():
     """The deployments' values: 2 at 4096 .. 128k without a window, 1 at 2048 (one split) and with
     the 2048 window; a forced plan follows its own split count."""
-    assert [lay.deployment_pages_per_step(n, 0) for n in (2048, 4096, 8192, 131072)] == [1, 2, 2, 2]
-    assert lay.deployment_pages_per_step(131072, 2048) == 1
-    assert lay.pages_per_step(131072, 0, 1) == 1 and lay.pages_per_step(2048, 0, 2) == 2
-    assert lay.pages_per_step(131072, 2048, 256) == 1
-    assert lay.TWO_PAGE_STEPS
+    assert [lay.pages_per_step(0, lay.splits(n, 0, 2)) for n in (2048, 4096, 8192, 131072)] == [1, 2, 2, 2]
+    assert lay.pages_per_step(2048, lay.splits(131072, 2048, 2)) == 1
+    assert lay.pages_per_step(0, 1) == 1 and lay.pages_per_step(0, 2) == 2
+    assert lay.pages_per_step(2048, 256) == 1
 
 
 def test_pages_per_step_rule_can_fail():
@@ -214,11 +211,10 @@ def test_pages_per_step_rule_can_fail():
         return 2 if splits > 1 and not window and lay.splits_per_cta(heads, splits) == 1 else 1
 
     assert len({by_tp(131072, 0, heads) for heads in (1, 2, 4, 8, 16)}) == 2
-    assert lay.pages_per_step(131072, 2048, 64) != lay.pages_per_step(131072, 0, 64)
+    assert lay.pages_per_step(2048, 64) != lay.pages_per_step(0, 64)
 
 
-@pytest.mark.parametrize("args", [(0, 0, 256), (131072, -1, 256), (131072, 0, 0), (131072, True, 256),
-                                  (131072, 0, 2.0)])
+@pytest.mark.parametrize("args", [(-1, 256), (0, 0), (True, 256), (0, 2.0), (1.0, 256)])
 def test_pages_per_step_rule_refuses_bad_plans(args):
     with pytest.raises(ValueError):
         lay.pages_per_step(*args)

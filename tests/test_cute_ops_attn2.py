@@ -21,7 +21,6 @@ def test_constants_are_the_models():
     assert cute_ops.SHORT_MAX_LEN == 2048
     assert attn2_layout.is_power_of_two(cute_ops.SPLIT_TARGET_CLUSTERS)
     assert attn2_layout.is_power_of_two(cute_ops.MAX_SPLITS)
-    assert cute_ops.TWO_PAGE_STEPS == attn2_layout.TWO_PAGE_STEPS  # the rule's: attn2_layout.pages_per_step
 
 
 def test_signatures_follow_the_seeds():

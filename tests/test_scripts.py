@@ -163,6 +163,23 @@ def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
 SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
 
 
+def run_script(path: pathlib.Path, args: list[str]):
+    """`python3 path args` from the repository root with this checkout on PYTHONPATH (this
+    machine has no GPU: a script reaching its GPU work would end otherwise)."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def assert_refused(result, reason: str) -> None:
+    """The script refused its options: exit 2 with `reason` on stderr."""
+    assert result.returncode == 2, result.stderr
+    assert reason in result.stderr
+
+
 @pytest.mark.parametrize("args, reason", [
     (["--splits-per-cta", "3"], "must be one of (1, 2)"),
     (["--splits-per-cta", "x"], "neither an int nor auto"),
@@ -179,14 +196,7 @@ def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step: a value it cannot run exits 2 with the reason,
     before the GPU is touched (this machine has none: reaching it would end otherwise)."""
     pytest.importorskip("cutlass")
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, str(SWEEP_ATTN2), *args], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result.stderr
-    assert reason in result.stderr
+    assert_refused(run_script(SWEEP_ATTN2, args), reason)
 
 
 def test_sweep_attn2_pages_per_step_values():
@@ -195,11 +205,13 @@ def test_sweep_attn2_pages_per_step_values():
     two splits a CTA runs)."""
     pytest.importorskip("cutlass")
     per_step = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_pages_per_step"]
-    assert per_step("auto", 131072, 0, 256) == 2 and per_step("auto", 8192, 0, 256) == 2
-    assert per_step("auto", 131072, 2048, 64) == 1 and per_step("auto", 2048, 0, 1) == 1
-    assert per_step("1", 131072, 0, 256) == 1 and per_step("2", 131072, 2048, 64) == 2
+    assert per_step("auto", 0, 256) == 2 and per_step("auto", 0, 64) == 2
+    assert per_step("auto", 2048, 64) == 1 and per_step("auto", 0, 1) == 1
+    assert per_step("1", 0, 256) == 1 and per_step("2", 2048, 64) == 2
     with pytest.raises(ValueError, match="must be one of"):
-        per_step("3", 131072, 0, 256)
+        per_step("3", 0, 256)
+    with pytest.raises(ValueError, match="neither an int nor auto"):
+        per_step("x", 0, 256)
 
 
 def test_sweep_attn2_splits_per_cta_values():
@@ -225,14 +237,7 @@ def test_trace_qkv_front_refuses_bad_options_before_any_gpu_work(args, reason):
     """trace-qkv-front.py: an option it cannot run exits 2 with the reason before the GPU is touched
     (a tp outside 16 / 8 / 4, a token count outside 1..16, too few calls to keep the weights cold)."""
     pytest.importorskip("cutlass")
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, str(TRACE_FRONT), *args], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result.stderr
-    assert reason in result.stderr
+    assert_refused(run_script(TRACE_FRONT, args), reason)
 
 
 def _trace_row(smid: int, entry_ns: int, phases_cycles: tuple[int, int, int, int]) -> dict:
@@ -280,11 +285,4 @@ def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
     """attn2-sass.py --pages-per-step: 1 or 2 (default: the deployment's, which needs a valid
     plan); exit 2 otherwise, before compiling."""
     pytest.importorskip("cutlass")
-    import os
-    import subprocess
-    import sys
-
-    result = subprocess.run([sys.executable, str(ATTN2_SASS), *args], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert result.returncode == 2, result.stderr
-    assert reason in result.stderr
+    assert_refused(run_script(ATTN2_SASS, args), reason)

@@ -19,8 +19,8 @@ squares t ascending from +0.0, then the quad (0 + 1) + (2 + 3)), rstd = 1 / sqrt
 then x rstd sigmoid(g). With `pages_per_step` 2 (`Attn2Build.pages_per_step`; the deployments'
 rule, `attn2_layout.pages_per_step`, takes it for split plans without a window) a step of the
 online softmax takes two of a split's pages (`attn2_layout.split_steps`, `softmax_step`): one max,
-one alpha, one rescale for their 32 keys, then their P V steps page by page. Only the sum of squares depends on which lane holds which dim: every
-other step is element-wise or sums over keys, whose order the layout does not touch.
+one alpha, one rescale for their 32 keys, then their P V steps page by page. Only the sum of
+squares depends on which lane holds which dim: every other step is element-wise or sums over keys, whose order the layout does not touch.
 
 The tensor cores, emulated (`tc_mma`): one m16n8k16 step is D = RZ(C + sum of the 16 products),
 the products exact and summed without rounding, the result truncated to FP32 (round toward zero:
@@ -146,7 +146,7 @@ def split_partial(q: torch.Tensor, cache: torch.Tensor, table_row: torch.Tensor,
     `attn2_layout.pages_per_step`, which reads only the plan's split count and window: 2 for
     num_splits > 1 without a window, else 1)."""
     if pages_per_step is None:
-        pages_per_step = lay.pages_per_step(seq_len, window, num_splits)
+        pages_per_step = lay.pages_per_step(window, num_splits)
     rows = lay.ROWS_PER_KV_HEAD
     first, end = lay.visible_keys(seq_len, window)
     o = torch.zeros(rows, lay.HEAD_DIM, dtype=torch.float32)
@@ -233,7 +233,7 @@ def attn2_model(problem: Attn2Problem, num_splits: int | None = None, scale: flo
     heads = p.num_kv_heads
     splits = num_splits or lay.splits(p.max_model_len, p.window, heads)
     if pages_per_step is None:
-        pages_per_step = lay.pages_per_step(p.max_model_len, p.window, splits)
+        pages_per_step = lay.pages_per_step(p.window, splits)
     lay.check_pages_per_step(pages_per_step)
     scale_log2 = _f32(scale * LOG2_E)
     out = torch.empty_like(p.q)

@@ -365,29 +365,31 @@ class _Attn2Kernel:
         predicating both sides): the scores and P, masked or not (`inside`: every key visible to
         every row, a CTA-uniform test; `mask_edges_only`), then P V into O with or without the
         rescale (`skip_unit_rescale`: the warp's vote that every alpha is 1.0)."""
-        m, ah, al, alpha = self.page_weights(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key,
-                                             low_key, inside, m)
+        m, ah, al, alpha = self.step_softmax([stage], [stage_offset], k_words, descriptors, a, g, c, [page_key],
+                                             own_key, low_key, inside, m)
         return m, self.page_accumulate(stage, stage_offset, v_words, descriptors, g, c, ah, al, alpha, o)
 
     @cute.jit
-    def page_weights(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32,
-                     page_key: Int32, own_key: Int32, low_key: Int32, inside, m: list):
-        """The first half of `page_step`: (m, P hi, P lo, alpha) of the page, through the masked or
-        the unmasked copy of `page_scores` (`mask_edges_only`)."""
+    def step_softmax(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32,
+                     keys: list, own_key: Int32, low_key: Int32, inside, m: list):
+        """The first half of a step (`page_step`: one page, `pair_at`: two): (m, P hi, P lo,
+        alpha) of its pages (stages `stages`, first keys `keys`) through the masked or the
+        unmasked copy of `step_scores` (`mask_edges_only`; `inside`: every key of the step visible
+        to every row, a CTA-uniform test)."""
         if cutlass.const_expr(self.mask_edges_only):
             # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
-            ah = [Uint32(0) for _ in range(4)]
-            al = [Uint32(0) for _ in range(4)]
+            ah = [Uint32(0) for _ in range(4 * len(stages))]
+            al = [Uint32(0) for _ in range(4 * len(stages))]
             alpha = [Float32(0.0), Float32(0.0)]
             if inside:
-                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, False)
+                m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, False)
             else:
-                m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key,
-                                                    m, True)
+                m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                    low_key, m, True)
         else:
-            m, ah, al, alpha = self.page_scores(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, m,
-                                                True)
+            m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
+                                                m, True)
         return m, ah, al, alpha
 
     @cute.jit
@@ -413,13 +415,18 @@ class _Attn2Kernel:
         return o
 
     @cute.jit
-    def page_scores(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32, page_key: Int32,
+    def step_scores(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32, keys: list,
                     own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
-        """S = Q K^T of the page, scaled, masked when `masked` (otherwise the caller found every key
-        visible to every row: each select would pick its score unchanged), the new row maxima and
-        P as two BF16 terms. Returns (m, P hi A fragments, P lo A fragments, alpha per row)."""
-        s = self.score_page(stage, stage_offset, k_words, descriptors, a, g, c, page_key, own_key, low_key, masked)
-        return self.step_weights([s], m)
+        """S = Q K^T of the step's pages (one or two; wgmma with two: both chains issued, then one
+        wait), masked when `masked` (otherwise the caller found every key visible to every row:
+        each select would pick its score unchanged), and the step's weights (`step_weights`):
+        (m, P hi, P lo (4 words a page, pages in order), alpha per row)."""
+        saccs = [None for _ in stages]
+        if cutlass.const_expr(self.wgmma and len(stages) == 2):
+            saccs = self.pair_scores_chains(offsets, descriptors, a)
+        scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
+                                  masked, saccs[k]) for k in range(len(stages))]
+        return self.step_weights(scores, m)
 
     @cute.jit
     def score_page(self, stage: Int32, stage_offset: Int32, k_words, descriptors, a: list, g: Int32, c: Int32,
@@ -592,20 +599,11 @@ class _Attn2Kernel:
         keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
         keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
         stages = [ring_base + offset for offset in offsets]
+        inside = None
         if cutlass.const_expr(self.mask_edges_only):
-            # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
-            ah = [Uint32(0) for _ in range(8)]
-            al = [Uint32(0) for _ in range(8)]
-            alpha = [Float32(0.0), Float32(0.0)]
-            if self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len):
-                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                    low_key, m, False)
-            else:
-                m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                    low_key, m, True)
-        else:
-            m, ah, al, alpha = self.pair_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
-                                                m, True)
+            inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
+        m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
+                                             inside, m)
         o = self.step_rescale(alpha, o)
         if cutlass.const_expr(self.wgmma):
             values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
@@ -616,19 +614,6 @@ class _Attn2Kernel:
                 o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
                                      al[4 * k:4 * k + 4], o)
         return m, o
-
-    @cute.jit
-    def pair_scores(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32, keys: list,
-                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
-        """The scores of a step's two pages (wgmma: both chains issued, then one wait), masked when
-        `masked`, and the step's weights (`step_weights`): (m, P hi, P lo (8 words each: page i's
-        A fragment, then page i + 1's), alpha)."""
-        saccs = [None, None]
-        if cutlass.const_expr(self.wgmma):
-            saccs = self.pair_scores_chains(offsets, descriptors, a)
-        scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
-                                  masked, saccs[k]) for k in range(2)]
-        return self.step_weights(scores, m)
 
     @cute.jit
     def pair_scores_chains(self, offsets: list, descriptors, a: list) -> list:
@@ -669,21 +654,8 @@ class _Attn2Kernel:
         are this chain's split's pages, table entry = CTA page)."""
         for j in cutlass.range(0, steps, unroll=1):
             i = begin + 2 * j
-            cute.arch.cp_async_wait_group(self.lookahead - 2)
-            if cutlass.const_expr(self.wgmma):
-                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
-            cute.arch.barrier()
-            for k in cutlass.range_constexpr(2):
-                ahead = i + self.lookahead + k
-                if ahead < total:
-                    if cutlass.const_expr(streams is None):
-                        index = ahead
-                        page = chain_start + ahead * self.num_splits
-                    else:
-                        index, page = self.stream_page(ahead, streams[0], streams[1])
-                    self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                                   index, page, kv_head, seq_len, cache_pages, tidx)
-                cute.arch.cp_async_commit_group()
+            self.ring_advance(i, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head, seq_len,
+                              cache_pages, tidx, streams)
             m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
         return m, o
@@ -755,6 +727,34 @@ class _Attn2Kernel:
             cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def ring_advance(self, i: Int32, pages: cutlass.Constexpr, load_offset, load_start: Int32, ring_base: Int32,
+                     cache_base: Int64, table_smem: Int32, total: Int32, kv_head: Int32, seq_len: Int32,
+                     cache_pages: Int32, tidx: Int32, streams) -> None:
+        """The ring's step before the CTA's pages i .. i + pages - 1 compute (`split_chain`: one,
+        `pair_chain`: two): wait until at most lookahead - pages copy groups are pending (those
+        pages' copies are complete), make every thread's copies visible to the CTA (and, wgmma, to
+        the async proxy) by one barrier, then copy the CTA's pages i + lookahead .. (below
+        `total`) into the stages the barrier freed, a commit group each (an empty one past
+        `total`, so the count stays one group a page). A copy's table entry and logical page:
+        `stream_page`'s with `streams`, else entry ahead (+ `load_offset` unless None) and page
+        `load_start` + ahead S."""
+        cute.arch.cp_async_wait_group(self.lookahead - pages)
+        if cutlass.const_expr(self.wgmma):
+            ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
+        cute.arch.barrier()
+        for k in cutlass.range_constexpr(pages):
+            ahead = i + self.lookahead + k
+            if ahead < total:
+                if cutlass.const_expr(streams is None):
+                    index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
+                    page = load_start + ahead * self.num_splits
+                else:
+                    index, page = self.stream_page(ahead, streams[0], streams[1])
+                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                               index, page, kv_head, seq_len, cache_pages, tidx)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
     def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, load_offset, load_start: Int32,
                     ring_base: Int32, cache_base: Int64, table_smem: Int32, total: Int32, k_words, v_words,
                     descriptors, a: list, g: Int32, c: Int32, kv_head: Int32, seq_len: Int32, cache_pages: Int32,
@@ -776,20 +776,8 @@ class _Attn2Kernel:
         `streams` (the CTA's (starts, counts), or None): each copy's table entry and logical page
         from `stream_page` instead of load_offset and load_start."""
         for i in cutlass.range(begin, end, unroll=1):
-            cute.arch.cp_async_wait_group(self.lookahead - 1)
-            if cutlass.const_expr(self.wgmma):
-                ptx.fence_proxy_async_shared_cta()  # this thread's copies, visible to wgmma's reads
-            cute.arch.barrier()
-            ahead = i + self.lookahead
-            if ahead < total:
-                if cutlass.const_expr(streams is None):
-                    index = ahead if cutlass.const_expr(load_offset is None) else ahead + load_offset
-                    page = load_start + ahead * self.num_splits
-                else:
-                    index, page = self.stream_page(ahead, streams[0], streams[1])
-                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
-                               index, page, kv_head, seq_len, cache_pages, tidx)
-            cute.arch.cp_async_commit_group()
+            self.ring_advance(i, 1, load_offset, load_start, ring_base, cache_base, table_smem, total, kv_head,
+                              seq_len, cache_pages, tidx, streams)
             m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
         return m, o
@@ -808,10 +796,7 @@ class _Attn2Kernel:
         lead = cutlass.min((split_start // self.num_splits) % 2, count)
         pairs = (count - lead) // 2
         if cutlass.const_expr(begin is None):
-            m, o = self.split_chain(Int32(0), lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
-            m, o = self.pair_chain(lead, pairs, chain_start, *chain, m, o, streams=streams)
-            return self.split_chain(lead + 2 * pairs, count, chain_start, None, chain_start, *chain, m, o,
-                                    streams=streams)
+            begin = Int32(0)
         m, o = self.split_chain(begin, begin + lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
         m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
         return self.split_chain(begin + lead + 2 * pairs, begin + count, chain_start, None, chain_start, *chain, m, o,
@@ -1349,12 +1334,12 @@ class CompiledAttn2:
     combine: Any | None
 
 
-def resolved_pages_per_step(requested: int | None, max_model_len: int, window: int, num_splits: int) -> int:
+def resolved_pages_per_step(requested: int | None, window: int, num_splits: int) -> int:
     """The pages a softmax step takes in a build: `requested` (1 or 2, checked), or with None the
     rule of the build's split plan (`attn2_layout.pages_per_step`: 2 for split plans without a
     window); never anything that depends on the KV heads or tp."""
     if requested is None:
-        return lay.pages_per_step(max_model_len, window, num_splits)
+        return lay.pages_per_step(window, num_splits)
     lay.check_pages_per_step(requested)
     return requested
 
@@ -1364,7 +1349,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
-    per_step = resolved_pages_per_step(build.pages_per_step, max_model_len, window, knobs["num_splits"])
+    per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
     split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")

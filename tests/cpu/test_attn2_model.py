@@ -450,7 +450,7 @@ def test_the_models_default_follows_the_deployment_rule(monkeypatch, seq_len, ma
     checked; `test_split_partials_default_follows_the_rule` sees the FP32 partials differ)."""
     p = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=2)
     plan = splits or lay.splits(max_model_len, window, 2)
-    rule = lay.pages_per_step(max_model_len, window, plan)
+    rule = lay.pages_per_step(window, plan)
     assert rule == (2 if plan > 1 and not window else 1)
     seen = []
     partial = model_module.split_partial

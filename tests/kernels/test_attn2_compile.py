@@ -86,7 +86,7 @@ def _splits_per_cta(heads: int, max_model_len: int, window: int, per_cta: int | 
 
 def _pages_per_step(heads: int, max_model_len: int, window: int, per_step: int | None = None) -> int:
     """The pages a softmax step takes in a build: `per_step`, or the deployment's rule."""
-    return per_step or lay.pages_per_step(max_model_len, window, lay.splits(max_model_len, window, heads))
+    return per_step or lay.pages_per_step(window, lay.splits(max_model_len, window, heads))
 
 
 def _page_bodies(heads: int, max_model_len: int, window: int, per_cta: int | None = None,
@@ -735,13 +735,12 @@ def test_the_builds_default_pages_per_step_is_the_rule(heads, max_model_len, win
     plans without a window, at every tp), forced values as given; a forced split count follows
     its own plan."""
     variant = attn2._variant(heads, max_model_len, window)
-    assert attn2.resolved_pages_per_step(None, max_model_len, window, variant["num_splits"]) == want
-    assert lay.deployment_pages_per_step(max_model_len, window) == want
+    assert attn2.resolved_pages_per_step(None, window, variant["num_splits"]) == want
     for forced in (1, 2):
-        assert attn2.resolved_pages_per_step(forced, max_model_len, window, variant["num_splits"]) == forced
-    assert attn2.resolved_pages_per_step(None, 131072, 0, 1) == 1
+        assert attn2.resolved_pages_per_step(forced, window, variant["num_splits"]) == forced
+    assert attn2.resolved_pages_per_step(None, 0, 1) == 1
     with pytest.raises(ValueError, match="pages_per_step"):
-        attn2.resolved_pages_per_step(3, max_model_len, window, variant["num_splits"])
+        attn2.resolved_pages_per_step(3, window, variant["num_splits"])
 
 
 def _split_kernel_with(heads, max_model_len, window, per_cta, **knobs):

@@ -332,7 +332,7 @@ def test_the_deployments_pages_per_step_is_the_rules():
     the rule's pages a step forced (`attn2_layout.pages_per_step`: 2 at 8192 and 128k without a
     window, 1 with the window and at 2048), at tp 4 (two splits a CTA) and tp 8."""
     for seq_len, max_model_len, window in ((3001, 8192, 0), (100000, 131072, 0), (3001, 8192, 100), (1500, 2048, 0)):
-        rule = lay.deployment_pages_per_step(max_model_len, window)
+        rule = lay.pages_per_step(window, lay.splits(max_model_len, window, 1))
         assert rule == (1 if window or max_model_len <= lay.SHORT_MAX_LEN else 2)
         for heads in (2, 4):
             problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=heads)
