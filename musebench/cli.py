@@ -605,7 +605,9 @@ def front(tp, tokens, rope, inputs, seed, seeds, json_path, junit_path, inject, 
 @click.option("--replays", type=int, default=30, show_default=True)
 @click.option("--cold-weights", is_flag=True,
               help="Also time the launch with every call of the graph reading its own weight copy (none "
-                   "L2-resident: a deployment's layers), the 'cold weights' column; needs --calls >= 13 / 7 / 4 "
+                   "L2-resident: a deployment's layers), the 'cold weights' column, and torch.matmul (cuBLAS "
+                   "alone) reading the same copies, 'torch matmul, cold weights' (cold vs cold: its ratio is "
+                   "cold weights / it, below 1 where the fused launch beats the GEMM); needs --calls >= 13 / 7 / 4 "
                    "at tp 16 / 8 / 4.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the run report as JSON.")
 def bench_front_command(tp_list, tokens, calls, replays, cold_weights, json_path) -> None:

@@ -21,7 +21,12 @@ deployment's launch with each of the graph's calls reading its own copy of the w
 (`cold_copies` = --calls copies, at least COLD_L2_FACTOR L2s of weight between two reads of a
 copy): what a deployment sees, where every layer's weight is another, beside the tail column's
 one weight (L2-resident at N 1152 and 2304); every copy's launch is checked once to write the
-tail launch's bits (`check_cold_copies_agree`). Then
+tail launch's bits (`check_cold_copies_agree`). Beside it `torch matmul, cold weights` times cuBLAS
+alone (torch.matmul into `torch matmul`'s qkv buffer) with call j reading the same copy j mod
+cold_copies: cold against cold, the comparison issue 16 asks for ("faster than cuBLAS's GEMM
+alone"), where `torch matmul` reads its one weight from L2 at N 1152 and 2304 as the tail does.
+Its cell's ratio is the `cold weights` µs over it (`BASELINE_RATIO_OF`: below 1, the cold fused
+launch beats cold cuBLAS), every other cell's the tail over it. Then
 (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
@@ -59,6 +64,8 @@ VIRTUAL_STOCK = PROCESS_STOCK = "unfused"  # torch matmul (cuBLAS), then the Tri
 MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
 COLD = "cold weights"  # the bench's baseline: the deployment's launch, every call reading another weight copy
+COLD_MATMUL = "torch matmul, cold weights"  # cuBLAS alone, every call reading the next of COLD's copies
+BASELINE_RATIO_OF = {COLD_MATMUL: COLD}  # the cold cuBLAS cell's ratio: cold launch / cold cuBLAS, not the tail's
 L2_BYTES = 50 * 1024 * 1024  # H200 L2 (the weights of N 1152 and 2304 fit)
 COLD_L2_FACTOR = 4  # a cold call's copy was last read at least this many L2s of weight ago
 COLD_MAX_BYTES = 16 * 1024 ** 3  # weight copies a cold bench may hold on the GPU
@@ -422,7 +429,11 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     its cell's ratio is the PDL build's time over it, both timed in this run. A bench case with
     `cold_copies` adds `cold weights`: the deployment's launch, call j of the graph (its capture
     included) reading copy j mod cold_copies, each copy checked first (`check_cold_copies_agree`);
-    its cell's ratio is the one-weight tail over it."""
+    its cell's ratio is the one-weight tail over it. With it `torch matmul, cold weights`
+    (`cold_matmul`): `torch matmul` with call j reading the same copy j mod cold_copies (the
+    copies of `cold weights`, not a second set), into the qkv buffer above, unchecked like it;
+    its cell's ratio is `cold weights` over it (BASELINE_RATIO_OF: the fused launch against
+    cuBLAS alone, both reading weights from HBM)."""
     from musebench.cases.tail import Baseline
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
@@ -441,8 +452,26 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     if case.bench and takes_pdl(runner.launch):
         paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
     if case.bench and case.cold_copies:
-        paths[COLD] = Baseline(cold_launch(runner, case.cold_copies))
+        cold = cold_launch(runner, case.cold_copies)
+        paths[COLD] = Baseline(cold)
+        paths[COLD_MATMUL] = Baseline(cold_matmul(runner.x, cold.copies, qkv))
     return paths
+
+
+class WeightRotation:
+    """The next weight copy of a cold path: copy j mod len(copies) at its j-th call (0-based),
+    counted per rotation (each cold path its own: a path's warm-up call reads copy 0 and its
+    captured calls the next ones, so in a graph of len(copies) calls every captured call reads
+    a copy of its own)."""
+
+    def __init__(self, copies: list[torch.Tensor]) -> None:
+        self.copies = copies
+        self.turn = 0
+
+    def next(self) -> torch.Tensor:
+        weight = self.copies[self.turn % len(self.copies)]
+        self.turn += 1
+        return weight
 
 
 def cold_launch(runner: FrontRunner, count: int) -> Any:
@@ -451,14 +480,27 @@ def cold_launch(runner: FrontRunner, count: int) -> Any:
     times in a graph, each captured launch reads a copy of its own."""
     copies = [runner.weight.clone() for _ in range(count)]
     check_cold_copies_agree(runner, copies)
-    turn = [0]
+    rotation = WeightRotation(copies)
     o = runner.outputs
 
     def call() -> None:
-        weight = copies[turn[0] % count]
-        turn[0] += 1
-        runner.launch(runner.x, weight, runner.positions, runner.cos_sin, runner.slots, pool(o[CACHE]),
+        runner.launch(runner.x, rotation.next(), runner.positions, runner.cos_sin, runner.slots, pool(o[CACHE]),
                       o[CACHE].shape[1], o[OUT])
 
     call.copies = copies
+    return call
+
+
+def cold_matmul(x: torch.Tensor, copies: list[torch.Tensor], qkv: torch.Tensor) -> Any:
+    """A call that runs torch.matmul(x, W.t(), out=qkv) (cuBLAS alone) on the next of `copies`
+    (a `WeightRotation` of its own over the cold launch's copies: bf16 [N, 8192] each, x bf16
+    [T, 8192], qkv bf16 [T, N]); the transposed views are made here, so a call allocates nothing
+    (graph-capturable). The bench does not check its result (cuBLAS's summation order is its
+    own); `call.copies` and `call.out` (qkv) are there for tests."""
+    rotation = WeightRotation([w.t() for w in copies])
+
+    def call() -> None:
+        torch.matmul(x, rotation.next(), out=qkv)
+
+    call.copies, call.out = copies, qkv
     return call

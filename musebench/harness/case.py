@@ -159,4 +159,6 @@ class Family(Protocol):
         the case on the same inputs; `comms` (a process bench's: `group`, an NCCL group with
         SymmetricMemory, or None where processes share GPUs; `mailboxes`, this rank's, with those
         of the optional `baseline_mailboxes(case, capacity)` a family may define; `timeout_ns`)
-        or None (virtual ranks)."""
+        or None (virtual ranks). A baseline's ratio is the tail's µs over its own, unless the
+        family's optional BASELINE_RATIO_OF (name -> another baseline's name) names the path whose
+        µs it divides instead (the row's `baseline_ratio_of`)."""

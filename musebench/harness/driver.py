@@ -478,6 +478,7 @@ def _virtual_bench(case: Any, family: Any, runners: list, boxes: list, inputs: A
             row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
         for name, baseline in family.baselines(case, inputs, 0, runners[0], None).items():
             row.baselines_us[name] = graph_median_us(baseline.call, main, bench)
+        row.baseline_ratio_of = ratios_of(family, row.baselines_us)
         row.stock_us = row.baselines_us.get(family.VIRTUAL_STOCK)
         row.stock_path = f"{row.stock_path}; timed vs {family.VIRTUAL_STOCK} (one rank, no communication){note}"
         if row.passed:
@@ -966,6 +967,14 @@ def _process_variant(case: Any, family: Any, name: str, variant: RunOptions, ran
     rearm()
 
 
+def ratios_of(family: Any, baselines_us: dict[str, float]) -> dict[str, str]:
+    """The row's `baseline_ratio_of`: the family's optional BASELINE_RATIO_OF (baseline -> the
+    baseline its ratio divides instead of the tail) for the baselines timed; where the other one
+    was not, the cell has no ratio (never the tail's in its place)."""
+    pairs = getattr(family, "BASELINE_RATIO_OF", {})
+    return {name: over for name, over in pairs.items() if name in baselines_us}
+
+
 def bench_row(row: CaseResult, family: Any, gathered: list, expected: Any) -> None:
     """Rank 0's timings: every path's max over ranks; variants checked like the call."""
     ranks = [o for o in gathered if o is not None]
@@ -994,6 +1003,7 @@ def bench_row(row: CaseResult, family: Any, gathered: list, expected: Any) -> No
     if PUBLISHER in row.kernels_us and row.tail_us is not None:
         row.kernels_us[REDUCE_EXPOSED] = row.tail_us - row.kernels_us[PUBLISHER]
     row.baselines_us = worst
+    row.baseline_ratio_of = ratios_of(family, worst)
     row.stock_us = worst.get(family.PROCESS_STOCK)  # None where it was not timed: no ratio, never another one's
     if row.stock_us is not None:
         row.stock_path = f"{row.stock_path}; timed vs {family.PROCESS_STOCK}"

@@ -142,8 +142,16 @@ def _format_ratio(value: float | None) -> str:
 BASELINE_LEGEND = "baseline columns: µs (tail / that baseline, same run, each the max over ranks)"
 
 
+def baseline_legend(cases: list[CaseResult]) -> str:
+    """BASELINE_LEGEND, then each baseline whose ratio divides another baseline's µs instead of
+    the tail's (a row's `baseline_ratio_of`): `...; but torch matmul, cold weights: cold weights / it`."""
+    pairs = dict.fromkeys((name, over) for case in cases for name, over in case.baseline_ratio_of.items())
+    return BASELINE_LEGEND + "".join(f"; but {name}: {over} / it" for name, over in pairs)
+
+
 def _baseline_cell(case: CaseResult, name: str) -> str:
-    """A baseline's µs and the tail's ratio to it: `12.70 (0.37×)`."""
+    """A baseline's µs and the row's ratio to it (`CaseResult.baseline_ratios`: the tail's, or
+    the other baseline's its row names): `12.70 (0.37×)`."""
     us = case.baselines_us.get(name)
     ratio = case.baseline_ratios.get(name)
     return _format_us(us) if ratio is None else f"{_format_us(us)} ({_format_ratio(ratio)})"
@@ -276,7 +284,7 @@ def render_table(report: RunReport, console: Console, title: str | None = None) 
     else:  # only skipped runs: the heading still says which machine and command this was
         console.print(Text(heading, style="italic"))
     if baselines:
-        console.print(Text(BASELINE_LEGEND), soft_wrap=True)
+        console.print(Text(baseline_legend(benches)), soft_wrap=True)
     notes = list(dict.fromkeys(note for case in report.cases for note in case.notes))
     for note in notes:
         console.print(Text(f"note: {note}"), soft_wrap=True)

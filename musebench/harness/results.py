@@ -88,6 +88,10 @@ class CaseResult:
     # benches: other paths timed in the same run (name -> µs per call, max over ranks), e.g.
     # "finalize", "finalize+nccl"; `stock_us` is the one the ratio compares against
     baselines_us: dict[str, float] = field(default_factory=dict)
+    # benches: baseline -> another path of `baselines_us` whose µs its ratio divides instead of the
+    # tail's (the family's BASELINE_RATIO_OF, e.g. qkv_front's cold cuBLAS against the cold launch);
+    # a file without it reads with {} (every ratio the tail's)
+    baseline_ratio_of: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what was not timed and why
     # benches: the tail's kernels apart (name -> µs per call, max over ranks), e.g. the EP
     # "publisher" alone and "reduce (call - publisher)"; `tail_us` is the whole call
@@ -114,10 +118,15 @@ class CaseResult:
 
     @property
     def baseline_ratios(self) -> dict[str, float]:
-        """tail / each baseline of the same run (each the max over ranks), where both were timed."""
-        if self.tail_us is None:
-            return {}
-        return {name: self.tail_us / us for name, us in self.baselines_us.items() if us}
+        """tail / each baseline of the same run (each the max over ranks), where both were timed;
+        a baseline named in `baseline_ratio_of`: that other baseline / it instead."""
+        ratios = {}
+        for name, us in self.baselines_us.items():
+            over = self.baseline_ratio_of.get(name)
+            top = self.tail_us if over is None else self.baselines_us.get(over)
+            if us and top is not None:
+                ratios[name] = top / us
+        return ratios
 
     @property
     def key(self) -> tuple:

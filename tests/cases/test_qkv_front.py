@@ -419,5 +419,79 @@ def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch):
         runner = front.FrontRunner(_fake_launch(False), case,
                                    **front._device_copies(case, inputs, 0, torch.device("cpu")))
         paths = front.baselines(case, inputs, 0, runner, None)
-        assert (front.COLD in paths) == want
+        assert (front.COLD in paths) == want and (front.COLD_MATMUL in paths) == want
         assert front.NO_PDL not in paths  # the stand-in takes no enable_pdl
+
+
+def _cold_front_baselines(monkeypatch, copies=4):
+    """A cold bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed), and a
+    log of the weights every torch.matmul call reads and the buffer it writes."""
+    import musebench.stock.triton_qkv_epilogue as triton_stock
+
+    monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
+    case = small_case(tokens=2, bench=True, cold_copies=copies)
+    inputs = front.make_inputs(case)
+    runner = front.FrontRunner(_fake_launch(False), case, **front._device_copies(case, inputs, 0, torch.device("cpu")))
+    paths = front.baselines(case, inputs, 0, runner, None)
+    matmuls = []
+    real = torch.matmul
+
+    def counting_matmul(a, b, *, out=None):
+        matmuls.append((b, out))
+        return real(a, b, out=out)
+
+    monkeypatch.setattr(torch, "matmul", counting_matmul)
+    return paths, matmuls
+
+
+def _assert_cold_matmul_rotates(paths, matmuls, copies):
+    """The cold cuBLAS baseline's `copies` calls read each of the cold launch's copies once (the
+    same storage, no second set), as transposed views made once (the same objects the next round:
+    nothing made per call), into one qkv buffer."""
+    cold, cold_matmul = paths[front.COLD].call, paths[front.COLD_MATMUL].call
+    assert cold_matmul.copies is cold.copies
+    for _ in range(2 * copies):
+        cold_matmul()
+    read = [b for b, _ in matmuls]
+    pointers = [b.data_ptr() for b in read[:copies]]
+    assert sorted(pointers) == sorted(c.data_ptr() for c in cold.copies), "not every cold copy read once a round"
+    assert all(b.shape == cold.copies[0].t().shape and b.stride() == (1, front.HIDDEN) for b in read)
+    assert [id(b) for b in read[:copies]] == [id(b) for b in read[copies:]], "a weight view made per call"
+    assert len({id(out) for _, out in matmuls}) == 1, "another out buffer per call"
+
+
+def test_the_cold_matmul_reads_the_cold_launchs_copies_in_turn(monkeypatch):
+    paths, matmuls = _cold_front_baselines(monkeypatch)
+    _assert_cold_matmul_rotates(paths, matmuls, 4)
+    assert matmuls[0][1] is not paths[front.COLD].call.copies[0]  # it writes a qkv buffer, not a weight
+
+
+def test_a_cold_matmul_stuck_on_one_copy_is_caught(monkeypatch):
+    """Fault injection: a rotation that always hands out copy 0 fails the check above."""
+    monkeypatch.setattr(front.WeightRotation, "next", lambda self: self.copies[0])
+    paths, matmuls = _cold_front_baselines(monkeypatch)
+    with pytest.raises(AssertionError, match="not every cold copy"):
+        _assert_cold_matmul_rotates(paths, matmuls, 4)
+
+
+def test_a_cold_matmul_making_a_view_per_call_is_caught(monkeypatch):
+    """Fault injection: a call that transposes its copy at every call fails the check above."""
+    from musebench.cases.tail import Baseline
+
+    paths, matmuls = _cold_front_baselines(monkeypatch)
+    copies = paths[front.COLD].call.copies
+    rotation, x, qkv = front.WeightRotation(copies), torch.zeros(2, front.HIDDEN, dtype=torch.bfloat16), \
+        torch.empty(2, 1152, dtype=torch.bfloat16)
+
+    def per_call() -> None:
+        torch.matmul(x, rotation.next().t(), out=qkv)
+
+    per_call.copies = copies
+    paths[front.COLD_MATMUL] = Baseline(per_call)
+    with pytest.raises(AssertionError, match="view made per call"):
+        _assert_cold_matmul_rotates(paths, matmuls, 4)
+
+
+def test_the_cold_ratios_pair_cold_with_cold():
+    """The cold cuBLAS cell's ratio is the cold launch over it; the others stay the tail's."""
+    assert front.BASELINE_RATIO_OF == {front.COLD_MATMUL: front.COLD}

@@ -128,3 +128,26 @@ def test_a_baseline_timed_on_no_rank_has_no_ratio():
     row = _row(_outcomes())
     row.tail_us = None
     assert row.baseline_ratios == {}
+
+
+def test_a_family_can_pair_a_baselines_ratio_with_another_baseline():
+    """BASELINE_RATIO_OF (qkv_front: cold cuBLAS against the cold launch): that baseline's ratio is
+    the other baseline's µs over its own, kept through JSON; the rest stay the tail's; without the
+    other path timed the cell has no ratio (never the tail's in its place)."""
+    from types import SimpleNamespace
+
+    family = SimpleNamespace(name=ep_tail.name, PARTS=ep_tail.PARTS, PROCESS_STOCK=ep_tail.PROCESS_STOCK,
+                             BASELINE_RATIO_OF={"cold matmul": "cold", "absent": "cold"})
+    outcomes = _outcomes(cold=(6.0, 8.0), **{"cold matmul": (9.0, 10.0)})
+    row = new_row(CASE, RUN, "unicast", OPTIONS.calls * OPTIONS.replays)
+    evaluate(row, CASE.tp, outcomes, EXPECTED)
+    bench_row(row, family, outcomes, EXPECTED)
+    assert row.baseline_ratio_of == {"cold matmul": "cold"}  # only the baselines timed
+    assert row.baseline_ratios["cold matmul"] == 0.8 and row.baseline_ratios["cold"] == 5.0 / 8.0
+    assert row.baseline_ratios["finalize"] == 5.0 / 3.0
+    again = CaseResult.from_dict(json.loads(json.dumps(row.to_dict())))
+    assert again.baseline_ratio_of == row.baseline_ratio_of and again.baseline_ratios == row.baseline_ratios
+    del row.baselines_us["cold"]
+    assert "cold matmul" not in row.baseline_ratios
+    plain = _row(_outcomes(cold=(6.0, 8.0), **{"cold matmul": (9.0, 10.0)}))  # ep_tail pairs nothing
+    assert plain.baseline_ratio_of == {} and plain.baseline_ratios["cold matmul"] == 0.5

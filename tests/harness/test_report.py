@@ -472,3 +472,22 @@ def test_each_baseline_shows_its_us_and_the_tails_ratio_to_it():
     console = Console(record=True, width=300)
     render_table(make_report([make_case()]), console)  # no baselines: no legend
     assert BASELINE_LEGEND not in console.export_text()
+
+
+def test_a_baseline_paired_with_another_shows_that_ratio_and_says_so():
+    """A row's baseline_ratio_of (qkv_front's cold cuBLAS against the cold launch): the cell's
+    ratio is the other baseline over it and the legend names the pair; rows without it keep the
+    plain legend and no such column."""
+    from musebench.harness.report import BASELINE_LEGEND
+
+    console = Console(record=True, width=400)
+    row = make_case(tail_us=5.0, baselines_us={"cold weights": 8.0, "torch matmul, cold weights": 10.0},
+                    baseline_ratio_of={"torch matmul, cold weights": "cold weights"})
+    render_table(make_report([row]), console)
+    text = console.export_text()
+    assert "8.00 (0.62×)" in text and "10.00 (0.80×)" in text and "10.00 (0.50×)" not in text
+    assert f"{BASELINE_LEGEND}; but torch matmul, cold weights: cold weights / it" in text
+    console = Console(record=True, width=400)
+    render_table(make_report([make_case(tail_us=5.0, baselines_us={"torch matmul": 10.0})]), console)
+    text = console.export_text()
+    assert "cold weights" not in text and "; but" not in text and "10.00 (0.50×)" in text

@@ -245,3 +245,33 @@ def test_a_bench_case_binds_and_its_deployed_launch_matches_expected():
         count, _, first = checks.compare_bits(tensor.cpu(), want[name])
         assert count == 0, (name, first)
     assert set(front.baselines(case, inputs, 0, runner, None)) == {front.VIRTUAL_STOCK, front.MATMUL, front.NO_PDL}
+
+
+def test_a_cold_bench_row_times_the_cold_launch_and_cold_cublas_on_the_same_copies():
+    """`bench front --cold-weights` through the driver (tp 8, 7 copies of 37.7 MB): the row has
+    `cold weights` and `torch matmul, cold weights`, the latter's ratio the cold launch over it;
+    the cold cuBLAS call on copy j writes torch.matmul's bits on the weight (the copies are the
+    weight's) and reads the cold launch's copies."""
+    from musebench.harness.case import RunOptions
+    from musebench.harness.driver import run_virtual
+    from musebench.harness.measure import BenchOptions
+
+    bench = BenchOptions(calls=7, replays=5)
+    case = front.FrontCase(tp=8, tokens=4, bench=True, cold_copies=front.cold_copies_for(8, bench.calls))
+    (row,) = run_virtual([case], RunOptions(backend="cute", impl="musebench"), measurement="bench", bench=bench)
+    assert row.passed, (row.error, row.first_mismatch, row.notes)
+    assert row.baselines_us[front.COLD] > 0 and row.baselines_us[front.COLD_MATMUL] > 0
+    assert row.baseline_ratio_of == {front.COLD_MATMUL: front.COLD}
+    assert row.baseline_ratios[front.COLD_MATMUL] == row.baselines_us[front.COLD] / row.baselines_us[front.COLD_MATMUL]
+
+    inputs = front.make_inputs(case)
+    runner = front.bind(case, "musebench", 0, {}, inputs, RunOptions(backend="cute", impl="musebench"))
+    paths = front.baselines(case, inputs, 0, runner, None)
+    cold, cold_matmul = paths[front.COLD].call, paths[front.COLD_MATMUL].call
+    assert cold_matmul.copies is cold.copies
+    want = torch.matmul(runner.x, runner.weight.t()).view(torch.int16)
+    for turn in range(case.cold_copies):
+        checks.poison(cold_matmul.out)
+        cold_matmul()
+        torch.cuda.synchronize()
+        assert torch.equal(cold_matmul.out.view(torch.int16), want), f"copy {turn}"
