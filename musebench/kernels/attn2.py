@@ -70,7 +70,11 @@ from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that la
 partial of its group (skipping partials without pages: (0, -inf, 0), what a merge of empty
 leaves makes), merges them as the subtree they are (left child first: w = 2^((m - top) scale
 log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level
-by level through shared memory, and warp 0 runs the epilogue on the root.
+by level: within each warp (8 groups) by shuffles, node 2j taking node 2j + 1 from 4, 8, 16 lanes
+up, then warp 0 merges the warps' nodes in warp order from shared memory (one barrier), and runs
+the epilogue on the root. The same tree as a level-by-level merge through shared memory (measured
+before, records/2026-12-02-h200-*: the tree's barriers, not the partials' loads, set the combine's
+time).
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
@@ -1171,13 +1175,17 @@ class _Attn2CombineKernel:
         self.groups = lay.combine_groups(self.partials)
         self.leaves = self.partials // self.groups
         self.threads = lay.COMBINE_QUADS * self.groups
+        # the upper tree: log2(groups a warp) levels by shuffles, then one across the warps
+        self.warps = max(1, self.threads // 32)
+        self.warp_levels = int(math.log2(self.groups // self.warps))
+        self.lane_mask = (1 << min(32, self.threads)) - 1
         self.max_model_len = max_model_len
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
 
     def smem_bytes(self) -> int:
-        return self.groups * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
+        return self.warps * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
 
     @cute.jit
     def __call__(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
@@ -1272,23 +1280,21 @@ class _Attn2CombineKernel:
         mine = self.subtree(leaves, 0, self.leaves)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.groups > 1):
-            self.store_slot(slot_base, group, c, mine)
+        # The groups' results meet in the tree's upper levels: first within each warp (its
+        # 32 / COMBINE_QUADS consecutive groups, a complete subtree) by shuffles, node (2j) taking
+        # node (2j + 1) from 4, 8, 16 lanes up (a lane whose node is a right child computes a
+        # merge nobody reads); then warp 0 merges the warps' nodes, warp order, from shared memory.
+        for level in cutlass.range_constexpr(self.warp_levels):
+            delta = lay.COMBINE_QUADS << level
+            right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
+            merge_into(mine, right)
+        if cutlass.const_expr(self.warps > 1):
+            if tidx % 32 < lay.COMBINE_QUADS:  # lane c of each warp holds its warp's node
+                self.store_slot(slot_base, tidx // 32, c, mine)
             cute.arch.barrier()
-            levels = int(math.log2(self.groups))
-            span = self.groups
-            for level in cutlass.range_constexpr(levels):
-                span //= 2
-                live = group < span
-                pick = cutlass.select_(live, group, Int32(0))
-                left = self.load_slot(slot_base, 2 * pick, c)
-                right = self.load_slot(slot_base, 2 * pick + 1, c)
-                merge_into(left, right)
-                cute.arch.barrier()  # every read of this level before any write
-                if live:
-                    self.store_slot(slot_base, group, c, left)
-                cute.arch.barrier()
-            mine = self.load_slot(slot_base, Int32(0), c)
+            if tidx < 32:
+                nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
+                mine = self.subtree(nodes, 0, self.warps)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
             row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))

@@ -8,7 +8,7 @@ through four `ldmatrix.x4.trans` and K's through `ldmatrix.x4` with `ldmatrix_ke
 no `prmt`, the warp vote of `skip_unit_rescale`, the cp.async source select `lean_addressing`
 drops, cp.async only, no local memory (no spills), PDL's wait before the first global read and
 the release after the main loop, its CTAs per SM, no atomics, the partials stored by the split
-kernel; the combine's wait before the partials' loads and its shared-memory tree; ptxas (where
+kernel; the combine's wait before the partials' loads and its tree (shuffles within warps, one barrier); ptxas (where
 installed) reports no spill (its own test). Two sibling splits a CTA (`splits_per_cta` 2, the
 default at 128k with 2+ KV heads; forced through `Attn2Build`): the page loop twice, the first
 split's state held in shared memory between the loops and merged after them (`_pairing_failures`),
@@ -214,8 +214,11 @@ def _check_split_ptx(ptx: str, combine: str | None, arch: str, issue: str, heads
         # own inputs, finished before it released this grid) may come before it
         assert _reads_after_wait(combine, PARTIAL_LOADS)
         assert combine.index("griddepcontrol.launch_dependents") > combine.index("griddepcontrol.wait")
-        assert "st.shared.v4.u32" in combine and "ld.shared.v4.u32" in combine  # the tree across groups
-        assert "bar.sync" in combine
+        # the tree above the groups: three levels by shuffles within each warp (18 values a node:
+        # 16 of O, m, l), then warp 0 merges the warps' nodes from shared memory behind one barrier
+        assert combine.count("shfl.sync.down") == 3 * (lay.LANE_DIMS + 2)
+        assert "st.shared.v4.u32" in combine and "ld.shared.v4.u32" in combine
+        assert combine.count("bar.sync") + combine.count("barrier.sync") == 1
 
 
 # (KV heads, max_model_len, window): one split (short), the split kernel (tp 8 and tp 16, one split
