@@ -44,7 +44,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a,
    tp 8 128k, every row sees both, no rescale) 103 against 131 (`scripts/attn2-sass.py
    --pages-per-step 2`).
-   `SplitIssue` (compile-time, all on by default, each keeping every bit): pages every row sees
+   `SplitIssue` (compile-time, each keeping every bit; all but the `defer_values` experiment on
+   by default): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
@@ -139,6 +140,9 @@ ALIGN = 16
 # Without a bound it settled on 64 for the combine of 128 partials (the 4096-token plan: 64 groups
 # of 2) and spilled 4 bytes; with it, 69 and no spill. Register allocation only: the same bits.
 COMBINE_CTAS_PER_SM = 1
+# SplitIssue.defer_values: ring stages beyond PIPELINE_STAGES, so that a step's copies never go
+# into the stages of the step before it (its P V may still be pending)
+DEFER_EXTRA_STAGES = 2
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 
@@ -152,7 +156,7 @@ def _require(ok: bool, message: str) -> None:
 class SplitIssue:
     """The split kernel's instruction savings, each a compile-time switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
     against `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
-    All four are on by default.
+    The first four are on by default; `defer_values` is an experiment, off until measured.
 
     - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
       own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
@@ -170,6 +174,14 @@ class SplitIssue:
       eight keys each, four per copy of the scores) instead of 16 word loads; the same words.
       Without `lean_addressing` it costs the windowed sm_90a kernel (2 KV heads) a spill (28
       bytes: the per-page addresses), so `none()` is without it.
+    - `defer_values` (wgmma two-page steps only: sm_90a, `pages_per_step` 2; ValueError
+      elsewhere): a step's P V is committed without a wait; the next step's Q K^T wait (wait_group
+      0) completes it too, and the accumulators pass through that wait, so the P V runs under the
+      next step's barrier, copies and Q K^T issue instead of stalling its own step. A copy may
+      not overwrite a stage a pending P V of any warp still reads: the ring keeps
+      DEFER_EXTRA_STAGES more stages (the lookahead unchanged), so the copies after step i's
+      barrier go into step i - 2's stages, whose P V every warp waited for (in step i - 1) before
+      reaching that barrier. The same MMAs on the same values in the same order.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -179,19 +191,21 @@ class SplitIssue:
     skip_unit_rescale: bool = True
     lean_addressing: bool = True
     ldmatrix_keys: bool = True
+    defer_values: bool = False
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False)
+        return SplitIssue(False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (every switch: the default), "none", or short names joined by "+" (those on, the
-        rest off): "mask", "rescale", "lean", "keys". ValueError for anything else (an unknown or
+        """"all" (the default: every switch but the experiment `defer_values`), "none", or short
+        names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys", "defer".
+        ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
             return SplitIssue()
@@ -266,7 +280,8 @@ class _Attn2Kernel:
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_pages: int, max_model_len: int, window: int,
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
-                 wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1) -> None:
+                 wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
+                 defer_values: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         lay.check_pages_per_step(pages_per_step)
@@ -274,6 +289,12 @@ class _Attn2Kernel:
         # pages the ring holds ahead of the step's first page: STAGES - 1 with one page a step, one
         # stage less with two (a step's two pages occupy two stages while the rest load)
         self.lookahead = lay.PIPELINE_STAGES - pages_per_step
+        _require(not defer_values or (wgmma and pages_per_step == 2),
+                 "SplitIssue.defer_values defers the two-page step's wgmma P V: it needs tensor_ops 'wgmma' and "
+                 f"pages_per_step 2 (got {'wgmma' if wgmma else 'sync'}, pages_per_step {pages_per_step})")
+        self.defer_values = defer_values
+        # ring stages: with defer_values two more, so a step's copies skip the previous step's stages
+        self.stages = lay.PIPELINE_STAGES + (DEFER_EXTRA_STAGES if defer_values else 0)
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -300,7 +321,7 @@ class _Attn2Kernel:
         table = -(-self.splits_per_cta * self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
         ones = gmma.ONES_BYTES if self.wgmma else 0
         pending = lay.PENDING_BYTES if self.splits_per_cta > 1 else 0
-        return self.ring_alignment() + lay.PIPELINE_STAGES * lay.PAGE_BYTES + ones + table + pending
+        return self.ring_alignment() + self.stages * lay.PAGE_BYTES + ones + table + pending
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -375,11 +396,12 @@ class _Attn2Kernel:
 
     @cute.jit
     def step_softmax(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32,
-                     keys: list, own_key: Int32, low_key: Int32, inside, m: list):
+                     keys: list, own_key: Int32, low_key: Int32, inside, m: list, saccs=None):
         """The first half of a step (`page_step`: one page, `pair_at`: two): (m, P hi, P lo,
         alpha) of its pages (stages `stages`, first keys `keys`) through the masked or the
         unmasked copy of `step_scores` (`mask_edges_only`; `inside`: every key of the step visible
-        to every row, a CTA-uniform test)."""
+        to every row, a CTA-uniform test). `saccs`: the step's scores already computed and waited
+        for (`defer_values`), else each copy computes them."""
         if cutlass.const_expr(self.mask_edges_only):
             # the branch's results, defined before it (the DSL's rule; both sides overwrite them)
             ah = [Uint32(0) for _ in range(4 * len(stages))]
@@ -387,13 +409,13 @@ class _Attn2Kernel:
             alpha = [Float32(0.0), Float32(0.0)]
             if inside:
                 m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                    low_key, m, False)
+                                                    low_key, m, False, saccs)
             else:
                 m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                    low_key, m, True)
+                                                    low_key, m, True, saccs)
         else:
             m, ah, al, alpha = self.step_scores(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
-                                                m, True)
+                                                m, True, saccs)
         return m, ah, al, alpha
 
     @cute.jit
@@ -420,14 +442,16 @@ class _Attn2Kernel:
 
     @cute.jit
     def step_scores(self, stages: list, offsets: list, k_words, descriptors, a: list, g: Int32, c: Int32, keys: list,
-                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr):
+                    own_key: Int32, low_key: Int32, m: list, masked: cutlass.Constexpr, saccs=None):
         """S = Q K^T of the step's pages (one or two; wgmma with two: both chains issued, then one
         wait), masked when `masked` (otherwise the caller found every key visible to every row:
         each select would pick its score unchanged), and the step's weights (`step_weights`):
-        (m, P hi, P lo (4 words a page, pages in order), alpha per row)."""
-        saccs = [None for _ in stages]
-        if cutlass.const_expr(self.wgmma and len(stages) == 2):
-            saccs = self.pair_scores_chains(offsets, descriptors, a)
+        (m, P hi, P lo (4 words a page, pages in order), alpha per row). `saccs`: the pages' scores
+        computed by the caller (`defer_values`)."""
+        if cutlass.const_expr(saccs is None):
+            saccs = [None for _ in stages]
+            if cutlass.const_expr(self.wgmma and len(stages) == 2):
+                saccs = self.pair_scores_chains(offsets, descriptors, a)
         scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
                                   masked, saccs[k]) for k in range(len(stages))]
         return self.step_weights(scores, m)
@@ -583,7 +607,7 @@ class _Attn2Kernel:
                 a: list, g: Int32, c: Int32, own_key: Int32, low_key: Int32, m: list, o: list):
         """The split's page i (its stage i % STAGES of the ring, its keys from (start + i S) 16)
         through `page_step`, masked or not (`page_inside`); returns (m, o)."""
-        stage_offset = (i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES
+        stage_offset = (i % self.stages) * lay.PAGE_BYTES
         page_key = (start + i * self.num_splits) * lay.PAGE_TOKENS
         inside = None
         if cutlass.const_expr(self.mask_edges_only):
@@ -599,20 +623,26 @@ class _Attn2Kernel:
         page its own chain from zero, the mask per page (the unmasked copy when every row sees
         both pages whole), one max over the 32 keys and m, one alpha, O and l rescaled once, then
         P V: page i's p_lo step, its p_hi step, page i + 1's p_lo, its p_hi. Returns (m, o)."""
-        offsets = [(i % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, ((i + 1) % lay.PIPELINE_STAGES) * lay.PAGE_BYTES]
+        offsets = [(i % self.stages) * lay.PAGE_BYTES, ((i + 1) % self.stages) * lay.PAGE_BYTES]
         keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
         keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
         stages = [ring_base + offset for offset in offsets]
         inside = None
         if cutlass.const_expr(self.mask_edges_only):
             inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
+        saccs = None
+        if cutlass.const_expr(self.defer_values):
+            # Q K^T of both pages and its one wait, which also completes the previous step's P V:
+            # o comes out of it (before the mask branch, so both copies take the same scores)
+            saccs, o = self.pair_scores_chains(offsets, descriptors, a, o)
         m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
-                                             inside, m)
+                                             inside, m, saccs)
         o = self.step_rescale(alpha, o)
         if cutlass.const_expr(self.wgmma):
             values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
+            # defer_values: committed, not waited for (the next step's Q K^T wait, or pair_chain's end)
             o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
-                            [values[0], values[0], values[1], values[1]], 1, o)
+                            [values[0], values[0], values[1], values[1]], 1, o, wait=not self.defer_values)
         else:
             for k in cutlass.range_constexpr(2):
                 o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
@@ -620,10 +650,12 @@ class _Attn2Kernel:
         return m, o
 
     @cute.jit
-    def pair_scores_chains(self, offsets: list, descriptors, a: list) -> list:
+    def pair_scores_chains(self, offsets: list, descriptors, a: list, pending=None):
         """wgmma: S = Q K^T of two pages, each four k16 steps from zero (as `page_scores_chain`),
         behind one fence, committed as one group and waited for once; [page i's 8 accumulators,
-        page i + 1's]."""
+        page i + 1's]. `pending` (defer_values: the accumulators of the previous step's P V,
+        committed earlier, not waited for): they pass through the same wait (wait_group 0 completes
+        every earlier group) and come back: ([..], pending)."""
         fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
         accumulators = []
         for offset in offsets:
@@ -638,8 +670,12 @@ class _Attn2Kernel:
                     acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
             accumulators += list(acc)
         ptx.wgmma_commit_group_sync_aligned()
-        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators)
-        return [done[:len(done) // 2], done[len(done) // 2:]]
+        extra = [] if pending is None else list(pending)
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + extra)
+        scores = [done[:len(accumulators) // 2], done[len(accumulators) // 2:len(accumulators)]]
+        if cutlass.const_expr(pending is None):
+            return scores
+        return scores, done[len(accumulators):]
 
     @cute.jit
     def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
@@ -662,6 +698,8 @@ class _Attn2Kernel:
                               cache_pages, tidx, streams)
             m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
                                 low_key, m, o)
+        if cutlass.const_expr(self.defer_values):
+            o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V (a no-op after none)
         return m, o
 
     @cute.jit
@@ -754,7 +792,7 @@ class _Attn2Kernel:
                     page = load_start + ahead * self.num_splits
                 else:
                     index, page = self.stream_page(ahead, streams[0], streams[1])
-                self.page_load(ring_base + (ahead % lay.PIPELINE_STAGES) * lay.PAGE_BYTES, cache_base, table_smem,
+                self.page_load(ring_base + (ahead % self.stages) * lay.PAGE_BYTES, cache_base, table_smem,
                                index, page, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
 
@@ -886,7 +924,7 @@ class _Attn2Kernel:
         g = lane // 4
         c = lane % 4
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint32, cute.make_layout(lay.PIPELINE_STAGES * lay.PAGE_BYTES // WORD_BYTES),
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * lay.PAGE_BYTES // WORD_BYTES),
                                     byte_alignment=self.ring_alignment())
         ones_base = Int32(0)
         if cutlass.const_expr(self.wgmma):  # the n-tile of ones beside V (`gmma.ONES_BYTES`)
@@ -1004,14 +1042,15 @@ class _Attn2Kernel:
 
 @cute.jit
 def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transpose_b: cutlass.Constexpr,
-                initial=None) -> list:
+                initial=None, wait: cutlass.Constexpr = True) -> list:
     """One accumulator chain of warpgroup MMAs (m64n16k16 or m64n72k16, A fragments[i] from
     registers, B by descriptors[i]): the first step from zero (scale-d 0) or onto `initial` (n / 2
     accumulators), the rest on top, then committed as one group and waited for (wait_group 0);
     returns the n / 2 accumulators (mma.sync's C layout per n-tile of 8). The A words
     and `initial` pass through the fence as tied operands, so whatever computes them (P, the
     rescale) is emitted before it, never between the fence and the MMA
-    (`ptx.wgmma_fence_sync_aligned`)."""
+    (`ptx.wgmma_fence_sync_aligned`). `wait` False: committed only; the returned accumulators may
+    be read only through a later `wgmma_wait_group_sync_aligned` (SplitIssue.defer_values)."""
     mma = {16: ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16,
            72: ptx.wgmma_mma_async_sync_aligned_m64n72k16_f32_bf16_bf16}[n]
     words = [w for fragment in fragments for w in fragment]
@@ -1024,6 +1063,8 @@ def wgmma_chain(n: cutlass.Constexpr, fragments: list, descriptors: list, transp
         else:
             acc = mma(step, descriptors[i], acc, 1, transpose_b)
     ptx.wgmma_commit_group_sync_aligned()
+    if cutlass.const_expr(not wait):
+        return acc
     return ptx.wgmma_wait_group_sync_aligned(0, acc)
 
 

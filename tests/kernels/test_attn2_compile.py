@@ -327,7 +327,12 @@ def test_split_issue_names():
     assert named("lean+keys") == attn2.SplitIssue(False, False, True, True)
     assert named("mask+rescale+lean+keys") == named("all")
     assert [f.name for f in dataclasses.fields(attn2.SplitIssue)] == ["mask_edges_only", "skip_unit_rescale",
-                                                                       "lean_addressing", "ldmatrix_keys"]
+                                                                       "lean_addressing", "ldmatrix_keys",
+                                                                       "defer_values"]
+    # the experiment is off in "all" (the default) and on only where named
+    assert not named("all").defer_values and not named("none").defer_values
+    assert named("mask+rescale+lean+keys+defer") == dataclasses.replace(named("all"), defer_values=True)
+    assert named("defer") == attn2.SplitIssue(False, False, False, False, True)
     # the measured-and-removed switches are unknown names now
     for bad in ("", "mask+", "Mask", "all+mask", "fast", "key", "ring", "all+ring", "ring+overlap", "all+trim",
                 "mask+mask", "none+mask"):
@@ -781,3 +786,57 @@ def test_pages_per_step_is_its_own_variant():
     assert sorted(k["pages_per_step"] for k in splits) == [1, 2]
     assert not any("pages_per_step" in dict(k[3]) for k in attn2.compilation.CACHE.keys()
                    if k[0].endswith("_Attn2CombineKernel"))
+
+
+# ---------------------------------------------------------------------------------------------
+# SplitIssue.defer_values: the two-page step's P V waited for at the next step's Q K^T wait
+
+DEFER = dataclasses.replace(attn2.SplitIssue(), defer_values=True)
+
+
+def _defer_ptx(tmp_path_factory, heads, per_cta=None):
+    key = ("defer", heads, per_cta)
+    if key not in _PTX:
+        folder = tmp_path_factory.mktemp("attn2-defer")
+        attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), issue=DEFER,
+                                                               splits_per_cta=per_cta))
+        (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+        _PTX[key] = (split.read_text(), None)
+    return _PTX[key][0]
+
+
+@pytest.mark.parametrize("heads, per_cta", [(2, None), (1, None), (4, None), (4, 1)])
+def test_deferred_values_build(tmp_path_factory, tmp_path, heads, per_cta):
+    """With defer_values (sm_90a, two pages a step, one or two splits a CTA): the ring holds
+    PIPELINE_STAGES + DEFER_EXTRA_STAGES stages (the shared memory says so), every P V chain of a
+    two-page step is committed without a wait of its own (one wait a step: the Q K^T chain's, whose
+    accumulators it ties with O's), and ptxas assembles it without a spill."""
+    ptx = _defer_ptx(tmp_path_factory, heads, per_cta)
+    kernel = attn2._Attn2Kernel(**{**attn2._variant(heads, 131072, 0, None, per_cta), "enable_pdl": True,
+                                   "wgmma": True, "pages_per_step": 2, **DEFER.knobs()})
+    assert kernel.stages == lay.PIPELINE_STAGES + attn2.DEFER_EXTRA_STAGES
+    assert kernel.lookahead == lay.PIPELINE_STAGES - 2
+    splits = _splits_per_cta(heads, 131072, 0, per_cta)
+    plain = _ptx(tmp_path_factory, "sm_90a", heads, 131072, 0, per_cta=per_cta)[0]
+    # the two-page step's Q K^T once, before the mask branch (the plain build has a chain in each
+    # copy): 8 m64n16k16 fewer a split; the same P V chains
+    assert ptx.count(WGMMA_S) == plain.count(WGMMA_S) - 2 * attn2.K_TILES * splits
+    assert ptx.count(WGMMA_PV) == plain.count(WGMMA_PV)
+    # commits: the plain two-page step commits its Q K^T in each copy and its P V, each waited for;
+    # deferred, one Q K^T commit and the P V's, whose wait is the next step's Q K^T wait or the
+    # loop's end (one wait tying O after it): as many waits as commits, one commit fewer a split
+    commits = ptx.count("wgmma.commit_group.sync.aligned")
+    assert commits == ptx.count("wgmma.wait_group.sync.aligned 0") == plain.count("wgmma.commit_group.sync.aligned") - splits
+    assert_no_spills(assemble(ptx, "sm_90a", tmp_path))
+
+
+@pytest.mark.parametrize("build", [dict(tensor_ops="sync"), dict(pages_per_step=1)])
+def test_deferred_values_refused_where_there_is_no_deferred_wait(build):
+    """defer_values needs the wgmma two-page step: with mma.sync (sm_100a's path) or one page a
+    step it is refused before compiling, naming what it needs."""
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match="defer_values"):
+        attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_90a", issue=DEFER, **build))
+    with pytest.raises(ValueError, match="defer_values"):
+        attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_100a", issue=DEFER))
+    assert len(attn2.compilation.CACHE) == before

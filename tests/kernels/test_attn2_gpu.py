@@ -159,6 +159,24 @@ def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, win
         assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), (name, _first_difference(got, baseline))
 
 
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, num_kv_heads", [
+    (17, 4096, 2), (2049, 4096, 2), (8200, 131072, 2), (70001, 131072, 1), (131072, 131072, 2), (131072, 131072, 4),
+])
+def test_deferred_values_keep_every_bit(family, seq_len, max_model_len, num_kv_heads):
+    """SplitIssue.defer_values (the two-page step's P V waited for at the next step's Q K^T wait,
+    two more ring stages) gives the deployment's bits, with one split a CTA and with two (4 KV
+    heads at 128k), across step counts odd and even and a lone last page."""
+    import dataclasses
+
+    from musebench.kernels.attn2 import SplitIssue
+
+    problem = make_problem(family, seq_len, max_model_len, num_kv_heads=num_kv_heads)
+    baseline = _launch_issue(problem, SplitIssue())
+    got = _launch_issue(problem, dataclasses.replace(SplitIssue(), defer_values=True))
+    assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), _first_difference(got, baseline)
+
+
 def test_split_issue_comparison_sees_a_change():
     """The comparison above is not vacuous: another split plan (another merge tree) with every
     saving on differs from the deployment's plan without them in some bits."""
