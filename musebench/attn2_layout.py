@@ -147,7 +147,11 @@ PENDING_VALUES = 2 * LANE_DIMS + 4
 PENDING_BYTES = 4 * PENDING_VALUES * CTA_THREADS  # 18432
 # The combine: one CTA per (request, KV head, row); COMBINE_QUADS threads per split group (the 4
 # lanes of the split kernel that hold the row, `lane_dims(c)` each), at most COMBINE_GROUPS groups
-# (256 threads), each a complete subtree of num_splits / groups consecutive splits.
+# (256 threads), each a complete subtree of num_splits / groups consecutive splits. Measured on the
+# H200 with the kernel's shuffle tree (records/2026-12-02-h200-3bb425a-ab-combine-shuffle.json):
+# 32 groups within +-0.4 us of 64 at every L; 128 groups (the shared-memory tree) slower
+# (records/2026-12-02-h200-2f72f10-ab-combine-groups.json). At 16 leaves a thread (16 groups at
+# 256 partials) ptxas spills.
 COMBINE_QUADS = 4
 COMBINE_GROUPS = 64
 COMBINE_ROW_FLOATS = LANE_DIMS + 2  # a thread's share of a row's partial: its 16 dims of O, m, l

@@ -73,9 +73,12 @@ leaves makes), merges them as the subtree they are (left child first: w = 2^((m 
 log2 e), O = O_L w_L + O_R w_R as two products and one sum), then the groups' results meet level
 by level: within each warp (8 groups) by shuffles, node 2j taking node 2j + 1 from 4, 8, 16 lanes
 up, then warp 0 merges the warps' nodes in warp order from shared memory (one barrier), and runs
-the epilogue on the root. The same tree as a level-by-level merge through shared memory (measured
-before, records/2026-12-02-h200-*: the tree's barriers, not the partials' loads, set the combine's
-time).
+the epilogue on the root. The same tree, so the same bits, as the level-by-level merge through
+shared memory it replaced (six levels of three barriers at 64 groups), and 0.4-2.1 us faster at
+every L on the H200 (bench attn, tp 8 8k 11.5 against 13.4 us; 32 groups within +-0.4 us of 64:
+records/2026-12-02-h200-3bb425a-ab-combine-shuffle.json); with the shared-memory tree, twice the
+groups (512 threads) was slower at 22 of 24 points (records/2026-12-02-h200-2f72f10-ab-combine-
+groups.json).
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
@@ -181,7 +184,11 @@ class SplitIssue:
       not overwrite a stage a pending P V of any warp still reads: the ring keeps
       DEFER_EXTRA_STAGES more stages (the lookahead unchanged), so the copies after step i's
       barrier go into step i - 2's stages, whose P V every warp waited for (in step i - 1) before
-      reaching that barrier. The same MMAs on the same values in the same order.
+      reaching that barrier. The same MMAs on the same values in the same order. Measured on the
+      H200 (records/2026-12-02-h200-eb7af05-sweep-attn2-defer.json, 0 bits differ): tp 8 / 16 at
+      128k 29.2-29.3 / 25.4-25.6 us against 29.9 / 26.5, 32k 0.1-0.2 us faster, 8k the same; tp 4
+      (two splits a CTA: the deeper ring and the held split's 18 KB cost a CTA an SM) 61.5 against
+      53.1 at 128k. Off by default: a deployment rule (one split a CTA only) is not built yet.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
