@@ -143,6 +143,9 @@ ALIGN = 16
 # Without a bound it settled on 64 for the combine of 128 partials (the 4096-token plan: 64 groups
 # of 2) and spilled 4 bytes; with it, 69 and no spill. Register allocation only: the same bits.
 COMBINE_CTAS_PER_SM = 1
+# Attn2Build.ring_stages (experiments): ring depths a build may take (4 KB a stage; above 12 the
+# shared memory of four CTAs no longer fits an SM, so fewer run at once)
+RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)
 # SplitIssue.defer_values: ring stages beyond PIPELINE_STAGES, so that a step's copies never go
 # into the stages of the step before it (its P V may still be pending)
 DEFER_EXTRA_STAGES = 2
@@ -249,6 +252,9 @@ class Attn2Build:
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
     # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
     pages_per_step: int | None = None
+    # experiments only: the split kernel's ring stages (RING_STAGES_CHOICES; None: PIPELINE_STAGES); a
+    # deeper ring keeps more pages in flight a CTA (the same bits: the ring moves no arithmetic)
+    ring_stages: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
@@ -256,6 +262,9 @@ class Attn2Build:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
             lay.check_pages_per_step(self.pages_per_step)
+        _require(self.ring_stages is None or (isinstance(self.ring_stages, int) and not isinstance(self.ring_stages, bool)
+                                              and self.ring_stages in RING_STAGES_CHOICES),
+                 f"ring_stages must be one of {RING_STAGES_CHOICES} or None, got {self.ring_stages!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
 
@@ -288,20 +297,20 @@ class _Attn2Kernel:
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
-                 defer_values: bool = False) -> None:
+                 defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         lay.check_pages_per_step(pages_per_step)
         self.pages_per_step = pages_per_step
         # pages the ring holds ahead of the step's first page: STAGES - 1 with one page a step, one
         # stage less with two (a step's two pages occupy two stages while the rest load)
-        self.lookahead = lay.PIPELINE_STAGES - pages_per_step
+        self.lookahead = ring_stages - pages_per_step
         _require(not defer_values or (wgmma and pages_per_step == 2),
                  "SplitIssue.defer_values defers the two-page step's wgmma P V: it needs tensor_ops 'wgmma' and "
                  f"pages_per_step 2 (got {'wgmma' if wgmma else 'sync'}, pages_per_step {pages_per_step})")
         self.defer_values = defer_values
         # ring stages: with defer_values two more, so a step's copies skip the previous step's stages
-        self.stages = lay.PIPELINE_STAGES + (DEFER_EXTRA_STAGES if defer_values else 0)
+        self.stages = ring_stages + (DEFER_EXTRA_STAGES if defer_values else 0)
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -1032,7 +1041,7 @@ class _Attn2Kernel:
             # pages from a fresh state (the first's held meanwhile, `hold_pending`).
             second = starts[1] - counts[0] * self.num_splits  # the second split's logical page of CTA page i: + i S
             second_entry = Int32(self.table_entries) - counts[0]
-            switch = cutlass.max(counts[0] - (lay.PIPELINE_STAGES - 1), Int32(0))
+            switch = cutlass.max(counts[0] - self.lookahead, Int32(0))
             m, o = self.split_chain(Int32(0), switch, starts[0], None, starts[0], *chain, m, o)
             m, o = self.split_chain(switch, counts[0], starts[0], second_entry, second, *chain, m, o)
             self.hold_pending(pending_base, tidx, m, o)
@@ -1405,7 +1414,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
-    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step)
+    # the ring's depth: the build's (an experiment) or PIPELINE_STAGES
+    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step,
+                       ring_stages=build.ring_stages or lay.PIPELINE_STAGES)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1504,13 +1515,14 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None,
-           pages_per_step: int | None = None) -> None:
+           pages_per_step: int | None = None, ring_stages: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta` and
-    `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced): experiments
-    only (`Attn2Build`; refused before any compile or launch outside their choices)."""
+    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta`,
+    `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced) and
+    `ring_stages` (None: PIPELINE_STAGES): experiments only (`Attn2Build`; refused before any
+    compile or launch outside their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
-                       splits_per_cta=splits_per_cta, pages_per_step=pages_per_step)
+                       splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

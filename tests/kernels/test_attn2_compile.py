@@ -840,3 +840,36 @@ def test_deferred_values_refused_where_there_is_no_deferred_wait(build):
     with pytest.raises(ValueError, match="defer_values"):
         attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_100a", issue=DEFER))
     assert len(attn2.compilation.CACHE) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring's depth (`attn2_layout.ring_stages`; `Attn2Build.ring_stages` for experiments)
+
+
+def _ring_of(ptx: str) -> int:
+    """The ring depth a split kernel's PTX was built with, from its deepest cp.async wait:
+    wait_group (lookahead - 1) with one page a step, (lookahead - 2) with two, lookahead = ring -
+    pages a step; the two-page build's one-page loop waits for lookahead - 1 = ring - 3."""
+    return max(int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)) + 3
+
+
+def test_ring_stages_refused_outside_its_choices():
+    for bad in (0, 3, 7, 32, True, 8.0, "8"):
+        with pytest.raises(ValueError, match="ring_stages"):
+            attn2.Attn2Build(ring_stages=bad)
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match="ring_stages"):
+        attn2.launch(*([None] * 7), max_model_len=131072, window=0, ring_stages=5)
+    assert len(attn2.compilation.CACHE) == before
+
+
+@pytest.mark.parametrize("ring", [8, 16, 24])
+def test_an_experiment_ring_is_built_that_deep(tmp_path_factory, tmp_path, ring):
+    """Attn2Build.ring_stages: the split kernel's deepest cp.async wait says the depth (1 KV head
+    at 128k, two pages a step), and it assembles without a spill."""
+    folder = tmp_path_factory.mktemp("attn2-ring")
+    attn2.compile_attn2(1, 131072, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), ring_stages=ring))
+    (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+    ptx = split.read_text()
+    assert _ring_of(ptx) == ring
+    assert_no_spills(assemble(ptx, "sm_90a", tmp_path))
