@@ -61,8 +61,8 @@ Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): th
 the splits a CTA runs (forced), the tensor-core path, `SplitIssue` (`defer_values` among them),
 the pages a softmax step takes (forced against the rule) and the ring's depth
 (`Attn2Build.ring_stages`: 24 stages ran tp 16 at 128k in 19.8 us against 25.8-26.0 at 8, the same
-bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and removed (records/,
-2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
+bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and
+removed (records/, 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a page (slower at 128k by 1.5-2.7 us),
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
 the heads' chains ran one after the other, each restarting the ring).
