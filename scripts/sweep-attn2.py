@@ -30,6 +30,12 @@ moves once for two pages), so this axis is not checked: each point reports
 that takes 1; null without one) as information only; the other axes' checks are made within one
 --pages-per-step value. A value outside 1, 2, auto exits 2 before any launch.
 
+`--ring-stages 8,16,24` times the split kernel's ring depth (`Attn2Build.ring_stages`; "auto", the
+default: the deployment's) on the same plan; the ring moves no arithmetic, so each point's output
+must equal the first --issue setting's at the first --ring-stages value (counted in
+`bits_differing_from_first_issue`, the run exits 1 otherwise). A value outside
+`attn2.RING_STAGES_CHOICES` or auto exits 2 before any launch.
+
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -97,6 +103,8 @@ def main() -> None:
     parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
     parser.add_argument("--pages-per-step", default="auto",
                         help="comma list of 1, 2, auto (the deployment's: 2 for split plans without a window)")
+    parser.add_argument("--ring-stages", default="auto",
+                        help="comma list of ring depths (attn2.RING_STAGES_CHOICES) or auto (the deployment's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -135,11 +143,21 @@ def main() -> None:
     except ValueError as e:
         print(f"--pages-per-step: {e}", file=sys.stderr)
         sys.exit(2)
+    try:
+        ring_names = [n for n in args.ring_stages.split(",") if n]
+        if not ring_names or len(set(ring_names)) != len(ring_names):
+            raise ValueError("name each value once, at least one")
+        rings = {n: None if n == "auto" else int(n) if n.isdigit() else n for n in ring_names}
+        for ring in rings.values():
+            attn2.Attn2Build(ring_stages=ring)  # refuses what no build takes
+    except ValueError as e:
+        print(f"--ring-stages: {e}", file=sys.stderr)
+        sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
     rows = []
-    first_tp: dict = {}  # (L, splits, pdl, issue, splits_per_cta name, pages_per_step name): KV head 0 at the first --tp
+    first_tp: dict = {}  # (L, splits, pdl, issue, ring, splits_per_cta name, pages_per_step name): KV head 0, first --tp
     for tp in _csv(args.tp):
         for length in _csv(args.lengths):
             p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
@@ -155,11 +173,12 @@ def main() -> None:
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
                     first_issue: dict = {}  # per (splits_per_cta name, pages_per_step name): the first --issue's output
-                    first_per_cta: dict = {}  # per (--issue, pages_per_step name): the first --splits-per-cta value's
-                    one_page: dict = {}  # per (--issue, splits_per_cta name): the output with 1 page a step
+                    first_per_cta: dict = {}  # per (--issue, ring, pages_per_step name): the first --splits-per-cta value's
+                    one_page: dict = {}  # per (--issue, ring, splits_per_cta name): the output with 1 page a step
                     per_steps = sorted(((_pages_per_step(n, args.window, splits), n)
                                         for n in per_step_names))
-                    for issue_name, issue in issues.items():
+                    for (issue_name, issue), (ring_name, ring) in ((i, r) for i in issues.items()
+                                                                   for r in rings.items()):
                         for per_cta_name, (per_step, per_step_name) in ((n, k) for n in per_cta_names
                                                                          for k in per_steps):
                             per_cta = _splits_per_cta(per_cta_name, heads, splits)
@@ -168,11 +187,11 @@ def main() -> None:
                             out = torch.full_like(p.q, float("nan"))
 
                             def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue,
-                                     per_cta=per_cta, per_step=per_step) -> None:
+                                     per_cta=per_cta, per_step=per_step, ring=ring) -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
-                                             splits_per_cta=per_cta, pages_per_step=per_step)
+                                             splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -180,18 +199,18 @@ def main() -> None:
                             if reference is None:
                                 reference = out.clone()
                             first_issue.setdefault((per_cta_name, per_step_name), out.clone())
-                            first_per_cta.setdefault((issue_name, per_step_name), out.clone())
+                            first_per_cta.setdefault((issue_name, ring_name, per_step_name), out.clone())
                             if per_step == 1:
-                                one_page[(issue_name, per_cta_name)] = out.clone()
+                                one_page[(issue_name, ring_name, per_cta_name)] = out.clone()
                             # KV head 0 (rank 0's first head at every tp): its 8 query heads' columns
                             head0 = out[:, :lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM].clone()
-                            tp_key = (length, splits, pdl, issue_name, per_cta_name, per_step_name)
+                            tp_key = (length, splits, pdl, issue_name, ring_name, per_cta_name, per_step_name)
                             first_tp.setdefault(tp_key, head0)
 
                             def differing(a: torch.Tensor, b: torch.Tensor) -> int:
                                 return int((a.view(torch.int16) != b.view(torch.int16)).sum())
 
-                            row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name,
+                            row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,
@@ -202,10 +221,10 @@ def main() -> None:
                                        bits_differing_from_first_issue=differing(out, first_issue[(per_cta_name,
                                                                                                    per_step_name)]),
                                        bits_differing_from_first_splits_per_cta=differing(
-                                           out, first_per_cta[(issue_name, per_step_name)]),
+                                           out, first_per_cta[(issue_name, ring_name, per_step_name)]),
                                        bits_differing_from_pages_per_step_1=(
-                                           differing(out, one_page[(issue_name, per_cta_name)])
-                                           if (issue_name, per_cta_name) in one_page else None),
+                                           differing(out, one_page[(issue_name, ring_name, per_cta_name)])
+                                           if (issue_name, ring_name, per_cta_name) in one_page else None),
                                        head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]))
                             rows.append(row)
                             print(json.dumps(row), flush=True)
@@ -214,15 +233,16 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["splits_per_cta"], r["pages_per_step"]),
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["ring_stages"], r["splits_per_cta"], r["pages_per_step"]),
                            []).append(r["ratio_to_sdpa"])
-    for (splits, pdl, issue_name, per_cta_name, per_step), ratios in sorted(by_plan.items()):
-        print(f"splits {splits} pdl {pdl} issue {issue_name} splits_per_cta {per_cta_name} pages_per_step {per_step}: "
+    for (splits, pdl, issue_name, ring_name, per_cta_name, per_step), ratios in sorted(by_plan.items()):
+        print(f"splits {splits} pdl {pdl} issue {issue_name} ring {ring_name} splits_per_cta {per_cta_name} "
+              f"pages_per_step {per_step}: "
               f"median attn2/SDPA "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}")
     changed = [r for r in rows if r["bits_differing_from_first_issue"]]
     if changed:
-        print(f"FAIL: {len(changed)} points where a SplitIssue setting changed bits, first: {changed[0]}",
+        print(f"FAIL: {len(changed)} points where a SplitIssue setting or ring depth changed bits, first: {changed[0]}",
               file=sys.stderr)
         sys.exit(1)
     for key, what in (("bits_differing_from_first_splits_per_cta", "a splits_per_cta value"),

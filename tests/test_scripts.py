@@ -191,10 +191,13 @@ def assert_refused(result, reason: str) -> None:
     (["--pages-per-step", "1.5"], "neither an int nor auto"),
     (["--pages-per-step", "2,2"], "each value once"),
     (["--pages-per-step", "auto,auto"], "each value once"),
+    (["--ring-stages", "7"], "ring_stages must be one of"),
+    (["--ring-stages", "x"], "ring_stages must be one of"),
+    (["--ring-stages", "8,8"], "each value once"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step: a value it cannot run exits 2 with the reason,
-    before the GPU is touched (this machine has none: reaching it would end otherwise)."""
+    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
+    with the reason, before the GPU is touched (this machine has none: reaching it would end otherwise)."""
     pytest.importorskip("cutlass")
     assert_refused(run_script(SWEEP_ATTN2, args), reason)
 
