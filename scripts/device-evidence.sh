@@ -24,7 +24,8 @@
 #               CTA's phases from the traced build (scripts/trace-qkv-front.py)
 #   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
-#               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, bench attn, and (ncu)
+#               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, the ring's depth at tp 16,
+#               bench attn, and (ncu)
 #               the split and combine kernels' durations and the 128k split kernel's stalls per setting
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
@@ -167,6 +168,9 @@ case $part in
     # the same bits either way, head 0's bits across tp
     run sweep-attn2-splits 200 python3 scripts/sweep-attn2.py --splits 256 --tp 4,8,16 --lengths 2048,32768,131072 \
       --splits-per-cta 1,auto --json "$out/$day-$gpu-sweep-attn2-splits.json"
+    # the ring's depth at one KV head (tp 16: two split CTAs an SM), 8 / 16 / 24 stages and the deployment's: same bits
+    run sweep-attn2-ring 150 python3 scripts/sweep-attn2.py --splits 256 --tp 16 --lengths 8192,32768,131072 \
+      --ring-stages 8,16,24,auto --json "$out/$day-$gpu-sweep-attn2-ring.json"
     run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
     if command -v ncu > /dev/null; then
       # the split and the combine kernel's durations, one launch at a time (tp 8)
