@@ -111,8 +111,33 @@ def in_torchrun_job() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+_REPORT_ENTRY = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+# how torchrun stops the ranks still running once one has failed (`--max-restarts=0`); its report
+# lists them too, as failures of their own. (The SIGKILL it sends a rank that outlives that by 30 s
+# is not taken for it: a rank killed by SIGKILL may be the cause, the OOM killer's victim.)
+_STOPPED_BY_TORCHRUN = -signal.SIGTERM
+
+
+def _torchrun_failures(log: str) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
+    """(root cause, other failures) of torchrun's last failure report (its ChildFailedError), each
+    (job rank, exit code; a negative code is the signal that ended the rank); (None, []) where the
+    log holds no report. The root cause is the first failure torchrun observed; the others
+    include the ranks it stopped itself after that failure (-SIGTERM)."""
+    head, marker, tail = log.rpartition("Root Cause (first observed failure):")
+    if not marker:
+        return None, []
+    root = _REPORT_ENTRY.search(tail)
+    others = head.rpartition("Failures:")[2]
+    return ((int(root.group(1)), int(root.group(2))) if root else None,
+            [(int(rank), int(code)) for rank, code in _REPORT_ENTRY.findall(others)])
+
+
 def _failure_summary(log: str, tp: int = 0) -> str:
-    """The first failed rank and its exit code from torchrun's error report, else its last line."""
+    """The first failed rank (its job rank) and its exit code from torchrun's failure report, else
+    from its error line, else its last line."""
+    root, _ = _torchrun_failures(log)
+    if root is not None:
+        return f"rank {root[0]} exited with code {root[1]}"
     ranks = re.findall(r"rank\s*:\s*(\d+)", log)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", log)
     if ranks and codes:
@@ -122,8 +147,15 @@ def _failure_summary(log: str, tp: int = 0) -> str:
 
 
 def _only_consequences(log: str) -> bool:
-    """Whether every rank torchrun reports failed exited because a collective failed (a peer went
-    away: `nodes.COLLECTIVE_FAILED_EXIT`), so the cause is elsewhere."""
+    """Whether this node's ranks failed only because a peer went away, so the cause is elsewhere:
+    the first failure torchrun observed is a rank whose collective failed
+    (`nodes.COLLECTIVE_FAILED_EXIT`), and every other rank it reports either failed alike or is a
+    bystander torchrun stopped after it (SIGTERM). Without a report: every exit code in
+    the log is COLLECTIVE_FAILED_EXIT."""
+    root, others = _torchrun_failures(log)
+    if root is not None:
+        return root[1] == COLLECTIVE_FAILED_EXIT and all(
+            code in (COLLECTIVE_FAILED_EXIT, _STOPPED_BY_TORCHRUN) for _, code in others)
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", log)
     return bool(codes) and all(int(code) == COLLECTIVE_FAILED_EXIT for code in codes)
 

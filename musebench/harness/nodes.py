@@ -22,7 +22,9 @@ other node's key. So
   number the store hands out; every node ends with the earliest failure, so all name the same one.
 A rank whose collective fails because a peer went away exits with COLLECTIVE_FAILED_EXIT: its
 launcher takes that for a consequence and waits (at most NODE_SILENCE_S + 1 s) for the cause
-elsewhere before naming its own ranks.
+elsewhere before naming its own ranks. The node's other ranks that torchrun then stopped (SIGTERM,
+listed as failures in its report) are bystanders and change nothing: a node killed while its
+peers' ranks are in a collective with it is named, not the peer's rank that lost it first.
 
 The bound: a node's death ends every other node within NODE_SILENCE_S + the poll + the kill of
 its torchrun session (at most 10 s of SIGTERM, then SIGKILL, waits), whatever `--timeout` says.

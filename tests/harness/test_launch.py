@@ -239,6 +239,101 @@ def test_a_killed_node_ends_the_other_naming_it(job_id, killed):
         time.sleep(0.5)
 
 
+def _torchrun_report(failures: dict[int, tuple[int, int]]) -> str:
+    """A torchrun log's end as torchrun writes it: its error line on the first observed failure and
+    its ChildFailedError report of `failures` ({job rank: (local rank, exit code)}, in the order
+    torchrun observed them)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    report = ChildFailedError("musebench.harness.worker", {
+        rank: ProcessFailure(local_rank=local, pid=1000 + rank, exitcode=code, error_file="<N/A>")
+        for rank, (local, code) in failures.items()})
+    root, failure = report.get_first_failure()
+    return (f"E1202 api.py:1002] failed (exitcode: {failure.exitcode}) local_rank: {failure.local_rank} "
+            f"(pid: {failure.pid}) of binary: python\nTraceback (most recent call last):\n"
+            f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n{report.format_msg()}\n")
+
+
+@pytest.mark.parametrize("failures, summary, consequence", [
+    # the flaky killed-node run: node 1 vanished, rank 1 exited 3, torchrun then stopped rank 0
+    ({1: (1, 3), 0: (0, -15)}, "rank 1 exited with code 3", True),
+    ({0: (0, 3), 1: (1, 3)}, "rank 0 exited with code 3", True),
+    ({2: (2, 17), 0: (0, -15), 1: (1, -15), 3: (3, -15)}, "rank 2 exited with code 17", False),  # the cause
+    ({1: (1, 3), 0: (0, 1)}, "rank 1 exited with code 3", False),  # a rank's own error beside it
+    ({0: (0, -9), 1: (1, 3)}, "rank 0 exited with code -9", False),  # killed (OOM), its peer lost it
+    ({3: (1, 3), 2: (0, -15)}, "rank 3 exited with code 3", True),  # node 1: job ranks, not local ones
+])
+def test_a_rank_torchrun_stopped_after_a_lost_peer_is_a_consequence(failures, summary, consequence):
+    """torchrun lists the ranks it stopped (SIGTERM) after the first failure as failures too: a
+    rank that lost its peer (exit 3) and the bystanders stopped after it still point elsewhere,
+    and the first failure observed is named by its job rank."""
+    log = _torchrun_report(failures)
+    assert launch._failure_summary(log) == summary
+    assert launch._only_consequences(log) is consequence
+
+
+def test_a_bystander_exit_does_not_hide_a_vanished_node(job_id, monkeypatch, tmp_path):
+    """The race behind a flaky `test_a_killed_node_ends_the_other_naming_it[1]`: node 1 vanishes
+    while node 0's ranks are in a collective with it; node 0's rank 1 exits 3 (its collective
+    failed) and torchrun stops rank 0 (SIGTERM), before node 1's key has been silent for
+    NODE_SILENCE_S. Node 0 must wait for the cause and name node 1, not its own rank 1.
+
+    Node 0 runs here with a stand-in torchrun (two ranks that do just that); node 1 is a link that
+    beats, then stops. Fault injection: node 0 cannot tell that node 1 is silent until it has seen
+    its torchrun fail, so the bystander's exit always wins the race, whatever the machine's load."""
+    import sys
+    import threading
+
+    from musebench.harness.nodes import NodeLink, Nodes
+
+    vanished, running = tmp_path / "node-1-vanished", tmp_path / "rank-1-running"
+    ranks = tmp_path / "ranks.py"
+    ranks.write_text(
+        "import os, sys, time\n"
+        "if os.environ['LOCAL_RANK'] == '1':  # its collective with node 1 fails once node 1 is gone\n"
+        f"    open({str(running)!r}, 'w').close()\n"
+        "    deadline = time.monotonic() + 60\n"
+        f"    while not os.path.exists({str(vanished)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.02)\n"
+        "    sys.exit(3)\n"
+        "time.sleep(120)  # a bystander: torchrun stops it\n")
+
+    def stand_in_torchrun(nodes, spec="SPEC.json", results="RESULTS.jsonl", log_dir=None):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=0", "--monitor-interval=0.2", str(ranks), spec]
+
+    monkeypatch.setattr(launch, "launch_command", stand_in_torchrun)
+    judged = threading.Event()  # node 0 has seen its torchrun fail
+    only_consequences, silent = launch._only_consequences, NodeLink.silent
+    monkeypatch.setattr(launch, "_only_consequences", lambda log: judged.set() or only_consequences(log))
+    monkeypatch.setattr(NodeLink, "silent", lambda self, *args: silent(self, *args) if judged.is_set() else None)
+    port = free_port_pair()
+    errors: list = []
+
+    def node_1() -> None:
+        try:
+            link = NodeLink(Nodes(2, 1, 2, f"127.0.0.1:{port}"), job_id, 60.0)
+            launch.agree_on_hosts(link, lambda hosts: None)
+            deadline = time.monotonic() + 60
+            while not running.exists() and time.monotonic() < deadline:
+                link.beat({})
+                time.sleep(0.1)
+            link.beat({})
+            vanished.touch()  # then it is gone: no beat, no failure, no finish
+        except Exception as error:  # handed to the test
+            errors.append(error)
+            vanished.touch()
+
+    thread = threading.Thread(target=node_1, daemon=True)
+    thread.start()
+    run = launch.Spec((TailCase(mode="ep", tp=4, tokens=1),), RunOptions(**FAST))
+    rows = launch.run_launch([run], Nodes(2, 0, 2, f"127.0.0.1:{port}"))[0]
+    thread.join(10)
+    assert not errors, errors
+    assert judged.is_set() and len(rows) == 1 and not rows[0].passed
+    assert rows[0].error.startswith("node 1 (host ") and "ranks 2-3) went silent" in rows[0].error, rows[0].error
+
+
 @pytest.mark.parametrize("arguments, message", [
     (["--tp", "4", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29999"],
      "need --launcher torchrun"),
