@@ -62,6 +62,14 @@ def _csv(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _axis_names(text: str) -> list[str]:
+    """The values of a comma-list option, each named once, at least one (ValueError otherwise)."""
+    names = [n for n in text.split(",") if n]
+    if not names or len(set(names)) != len(names):
+        raise ValueError("name each value once, at least one")
+    return names
+
+
 def _axis_value(name: str, auto, check) -> int:
     """A value of a comma list of 1, 2, auto: "auto" is the deployment's (`auto()`), an int is
     taken as written once `check` accepts it (ValueError for anything else, or what `check`
@@ -119,9 +127,7 @@ def main() -> None:
         print("--issue: name at least one setting", file=sys.stderr)
         sys.exit(2)
     try:
-        per_cta_names = [n for n in args.splits_per_cta.split(",") if n]
-        if not per_cta_names or len(set(per_cta_names)) != len(per_cta_names):
-            raise ValueError("name each value once, at least one")
+        per_cta_names = _axis_names(args.splits_per_cta)
         for tp in _csv(args.tp):
             if tp < 1 or config.NUM_KV_HEADS % tp:
                 raise ValueError(f"--tp {tp} does not divide the {config.NUM_KV_HEADS} KV heads")
@@ -134,9 +140,7 @@ def main() -> None:
         print(f"--splits-per-cta: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        per_step_names = [n for n in args.pages_per_step.split(",") if n]
-        if not per_step_names or len(set(per_step_names)) != len(per_step_names):
-            raise ValueError("name each value once, at least one")
+        per_step_names = _axis_names(args.pages_per_step)
         for name in per_step_names:
             for splits in _csv(args.splits):
                 _pages_per_step(name, args.window, splits)
@@ -144,10 +148,7 @@ def main() -> None:
         print(f"--pages-per-step: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        ring_names = [n for n in args.ring_stages.split(",") if n]
-        if not ring_names or len(set(ring_names)) != len(ring_names):
-            raise ValueError("name each value once, at least one")
-        rings = {n: None if n == "auto" else int(n) if n.isdigit() else n for n in ring_names}
+        rings = {n: None if n == "auto" else int(n) if n.isdigit() else n for n in _axis_names(args.ring_stages)}
         for ring in rings.values():
             attn2.Attn2Build(ring_stages=ring)  # refuses what no build takes
     except ValueError as e:

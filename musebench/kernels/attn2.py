@@ -469,7 +469,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(saccs is None):
             saccs = [None for _ in stages]
             if cutlass.const_expr(self.wgmma and len(stages) == 2):
-                saccs = self.pair_scores_chains(offsets, descriptors, a)
+                saccs, _ = self.pair_scores_chains(offsets, descriptors, a)
         scores = [self.score_page(stages[k], offsets[k], k_words, descriptors, a, g, c, keys[k], own_key, low_key,
                                   masked, saccs[k]) for k in range(len(stages))]
         return self.step_weights(scores, m)
@@ -668,12 +668,12 @@ class _Attn2Kernel:
         return m, o
 
     @cute.jit
-    def pair_scores_chains(self, offsets: list, descriptors, a: list, pending=None):
+    def pair_scores_chains(self, offsets: list, descriptors, a: list, pending: list = ()):
         """wgmma: S = Q K^T of two pages, each four k16 steps from zero (as `page_scores_chain`),
-        behind one fence, committed as one group and waited for once; [page i's 8 accumulators,
-        page i + 1's]. `pending` (defer_values: the accumulators of the previous step's P V,
-        committed earlier, not waited for): they pass through the same wait (wait_group 0 completes
-        every earlier group) and come back: ([..], pending)."""
+        behind one fence, committed as one group and waited for once. Returns ([page i's 8
+        accumulators, page i + 1's], `pending` after the wait): `pending` (defer_values: the
+        accumulators of the previous step's P V, committed earlier, not waited for; empty
+        otherwise) pass through the same wait (wait_group 0 completes every earlier group)."""
         fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
         accumulators = []
         for offset in offsets:
@@ -688,12 +688,9 @@ class _Attn2Kernel:
                     acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
             accumulators += list(acc)
         ptx.wgmma_commit_group_sync_aligned()
-        extra = [] if pending is None else list(pending)
-        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + extra)
-        scores = [done[:len(accumulators) // 2], done[len(accumulators) // 2:len(accumulators)]]
-        if cutlass.const_expr(pending is None):
-            return scores
-        return scores, done[len(accumulators):]
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + list(pending))
+        half = len(accumulators) // 2
+        return [done[:half], done[half:2 * half]], done[2 * half:]
 
     @cute.jit
     def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
