@@ -240,6 +240,33 @@ def pages_per_step(window: int, num_splits: int) -> int:
     return 2 if num_splits > 1 and window == 0 else 1
 
 
+# DEEP_RING_STAGES: the split kernel's ring depth (4 KB pages in flight a CTA, `ring_stages`) where a
+# launch's split CTAs are few enough that an SM holds at most two (DEEP_RING_MAX_CTAS: two on each
+# of the H200's 132 SMs; the GB200's 148 hold them as well): there the two CTAs' chains cannot hide
+# the HBM latency behind each other, and a page must be requested further ahead. Measured on the
+# H200 (records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json, 0 bits differing; 1 KV head at
+# 256 splits: 256 CTAs): 128k 19.83 us at 24 stages against 25.84-26.04 at 8 (22.57 at 16), 32k
+# 11.72 against 12.83-12.85, 8k 9.69 against 9.51-9.62. With four CTAs an SM (2 KV heads, 512
+# CTAs) a deeper ring costs them shared memory and occupancy (12 stages: 128k 31.94 against 29.22-
+# 29.28), so PIPELINE_STAGES stays. Window plans (a few pages a split) keep PIPELINE_STAGES.
+DEEP_RING_STAGES = 24
+DEEP_RING_MAX_CTAS = 264
+
+
+def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
+    """A deployment's split-kernel ring depth: DEEP_RING_STAGES for a split plan without a window
+    (num_splits > 1, window 0) whose split CTAs a request (num_kv_heads x num_splits / per_cta,
+    `splits_per_cta` by default) number at most DEEP_RING_MAX_CTAS, else PIPELINE_STAGES. A
+    performance choice only: the ring moves no arithmetic, the bits are the same at any depth."""
+    _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
+    per_cta = splits_per_cta(num_kv_heads, num_splits) if per_cta is None else per_cta
+    check_splits_per_cta(per_cta, num_splits)
+    ctas = num_kv_heads * num_splits // per_cta
+    return DEEP_RING_STAGES if num_splits > 1 and window == 0 and ctas <= DEEP_RING_MAX_CTAS else PIPELINE_STAGES
+
+
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
     """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
     running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split

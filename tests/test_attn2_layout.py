@@ -218,3 +218,18 @@ def test_pages_per_step_rule_can_fail():
 def test_pages_per_step_rule_refuses_bad_plans(args):
     with pytest.raises(ValueError):
         lay.pages_per_step(*args)
+
+
+def test_ring_stages_rule():
+    """The deep ring where a launch has at most two split CTAs an SM (1 KV head at 256 splits: 256
+    CTAs; 2 KV heads at 128 splits), PIPELINE_STAGES elsewhere: 512 CTAs and more, a window, one
+    split; the CTA count is per_cta's (two a CTA halve it)."""
+    deep, plain = lay.DEEP_RING_STAGES, lay.PIPELINE_STAGES
+    assert lay.ring_stages(0, 1, 256) == deep and lay.ring_stages(0, 2, 128) == deep
+    assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
+    assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
+    assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
+    for bad in (dict(window=-1), dict(window=True), dict(num_kv_heads=0), dict(num_splits=0)):
+        args = dict(window=0, num_kv_heads=1, num_splits=256) | bad
+        with pytest.raises(ValueError):
+            lay.ring_stages(**args)

@@ -147,7 +147,7 @@ ALIGN = 16
 COMBINE_CTAS_PER_SM = 1
 # Attn2Build.ring_stages (experiments): ring depths a build may take (4 KB a stage; above 12 the
 # shared memory of four CTAs no longer fits an SM, so fewer run at once)
-RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)
+RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)  # lay.DEEP_RING_STAGES among them
 # SplitIssue.defer_values: ring stages beyond PIPELINE_STAGES, so that a step's copies never go
 # into the stages of the step before it (its P V may still be pending)
 DEFER_EXTRA_STAGES = 2
@@ -254,8 +254,9 @@ class Attn2Build:
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
     # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
     pages_per_step: int | None = None
-    # experiments only: the split kernel's ring stages (RING_STAGES_CHOICES; None: PIPELINE_STAGES); a
-    # deeper ring keeps more pages in flight a CTA (the same bits: the ring moves no arithmetic)
+    # experiments only: the split kernel's ring stages (RING_STAGES_CHOICES; None: the deployment's,
+    # `attn2_layout.ring_stages`); a deeper ring keeps more pages in flight a CTA (the same bits: the
+    # ring moves no arithmetic)
     ring_stages: int | None = None
 
     def __post_init__(self) -> None:
@@ -1413,9 +1414,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
-    # the ring's depth: the build's (an experiment) or PIPELINE_STAGES
-    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step,
-                       ring_stages=build.ring_stages or lay.PIPELINE_STAGES)
+    # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
+    ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"])
+    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step, ring_stages=ring)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1518,7 +1519,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta`,
     `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced) and
-    `ring_stages` (None: PIPELINE_STAGES): experiments only (`Attn2Build`; refused before any
+    `ring_stages` (None: the rule's, `attn2_layout.ring_stages`): experiments only (`Attn2Build`; refused before any
     compile or launch outside their choices)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages)

@@ -245,14 +245,17 @@ def test_ptx_order_check_catches_an_early_partial_read(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
     """lean_addressing: no 64-bit select of the cp.async source at any page load, two chunks each.
-    One page a step: 7 before the loop, one in each copy of the page loop (three with two splits
-    a CTA). Two pages a step (the deployment's): 6 before, two in each step loop and one in each
-    one-page loop (a split's: `_page_bodies`). One and two splits a CTA, both step sizes."""
+    One page a step: ring - 1 before the loop (the ring's depth `attn2_layout.ring_stages`: 8, or
+    24 with two splits a CTA, 256 CTAs), one in each copy of the page loop (three with two splits
+    a CTA). Two pages a step (the deployment's): ring - 2 before, two in each step loop and one in
+    each one-page loop (a split's: `_page_bodies`). One and two splits a CTA, both step sizes."""
     for per_cta in (None, 2):
         for per_step in (1, 2):
             on, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "all", per_cta, per_step)
             off, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "none", per_cta, per_step)
-            loads = lay.PIPELINE_STAGES - per_step + _page_bodies(2, 131072, 0, per_cta, per_step)
+            splits = lay.splits(131072, 0, 2)
+            ring = lay.ring_stages(0, 2, splits, per_cta or lay.splits_per_cta(2, splits))  # 2 a CTA: 256 CTAs, deep
+            loads = ring - per_step + _page_bodies(2, 131072, 0, per_cta, per_step)
             assert off.count("selp.b64") - on.count("selp.b64") == 2 * loads, (per_cta, per_step)
 
 
@@ -853,6 +856,22 @@ def _ring_of(ptx: str) -> int:
     return max(int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", ptx)) + 3
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, window, ring", [
+    (1, 131072, 0, lay.DEEP_RING_STAGES), (2, 4096, 0, lay.DEEP_RING_STAGES), (2, 131072, 0, lay.PIPELINE_STAGES),
+    (4, 131072, 0, lay.PIPELINE_STAGES), (1, 131072, 2048, lay.PIPELINE_STAGES),
+])
+def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, ring):
+    """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (24 where a
+    launch has at most DEEP_RING_MAX_CTAS split CTAs, no window), and assembles without a spill."""
+    splits = lay.splits(max_model_len, window, heads)
+    assert lay.ring_stages(window, heads, splits) == ring
+    ptx, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    if lay.pages_per_step(window, splits) == 2:
+        assert _ring_of(ptx) == ring
+    assert_no_spills(assemble(ptx, arch, tmp_path))
+
+
 def test_ring_stages_refused_outside_its_choices():
     for bad in (0, 3, 7, 32, True, 8.0, "8"):
         with pytest.raises(ValueError, match="ring_stages"):
@@ -861,15 +880,3 @@ def test_ring_stages_refused_outside_its_choices():
     with pytest.raises(ValueError, match="ring_stages"):
         attn2.launch(*([None] * 7), max_model_len=131072, window=0, ring_stages=5)
     assert len(attn2.compilation.CACHE) == before
-
-
-@pytest.mark.parametrize("ring", [8, 16, 24])
-def test_an_experiment_ring_is_built_that_deep(tmp_path_factory, tmp_path, ring):
-    """Attn2Build.ring_stages: the split kernel's deepest cp.async wait says the depth (1 KV head
-    at 128k, two pages a step), and it assembles without a spill."""
-    folder = tmp_path_factory.mktemp("attn2-ring")
-    attn2.compile_attn2(1, 131072, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), ring_stages=ring))
-    (split,) = folder.glob("*_Attn2Kernel_*.ptx")
-    ptx = split.read_text()
-    assert _ring_of(ptx) == ring
-    assert_no_spills(assemble(ptx, "sm_90a", tmp_path))
