@@ -251,20 +251,32 @@ def pages_per_step(window: int, num_splits: int) -> int:
 # 29.28), so PIPELINE_STAGES stays. Window plans (a few pages a split) keep PIPELINE_STAGES.
 DEEP_RING_STAGES = 24
 DEEP_RING_MAX_CTAS = 264
+# DEFERRED_DEEP_RING_STAGES: the same plans' depth when the split kernel defers its P V waits
+# (`kernels.attn2.SplitIssue.defer_values`, which adds two stages of its own: 18 in all). Measured
+# on the H200 at tp 16, 256 CTAs (records/2026-12-02-h200-e1ecdeb-sweep-attn2-ring-defer.json, 0
+# bits differing): 128k 18.80 us against 19.70 at 24 + defer and 20.44-20.55 at 24 without; 32k
+# 11.27 against 11.24 / 12.05-12.07; 8k 9.80 against 9.26-9.42 / 9.88-9.93 (earlier lease,
+# 6073cb6: 18.27 / 10.83 / 9.86 at 128k / 32k / 8k).
+DEFERRED_DEEP_RING_STAGES = 16
 
 
-def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
-    """A deployment's split-kernel ring depth: DEEP_RING_STAGES for a split plan without a window
-    (num_splits > 1, window 0) whose split CTAs a request (num_kv_heads x num_splits / per_cta,
-    `splits_per_cta` by default) number at most DEEP_RING_MAX_CTAS, else PIPELINE_STAGES. A
-    performance choice only: the ring moves no arithmetic, the bits are the same at any depth."""
+def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None,
+                deferred: bool = False) -> int:
+    """A deployment's split-kernel ring depth: for a split plan without a window (num_splits > 1,
+    window 0) whose split CTAs a request (num_kv_heads x num_splits / per_cta, `splits_per_cta` by
+    default) number at most DEEP_RING_MAX_CTAS, DEEP_RING_STAGES, or DEFERRED_DEEP_RING_STAGES when
+    the kernel defers its P V waits (`deferred`: `SplitIssue.defer_values`, which adds its own
+    stages on top); else PIPELINE_STAGES. A performance choice only: the ring moves no
+    arithmetic, the bits are the same at any depth."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
     per_cta = splits_per_cta(num_kv_heads, num_splits) if per_cta is None else per_cta
     check_splits_per_cta(per_cta, num_splits)
     ctas = num_kv_heads * num_splits // per_cta
-    return DEEP_RING_STAGES if num_splits > 1 and window == 0 and ctas <= DEEP_RING_MAX_CTAS else PIPELINE_STAGES
+    if num_splits > 1 and window == 0 and ctas <= DEEP_RING_MAX_CTAS:
+        return DEFERRED_DEEP_RING_STAGES if deferred else DEEP_RING_STAGES
+    return PIPELINE_STAGES
 
 
 def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:

@@ -93,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--issue", default="none,all",
-                        help="comma list of SplitIssue names: all, none, or mask / rescale / lean / keys joined by + "
+                        help="comma list of SplitIssue names: auto (the deployment's), all, none, or mask / rescale / lean / keys joined by + "
                              "('mask+lean': those two on, the rest off)")
     parser.add_argument("--splits-per-cta", type=int, default=None, choices=(1, 2),
                         help="sibling splits a split CTA runs (default: the layout's for the deployment)")
@@ -116,7 +116,7 @@ def main() -> None:
         sys.exit(2)
     names = [n for n in args.issue.split(",") if n]
     try:
-        issues = {name: attn2.SplitIssue.named(name) for name in names}
+        issues = {name: attn2.named_issue(name) for name in names}
     except ValueError as e:
         print(f"--issue: {e}", file=sys.stderr)
         sys.exit(2)

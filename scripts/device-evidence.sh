@@ -161,7 +161,7 @@ case $part in
     ;;
   attn2)
     gpu_tests pytest-attn2 300 tests/kernels/test_attn2_gpu.py tests/kernels/test_gmma_probe_gpu.py tests/cases/test_attn2.py
-    issues=${ATTN2_ISSUES:-all@sync,all}
+    issues=${ATTN2_ISSUES:-all@sync,all,auto}
     run sweep-attn2 200 python3 scripts/sweep-attn2.py --splits 256 --tp 8,16 --lengths 8192,32768,131072 \
       --issue "$issues" --json "$out/$day-$gpu-sweep-attn2.json"
     # one or two sibling splits a CTA (Attn2Build.splits_per_cta; auto: the deployment's, two at tp 4):

@@ -39,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
     parser.add_argument("--tp", type=int, default=8, help="2, 4, 8 or 16 (8 .. 1 KV heads)")
-    parser.add_argument("--issue", default=None, help="a SplitIssue name (all, none, mask+lean, ...), optionally @wgmma|@sync")
+    parser.add_argument("--issue", default=None, help="a SplitIssue name (auto: the deployment's, all, none, mask+lean, ...), optionally @wgmma|@sync")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()
@@ -47,7 +47,7 @@ def main() -> None:
     if args.issue:
         setting, _, ops = args.issue.partition("@")
         try:
-            build = (attn2.SplitIssue.named(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
+            build = (attn2.named_issue(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
         except ValueError as e:
             sys.exit(f"--issue: {e}")  # exit 1 with the reason, before any GPU work
     device = torch.device("cuda")

@@ -8,7 +8,7 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
     python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
 
-`--issue none,all` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all", "none",
+`--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all", "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`),
 or mask / rescale / lean / keys / defer joined by "+"; a setting may end in @wgmma or @sync) against each
 other on the same plan; they must not change a bit, so each point also counts the elements that differ from the first --issue
 setting of its plan (`bits_differing_from_first_issue`), and the run exits 1 if any does.
@@ -105,8 +105,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--issue", default="all",
-                        help="comma list of SplitIssue settings: all, none, or mask / rescale / lean / keys / defer "
-                             "joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
+                        help="comma list of SplitIssue settings: auto (the deployment's), all, none, or mask / rescale / "
+                             "lean / keys / defer joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
                              "target's)")
     parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
     parser.add_argument("--pages-per-step", default="auto",
@@ -119,7 +119,7 @@ def main() -> None:
         issues = {}
         for name in (n for n in args.issue.split(",") if n):
             setting, _, ops = name.partition("@")
-            issues[name] = (attn2.SplitIssue.named(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
+            issues[name] = (attn2.named_issue(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
     except ValueError as e:
         print(f"--issue: {e}", file=sys.stderr)
         sys.exit(2)

@@ -229,6 +229,11 @@ def test_ring_stages_rule():
     assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
     assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
     assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
+    # deferred P V waits: the deep plans take DEFERRED_DEEP_RING_STAGES, the others stay as they are
+    deferred = lay.DEFERRED_DEEP_RING_STAGES
+    assert deferred != deep
+    assert lay.ring_stages(0, 1, 256, deferred=True) == deferred and lay.ring_stages(0, 2, 128, deferred=True) == deferred
+    assert lay.ring_stages(0, 2, 256, deferred=True) == plain and lay.ring_stages(2048, 1, 64, deferred=True) == plain
     for bad in (dict(window=-1), dict(window=True), dict(num_kv_heads=0), dict(num_splits=0)):
         args = dict(window=0, num_kv_heads=1, num_splits=256) | bad
         with pytest.raises(ValueError):

@@ -44,8 +44,9 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    (`cpu.attn2.attn2_model(pages_per_step=2)`'s), the same determinism. SASS a page (sm_90a,
    tp 8 128k, every row sees both, no rescale) 103 against 131 (`scripts/attn2-sass.py
    --pages-per-step 2`).
-   `SplitIssue` (compile-time, each keeping every bit; all but the `defer_values` experiment on
-   by default): pages every row sees
+   `SplitIssue` (compile-time, each keeping every bit; all on in the deployments but
+   `defer_values`, which `deployment_issue` turns on where a CTA runs one split of wgmma two-page
+   steps: tp 8 and 16): pages every row sees
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
@@ -58,7 +59,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` (`defer_values` among them),
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's,
 the pages a softmax step takes (forced against the rule) and the ring's depth
 (`Attn2Build.ring_stages`: 24 stages ran tp 16 at 128k in 19.8 us against 25.8-26.0 at 8, the same
 bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and
@@ -164,7 +165,9 @@ def _require(ok: bool, message: str) -> None:
 class SplitIssue:
     """The split kernel's instruction savings, each a compile-time switch (each leaves every output bit as it is, so `scripts/sweep-attn2.py --issue` times them
     against `SplitIssue.none()` on the same split plan and counts differing bits, which must be 0).
-    The first four are on by default; `defer_values` is an experiment, off until measured.
+    The first four are on in every deployment; `defer_values` where `deployment_issue` says
+    (sm_90a's wgmma two-page steps, one split a CTA: tp 8 and 16). `SplitIssue()` itself keeps
+    `defer_values` off: it is the "all" setting of the scripts, not a deployment.
 
     - `mask_edges_only`: a page whose 16 keys every row of the CTA sees (key <= L - 8, the smallest
       own key, and with a window key >= L - W, the largest low key: a CTA-uniform test) runs a copy
@@ -193,7 +196,8 @@ class SplitIssue:
       H200 (records/2026-12-02-h200-eb7af05-sweep-attn2-defer.json, 0 bits differ): tp 8 / 16 at
       128k 29.2-29.3 / 25.4-25.6 us against 29.9 / 26.5, 32k 0.1-0.2 us faster, 8k the same; tp 4
       (two splits a CTA: the deeper ring and the held split's 18 KB cost a CTA an SM) 61.5 against
-      53.1 at 128k. Off by default: a deployment rule (one split a CTA only) is not built yet.
+      53.1 at 128k. So the deployments defer where a CTA runs one split (`deployment_issue`), with
+      the deep ring at `attn2_layout.DEFERRED_DEEP_RING_STAGES`.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -215,7 +219,7 @@ class SplitIssue:
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (the default: every switch but the experiment `defer_values`), "none", or short
+        """"all" (`SplitIssue()`: every switch but `defer_values`), "none", or short
         names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys", "defer".
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
@@ -233,6 +237,22 @@ class SplitIssue:
         return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
 
 
+def named_issue(name: str) -> SplitIssue | None:
+    """A setting of the scripts' --issue: "auto" is the deployment's (None: `deployment_issue`
+    per build), any other name `SplitIssue.named`'s (ValueError for an unknown one)."""
+    return None if name == "auto" else SplitIssue.named(name)
+
+
+def deployment_issue(wgmma: bool, pages_per_step: int, splits_per_cta: int) -> SplitIssue:
+    """The split kernel's `SplitIssue` in a deployment (`Attn2Build.issue` None): every saving on,
+    and `defer_values` where the kernel runs wgmma two-page steps (`pages_per_step` 2: split plans
+    without a window) with one split a CTA (tp 8 and 16 at 256 splits). Not with two splits a CTA
+    (tp 4 and 2: the deeper ring and the held split cost a CTA an SM, 61.5 against 53.1 us at
+    128k), nor with mma.sync (sm_100a; the deferred wait is wgmma's). The bits are the same either
+    way; only the speed differs (`SplitIssue`'s measurements)."""
+    return SplitIssue(defer_values=bool(wgmma) and pages_per_step == 2 and splits_per_cta == 1)
+
+
 @dataclass(frozen=True)
 class Attn2Build:
     """Compile-time knobs besides the deployment: PDL, the target (default: CUTE_DSL_ARCH or the
@@ -243,13 +263,14 @@ class Attn2Build:
     the same bits with any setting) and the pages a softmax step takes (`pages_per_step`: None,
     the deployment's rule for the build's plan, `attn2_layout.pages_per_step`, resolved into the
     compile key; 1 or 2 forced, with one or two splits a CTA; 2 gives other bits than 1, those of
-    `cpu.attn2.attn2_model` with pages_per_step 2, with the same determinism)."""
+    `cpu.attn2.attn2_model` with pages_per_step 2, with the same determinism). `issue` None: the
+    deployment's (`deployment_issue`), resolved into the compile key."""
 
     enable_pdl: bool = True
     arch: str | None = None
     ptx_dir: str | None = None
     num_splits: int | None = None  # experiments only: another split plan than the deployment's (other bits)
-    issue: SplitIssue = SplitIssue()
+    issue: SplitIssue | None = None  # None: the deployment's, `deployment_issue`
     tensor_ops: str | None = None  # "wgmma" (sm_90a only) or "sync"; None: the target's (TENSOR_OPS)
     splits_per_cta: int | None = None  # experiments only: 1 or 2 (None: the layout's); the same bits
     # 1 or 2 (`attn2_layout.split_steps`); None: the plan's (`attn2_layout.pages_per_step`)
@@ -260,7 +281,8 @@ class Attn2Build:
     ring_stages: int | None = None
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.issue, SplitIssue), f"issue must be a SplitIssue, got {self.issue!r}")
+        _require(self.issue is None or isinstance(self.issue, SplitIssue),
+                 f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
@@ -1414,15 +1436,17 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
-    # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
-    ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"])
-    split_knobs = dict(knobs, **build.issue.knobs(), pages_per_step=per_step, ring_stages=ring)
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
-
+    wgmma = tensor_ops_for(target, build.tensor_ops) == "wgmma"
+    issue = build.issue or deployment_issue(wgmma, per_step, knobs["splits_per_cta"])
+    # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
+    ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"],
+                                                deferred=issue.defer_values)
+    split_knobs = dict(knobs, **issue.knobs(), pages_per_step=per_step, ring_stages=ring)
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
-    split_knobs["wgmma"] = tensor_ops_for(target, build.tensor_ops) == "wgmma"
+    split_knobs["wgmma"] = wgmma
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1514,10 +1538,11 @@ def _rows_span(t: torch.Tensor) -> torch.Tensor:
 def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
-           issue: SplitIssue = SplitIssue(), tensor_ops: str | None = None, splits_per_cta: int | None = None,
+           issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
-    the combine, on the current stream. `num_splits`, `issue`, `tensor_ops`, `splits_per_cta`,
+    the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
+    `deployment_issue`), `tensor_ops`, `splits_per_cta`,
     `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced) and
     `ring_stages` (None: the rule's, `attn2_layout.ring_stages`): experiments only (`Attn2Build`; refused before any
     compile or launch outside their choices)."""

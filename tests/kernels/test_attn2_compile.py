@@ -45,19 +45,23 @@ WGMMA_PV = "wgmma.mma_async.sync.aligned.m64n72k16.f32.bf16.bf16"
 # (wgmma on sm_90a), and every saving on with mma.sync forced (sm_90a's other path; on sm_100a
 # the same kernel as "all")
 ISSUES = {"all": attn2.SplitIssue(), "none": attn2.SplitIssue.none(), "sync": attn2.SplitIssue()}
+# `_ptx`'s default: the deployment's build (`Attn2Build.issue` None: `attn2.deployment_issue`, which
+# defers P V where a CTA runs one split of wgmma two-page steps)
+DEPLOYMENT = "deployment"
 TENSOR_OPS = {"sync": "sync"}
 _PTX: dict[tuple, tuple[str, str | None]] = {}
 
 
-def _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue="all", per_cta=None, per_step=None):
-    """(split kernel PTX, combine kernel PTX or None), compiled once per module; `per_cta`:
+def _ptx(tmp_path_factory, arch, heads, max_model_len, window, issue=DEPLOYMENT, per_cta=None, per_step=None):
+    """(split kernel PTX, combine kernel PTX or None), compiled once per module; `issue`: an ISSUES
+    name or DEPLOYMENT (the deployment's SplitIssue); `per_cta`:
     `Attn2Build.splits_per_cta` (None: the layout's); `per_step`: `Attn2Build.pages_per_step`
     (None: the deployment's rule, `attn2_layout.pages_per_step`)."""
     key = (arch, heads, max_model_len, window, issue, per_cta, per_step)
     if key not in _PTX:
         folder = tmp_path_factory.mktemp("attn2")
         attn2.compile_attn2(heads, max_model_len, window,
-                            attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES[issue],
+                            attn2.Attn2Build(arch=arch, ptx_dir=str(folder), issue=ISSUES.get(issue),
                                              tensor_ops=TENSOR_OPS.get(issue), splits_per_cta=per_cta,
                                              pages_per_step=per_step))
         split = sorted(folder.glob(f"*_Attn2Kernel_*{arch}*.ptx")) or sorted(folder.glob("*_Attn2Kernel_*.ptx"))
@@ -779,7 +783,8 @@ def test_pages_per_step_is_its_own_variant():
     None at 8192 without a window is the rule's 2, the same variant as 2); the combine is the same
     variant for all."""
     for per_step in (None, 1, 2):
-        attn2.compile_attn2(2, 8192, 0, attn2.Attn2Build(arch="sm_90a", pages_per_step=per_step))
+        attn2.compile_attn2(2, 8192, 0, attn2.Attn2Build(arch="sm_90a", pages_per_step=per_step,
+                                                         issue=attn2.SplitIssue()))
     default_issue = attn2.SplitIssue().knobs()
     splits = [dict(k[3]) for k in attn2.compilation.CACHE.keys() if k[0].endswith("_Attn2Kernel")
               and k[1] == "sm_90a" and k[2] is None]
@@ -820,7 +825,7 @@ def test_deferred_values_build(tmp_path_factory, tmp_path, heads, per_cta):
     assert kernel.stages == lay.PIPELINE_STAGES + attn2.DEFER_EXTRA_STAGES
     assert kernel.lookahead == lay.PIPELINE_STAGES - 2
     splits = _splits_per_cta(heads, 131072, 0, per_cta)
-    plain = _ptx(tmp_path_factory, "sm_90a", heads, 131072, 0, per_cta=per_cta)[0]
+    plain = _ptx(tmp_path_factory, "sm_90a", heads, 131072, 0, "all", per_cta=per_cta)[0]
     # the two-page step's Q K^T once, before the mask branch (the plain build has a chain in each
     # copy): 8 m64n16k16 fewer a split; the same P V chains
     assert ptx.count(WGMMA_S) == plain.count(WGMMA_S) - 2 * attn2.K_TILES * splits
@@ -857,19 +862,58 @@ def _ring_of(ptx: str) -> int:
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("heads, max_model_len, window, ring", [
-    (1, 131072, 0, lay.DEEP_RING_STAGES), (2, 4096, 0, lay.DEEP_RING_STAGES), (2, 131072, 0, lay.PIPELINE_STAGES),
-    (4, 131072, 0, lay.PIPELINE_STAGES), (1, 131072, 2048, lay.PIPELINE_STAGES),
+@pytest.mark.parametrize("heads, max_model_len, window, deep", [
+    (1, 131072, 0, True), (2, 4096, 0, True), (2, 131072, 0, False), (4, 131072, 0, False), (1, 131072, 2048, False),
 ])
-def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, ring):
-    """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (24 where a
-    launch has at most DEEP_RING_MAX_CTAS split CTAs, no window), and assembles without a spill."""
+def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, deep):
+    """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (where a launch
+    has at most DEEP_RING_MAX_CTAS split CTAs, no window: 16 on sm_90a, whose deployment defers
+    its P V waits there, 24 on sm_100a), and assembles without a spill."""
     splits = lay.splits(max_model_len, window, heads)
-    assert lay.ring_stages(window, heads, splits) == ring
+    deferred = arch == "sm_90a" and lay.pages_per_step(window, splits) == 2 and lay.splits_per_cta(heads, splits) == 1
+    ring = lay.ring_stages(window, heads, splits, deferred=deferred)
+    assert ring == ((lay.DEFERRED_DEEP_RING_STAGES if deferred else lay.DEEP_RING_STAGES) if deep
+                    else lay.PIPELINE_STAGES)
     ptx, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
     if lay.pages_per_step(window, splits) == 2:
         assert _ring_of(ptx) == ring
     assert_no_spills(assemble(ptx, arch, tmp_path))
+
+
+def test_deployment_issue_rule():
+    """Every saving on; defer_values exactly where a CTA runs one split of wgmma two-page steps."""
+    for wgmma in (True, False):
+        for per_step in (1, 2):
+            for per_cta in (1, 2):
+                issue = attn2.deployment_issue(wgmma, per_step, per_cta)
+                assert issue.defer_values == (wgmma and per_step == 2 and per_cta == 1)
+                assert dataclasses.replace(issue, defer_values=False) == attn2.SplitIssue()
+    assert attn2.named_issue("auto") is None and attn2.named_issue("all") == attn2.SplitIssue()
+    with pytest.raises(ValueError, match="SplitIssue"):
+        attn2.named_issue("auto+defer")
+
+
+@pytest.mark.parametrize("arch, heads, max_model_len, window, defers", [
+    ("sm_90a", 2, 131072, 0, True), ("sm_90a", 1, 131072, 0, True), ("sm_90a", 4, 131072, 0, False),
+    ("sm_90a", 2, 131072, 2048, False), ("sm_100a", 2, 131072, 0, False),
+])
+def test_the_deployment_defers_where_the_rule_says(tmp_path_factory, arch, heads, max_model_len, window, defers):
+    """The deployment's split kernel (`Attn2Build.issue` None) is the deferred build where
+    `deployment_issue` says (tp 8 and 16 on sm_90a: one wait a two-page step, as many waits as
+    commits) and the "all" build elsewhere (tp 4: two splits a CTA; a window: one page a step;
+    sm_100a: mma.sync): the same PTX text as the explicit setting's."""
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    if defers:
+        explicit = _defer_ptx(tmp_path_factory, heads)
+        assert deployed.count("wgmma.commit_group.sync.aligned") == deployed.count("wgmma.wait_group.sync.aligned 0")
+    else:
+        explicit, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window, "all")
+    assert _body(deployed) == _body(explicit)
+
+
+def _body(ptx: str) -> str:
+    """A PTX file without its header comments (the compiler's file names differ between builds)."""
+    return "\n".join(line for line in ptx.splitlines() if not line.lstrip().startswith("//"))
 
 
 def test_ring_stages_refused_outside_its_choices():
