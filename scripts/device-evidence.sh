@@ -176,6 +176,11 @@ case $part in
       # the split and the combine kernel's durations, one launch at a time (tp 8)
       run ncu-attn2-kernels 120 ncu --clock-control none -k regex:Attn2 --metrics gpu__time_duration.sum \
         python3 scripts/profile-attn2.py --lengths 8192,131072
+      # which of the SM's pipes the 128k split kernel keeps busy (tensor, MUFU, FMA, ALU, LSU) and how full
+      # shared memory and DRAM run: what bounds its pages an SM a microsecond
+      run ncu-attn2-pipes 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
+        --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum" \
+        python3 scripts/profile-attn2.py --lengths 131072
       for issue in ${issues//,/ }; do
         run "ncu-attn2-$issue" 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
           --metrics "regex:smsp__warp_issue_stalled_.*_per_warp_active.pct,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum" \
