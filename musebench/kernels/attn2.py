@@ -385,7 +385,9 @@ class _Attn2Kernel:
         physical page from the prefetched table; slots at and past L, and a physical page outside
         the cache (a bad table entry: never read out of bounds), zero-filled."""
         physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
-        in_cache = Uint32(physical) < Uint32(cache_pages)
+        # both bounds, signed: a Uint32 cast of an Int32 keeps the compare signed (setp.s32), so -1
+        # (or -2^31) would pass as inside and address memory before the cache
+        in_cache = (physical >= Int32(0)) & (physical < cache_pages)
         page_base = cache_base + (Int64(cutlass.select_(in_cache, physical, Int32(0))) * self.num_kv_heads
                                   + Int64(kv_head)) * lay.PAGE_BYTES
         for half in cutlass.range_constexpr(2):

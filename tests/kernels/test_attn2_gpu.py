@@ -177,6 +177,34 @@ def test_deferred_values_keep_every_bit(family, seq_len, max_model_len, num_kv_h
     assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), _first_difference(got, baseline)
 
 
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads", [
+    (3001, 8192, 0, 2), (2055, 4096, 2048, 2), (100001, 131072, 0, 2), (70001, 131072, 0, 1), (9001, 131072, 0, 4),
+])
+def test_bad_table_entries_read_as_a_page_of_zeros(seq_len, max_model_len, window, num_kv_heads):
+    """Table entries outside [0, cache pages) on visible pages (-1, the page count, far past it,
+    INT32's extremes: a caller's bug) fault nothing and read as zeros: the launch gives the bits
+    of the same problem whose entries name a real page of zeros. (Before the bounds were two
+    signed compares, a negative entry passed as inside and addressed memory before the cache.)"""
+    import dataclasses
+
+    problem = make_problem("random", seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
+    pool = problem.kv_cache.shape[0]
+    first = lay.visible_keys(seq_len, window)[0] // lay.PAGE_TOKENS
+    last = lay.max_pages(seq_len) - 1  # the page holding L - 1
+    middle = (first + last) // 2
+    rows = [first, last, middle, middle + 1, first + 1]
+    assert len(set(rows)) == len(rows)
+    broken, zeroed = problem.page_table.clone(), problem.page_table.clone()
+    for row, value in zip(rows, [-1, pool, pool + 1000, 2**31 - 1, -(2**31)]):
+        broken[0, row] = value
+        zeroed[0, row] = pool  # the appended page of zeros
+    cache = torch.cat([problem.kv_cache, torch.zeros_like(problem.kv_cache[:1])])
+    got = _launch(dataclasses.replace(problem, page_table=broken))[0]
+    want = _launch(dataclasses.replace(problem, kv_cache=cache, page_table=zeroed))[0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), _first_difference(got, want)
+    assert bool(torch.isfinite(got.float()).all())
+
+
 def test_split_issue_comparison_sees_a_change():
     """The comparison above is not vacuous: another split plan (another merge tree) with every
     saving on differs from the deployment's plan without them in some bits."""
