@@ -1442,7 +1442,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
     wgmma = tensor_ops_for(target, build.tensor_ops) == "wgmma"
-    issue = build.issue or deployment_issue(wgmma, per_step, knobs["splits_per_cta"])
+    issue = build.issue if build.issue is not None else deployment_issue(wgmma, per_step, knobs["splits_per_cta"])
     # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
     ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"],
                                                 deferred=issue.defer_values)
