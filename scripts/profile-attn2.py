@@ -50,6 +50,8 @@ def main() -> None:
             build = (attn2.named_issue(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
         except ValueError as e:
             sys.exit(f"--issue: {e}")  # exit 1 with the reason, before any GPU work
+    if not torch.cuda.is_available():  # after the --issue check: its refusal comes first
+        sys.exit("profile-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible")
     device = torch.device("cuda")
     for length in (int(x) for x in args.lengths.split(",")):
         problem = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, args.tp)

@@ -154,6 +154,9 @@ def main() -> None:
     except ValueError as e:
         print(f"--ring-stages: {e}", file=sys.stderr)
         sys.exit(2)
+    if not torch.cuda.is_available():  # after every option's check: those refusals come first
+        print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)
+        sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)

@@ -202,6 +202,18 @@ def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason
     assert_refused(run_script(SWEEP_ATTN2, args), reason)
 
 
+def test_sweep_attn2_without_a_gpu_refuses_after_its_options():
+    """With valid options and no CUDA GPU, sweep-attn2.py exits 2 naming what it needs (no traceback);
+    a bad option is still refused first, with its own reason."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the sweep would run")
+    assert_refused(run_script(SWEEP_ATTN2, ["--tp", "8", "--lengths", "8192", "--issue", "auto"]), "needs a CUDA GPU")
+    assert_refused(run_script(SWEEP_ATTN2, ["--ring-stages", "7"]), "ring_stages must be one of")
+
+
 def test_sweep_attn2_pages_per_step_values():
     """auto is the deployment's rule for the plan (`attn2_layout.pages_per_step`: 2 for split plans
     without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with
