@@ -100,6 +100,19 @@ Memory ordering: PDL. Every global read of either kernel follows its `griddepcon
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
 combine's wait sees finished and flushed); each releases its dependents after its main work.
 
+Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
+`scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
+the knob): thread 0 of every split CTA and of every combine CTA writes TRACE_WORDS int64, after its
+last store, into the workspace past the partials (`traced_workspace_bytes`: the launch refuses a
+smaller workspace with ValueError before anything launches, one split included; `trace_rows` views
+them): its SM, %globaltimer at entry and at the end (ns, one clock for every SM), and %clock64 (the
+SM's cycles) at entry, after griddepcontrol.wait, then (split, SPLIT_TRACE_FIELDS) after the
+prologue (Q fragments, table prefetch, the ring's first copies issued), after the page chain(s)
+and after the partial write (or the one-split epilogue); (combine, COMBINE_TRACE_FIELDS) after the
+group's partial loads and subtree, after the tree above the groups, and at the end. Every thread
+reads the clocks (no branch in the page loop); only thread 0 writes. The bits of `out` and of the
+partials are the untraced build's: the trace adds reads of special registers and its own stores.
+
 Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
 instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8); no
 spills, no wgmma serialization.

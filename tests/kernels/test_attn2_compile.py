@@ -20,7 +20,10 @@ step's MMAs and one barrier a step besides the one-page loops, per split (`_step
 as the deployments', the hold and merge with two splits a CTA, no spill, registers within the
 cap; the build's default is the rule; its refusals. On ints, no compile: the K and V fragment addresses (`k_fragment_row`, `v_fragment_row`)
 give every lane its mma B fragments through an emulated
-ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions)."""
+ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions).
+The traced build (`Attn2Build.trace`): its clocks read by every thread, its rows stored by thread 0
+only after the kernel's own stores, no spill (the check fails on edited PTX); no deployment reads a
+clock; the traced workspace's layout and the refusals of a non-bool trace."""
 
 from __future__ import annotations
 

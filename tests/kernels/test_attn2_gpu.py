@@ -2,7 +2,9 @@
 ULPs at each head row's scale, mean element error small; ex2.approx and the tensor cores' guard
 bits are not emulated), against the FP64 reference beside the stock
 (max and mean ULP each at most the stock's), bitwise determinism across calls and graph replays,
-rank identity across tp, same keys same bits across L, poison never read."""
+rank identity across tp, same keys same bits across L, poison never read. The traced build
+(`Attn2Build.trace`): the same bits, every CTA's row written with its clocks in order, in a graph
+too; a workspace without room for the rows refused."""
 
 from __future__ import annotations
 
