@@ -434,11 +434,10 @@ def test_the_traced_build_keeps_every_bit_and_writes_every_row(tp, seq_len):
     tp 16: 1; 256 splits, one a CTA); every split and combine CTA's row is written, its clocks
     non-decreasing, its globaltimer entry before its end, its SM one of the GPU's. The row check
     fails on a row with two clocks swapped."""
-    from musebench.cases.attn2_inputs import for_rank
     from musebench.kernels import attn2
 
-    problem = for_rank(make_problem("random", seq_len, 131072), 0, tp)
-    heads = problem.num_kv_heads
+    heads = 16 // tp  # a rank's KV heads at tp
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=heads)
     splits = cute_ops.attn2_splits(131072, 0, heads)
     want, plain_workspace = _launch(problem)
     got, workspace = _traced(problem)
@@ -460,10 +459,8 @@ def test_the_traced_build_keeps_every_bit_and_writes_every_row(tp, seq_len):
 
 def test_the_traced_comparison_sees_a_change():
     """The bit comparison above can fail: another seed's traced output differs from this one's."""
-    from musebench.cases.attn2_inputs import for_rank
-
-    ours = _traced(for_rank(make_problem("random", 9000, 131072), 0, 8))[0]
-    other = _traced(for_rank(make_problem("random", 9000, 131072, seed=1), 0, 8))[0]
+    ours = _traced(make_problem("random", 9000, 131072, num_kv_heads=2))[0]
+    other = _traced(make_problem("random", 9000, 131072, seed=1, num_kv_heads=2))[0]
     assert not torch.equal(ours.view(torch.int16), other.view(torch.int16))
 
 
@@ -471,10 +468,9 @@ def test_traced_launches_replay_in_a_graph():
     """Three traced launches captured in one graph (compiled before capture), each with its own
     workspace: every replay rewrites every row (zeroed between replays), and the out bits are the
     eager launch's."""
-    from musebench.cases.attn2_inputs import for_rank
     from musebench.kernels import attn2
 
-    problem = for_rank(make_problem("random", 8192, 131072), 0, 16)
+    problem = make_problem("random", 8192, 131072, num_kv_heads=1)
     want, _ = _traced(problem)
     p = problem.to("cuda")
     splits = cute_ops.attn2_splits(131072, 0, 1)
