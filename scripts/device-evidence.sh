@@ -172,6 +172,8 @@ case $part in
     run sweep-attn2-ring 150 python3 scripts/sweep-attn2.py --splits 256 --tp 16 --lengths 8192,32768,131072 \
       --ring-stages 8,16,24,auto --json "$out/$day-$gpu-sweep-attn2-ring.json"
     run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
+    # every split and combine CTA's phases in a graph of back-to-back launches (the traced build's clocks)
+    run trace-attn2 120 python3 scripts/trace-attn2.py --json "$out/$day-$gpu-trace-attn2.json"
     if command -v ncu > /dev/null; then
       # the split and the combine kernel's durations, one launch at a time (tp 8)
       run ncu-attn2-kernels 120 ncu --clock-control none -k regex:Attn2 --metrics gpu__time_duration.sum \

@@ -301,3 +301,78 @@ def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
     plan); exit 2 otherwise, before compiling."""
     pytest.importorskip("cutlass")
     assert_refused(run_script(ATTN2_SASS, args), reason)
+
+
+TRACE_ATTN2 = REPO / "scripts" / "trace-attn2.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--tp", "3"], "--tp: '3' is not a comma list of 16, 8, 4, 2"),
+    (["--tp", "8,8"], "each once"),
+    (["--tp", "x"], "--tp"),
+    (["--lengths", "7"], "--lengths: '7' is not a comma list of lengths in [8, 131072]"),
+    (["--lengths", "131073"], "--lengths"),
+    (["--calls", "2"], "needs >= 3"),
+    (["--json", "/nonexistent-folder/trace.json"], "does not exist"),
+])
+def test_trace_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
+    """trace-attn2.py: an option it cannot run exits 2 with the reason before the GPU is touched
+    (a tp outside 16 / 8 / 4 / 2, a length outside [8, 131072], a value twice, fewer than three
+    calls, a --json folder that does not exist)."""
+    assert_refused(run_script(TRACE_ATTN2, args), reason)
+
+
+def test_trace_attn2_without_a_gpu_refuses_after_its_options():
+    """With valid options and no CUDA GPU, trace-attn2.py exits 2 naming what it needs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the trace would run")
+    assert_refused(run_script(TRACE_ATTN2, ["--tp", "8", "--lengths", "8"]), "needs a CUDA GPU")
+
+
+def _attn2_row(fields: tuple[str, ...], smid: int, entry_ns: int, phases_cycles: tuple[int, ...]) -> dict:
+    """A CTA's trace row at 2 cycles a ns: entry at `entry_ns`, then its four phases' cycles."""
+    clocks = [1000]
+    for cycles in phases_cycles:
+        clocks.append(clocks[-1] + cycles)
+    life_ns = (clocks[-1] - clocks[0]) // 2
+    return dict(zip(fields, [smid, entry_ns, entry_ns + life_ns, *clocks]))
+
+
+def test_trace_attn2_phases_gaps_and_sm_loads():
+    """The trace's arithmetic on made-up rows: phases in ns at each kernel's cycles-per-ns ratio
+    (over every CTA and over the CTAs with pages), the gap from the split grid's end to the
+    combine's first post-wait instant, spans, overlap with the previous launch and CTAs per SM."""
+    script = runpy.run_path(str(TRACE_ATTN2), run_name="musebench_script_check")
+    split_fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_prologue",
+                    "clock_chained", "clock_written")
+    combine_fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_loaded",
+                      "clock_merged", "clock_end")
+
+    def launch(at: int) -> dict:
+        # two split CTAs on SM 0 (one with pages: a 4 µs chain), one on SM 1 without pages
+        split = [_attn2_row(split_fields, 0, at, (200, 400, 8000, 400)),
+                 _attn2_row(split_fields, 0, at + 100, (200, 400, 0, 0)),
+                 _attn2_row(split_fields, 1, at + 50, (200, 400, 0, 0))]
+        # the split grid ends at at + 4500; the combine CTAs enter at at + 1000 and wait 4000 ns
+        combine = [_attn2_row(combine_fields, 2, at + 1000, (8000, 600, 400, 200)),
+                   _attn2_row(combine_fields, 3, at + 1200, (8000, 600, 400, 200))]
+        return dict(split=split, combine=combine, split_pages=[3, 0, 0])
+
+    launches = [launch(0), launch(5000)]
+    table = script["summarize"](launches)
+    assert table["cycles_per_ns"] == {"split": 2.0, "combine": 2.0}
+    assert table["split"]["chain"] == dict(median_ns=0, max_ns=4000)
+    assert table["split"]["with_pages"]["ctas"] == 1 and table["split"]["with_pages"]["chain"]["median_ns"] == 4000
+    assert table["split"]["pdl_wait"] == dict(median_ns=100, max_ns=100)
+    assert table["split"]["ctas_by_ctas_on_the_sm"] == {"1": 1, "2": 2} and table["split"]["ctas"] == 3
+    assert table["combine"]["loads"] == dict(median_ns=300, max_ns=300)
+    assert table["combine"]["ctas_by_ctas_on_the_sm"] == {"1": 2}
+    assert table["split_span_ns"]["median"] == 4500
+    assert table["gap_split_end_to_combine_waited_ns"]["median"] == 5000 - 4500
+    assert table["launch_span_ns"]["median"] == 1200 + 4600
+    assert table["combine_first_entry_after_split_first_entry_ns"]["median"] == 1000
+    assert table["launch_period_ns"] == {"median": 5000, "max": 5000}
+    assert table["overlap_with_previous_ns"]["median"] == 5800 - 5000
+    assert "tp 8 L 8" in script["render"](8, 8, table)

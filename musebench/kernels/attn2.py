@@ -100,6 +100,19 @@ Memory ordering: PDL. Every global read of either kernel follows its `griddepcon
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
 combine's wait sees finished and flushed); each releases its dependents after its main work.
 
+Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
+`scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
+the knob): thread 0 of every split CTA and of every combine CTA writes TRACE_WORDS int64, after its
+last store, into the workspace past the partials (`traced_workspace_bytes`: the launch refuses a
+smaller workspace with ValueError before anything launches, one split included; `trace_rows` views
+them): its SM, %globaltimer at entry and at the end (ns, one clock for every SM), and %clock64 (the
+SM's cycles) at entry, after griddepcontrol.wait, then (split, SPLIT_TRACE_FIELDS) after the
+prologue (Q fragments, table prefetch, the ring's first copies issued), after the page chain(s)
+and after the partial write (or the one-split epilogue); (combine, COMBINE_TRACE_FIELDS) after the
+group's partial loads and subtree, after the tree above the groups, and at the end. Every thread
+reads the clocks (no branch in the page loop); only thread 0 writes. The bits of `out` and of the
+partials are the untraced build's: the trace adds reads of special registers and its own stores.
+
 Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
 instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8); no
 spills, no wgmma serialization.
@@ -154,6 +167,16 @@ RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)  # lay.DEEP_RING_STAGES amon
 DEFER_EXTRA_STAGES = 2
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
+# The traced build (`Attn2Build.trace`, an experiment): the int64 words thread 0 of a CTA writes,
+# after its last store, into the trace rows past the partials (`trace_rows`). %globaltimer (ns, one
+# clock for every SM) at entry and end; %clock64 (the SM's cycles) at the phases' ends.
+SPLIT_TRACE_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_prologue",
+                      "clock_chained", "clock_written")
+COMBINE_TRACE_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_loaded",
+                        "clock_merged", "clock_end")
+TRACE_WORDS = len(SPLIT_TRACE_FIELDS)  # a CTA's row of either kernel
+TRACE_ROW_BYTES = TRACE_WORDS * 8
+assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
 def _require(ok: bool, message: str) -> None:
@@ -279,8 +302,12 @@ class Attn2Build:
     # `attn2_layout.ring_stages`); a deeper ring keeps more pages in flight a CTA (the same bits: the
     # ring moves no arithmetic)
     ring_stages: int | None = None
+    # experiments only: every CTA's clocks into trace rows past the partials (`trace_rows`; the
+    # launch then needs `traced_workspace_bytes`); the same bits of out and of the partials
+    trace: bool = False
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
         if self.splits_per_cta is not None:
@@ -322,8 +349,10 @@ class _Attn2Kernel:
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
-                 defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES) -> None:
+                 defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
+        self.trace = trace
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         lay.check_pages_per_step(pages_per_step)
         self.pages_per_step = pages_per_step
@@ -957,6 +986,10 @@ class _Attn2Kernel:
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
                seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                gate_row_words: Int32) -> None:
+        clocks = {}  # the traced build's clocks (SPLIT_TRACE_FIELDS): read by every thread, written by thread 0
+        if cutlass.const_expr(self.trace):
+            clocks["globaltimer_entry"] = ptx.read_globaltimer_u64()
+            clocks["clock_entry"] = ptx.read_clock64_u64()
         kv_head, partial, req = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -983,6 +1016,8 @@ class _Attn2Kernel:
 
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.trace):
+            clocks["clock_waited"] = ptx.read_clock64_u64()
 
         # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree)
         seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
@@ -1018,6 +1053,8 @@ class _Attn2Kernel:
         cute.arch.barrier()
         self.ring_prologue(ring_base, cache_base, table_smem, starts, counts, total, kv_head, seq_len, cache_pages,
                            tidx)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_prologue"] = ptx.read_clock64_u64()  # Q, the table and the ring's first copies issued
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -1072,12 +1109,24 @@ class _Attn2Kernel:
             fresh_m = [Float32(NEG_INF), Float32(NEG_INF)]
             fresh_o = [Float32(0.0) for _ in range(ACCUMULATORS)]
             m, o = self.split_chain(counts[0], total, second, second_entry, second, *chain, fresh_m, fresh_o)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_chained"] = ptx.read_clock64_u64()
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
         self.head_result(gate, out, workspace, gate_row_words, kv_head, partial, req, warp, g, c, tidx, total, m, o)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_written"] = ptx.read_clock64_u64()
+            clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
+            if tidx == 0:
+                num_reqs = cute.arch.grid_dim()[2]
+                index = (req * self.num_kv_heads + kv_head) * self.partials + partial
+                trace_row = (Int64(workspace.iterator.toint())
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
+                             + Int64(index) * TRACE_ROW_BYTES)
+                write_trace_row(trace_row, SPLIT_TRACE_FIELDS, clocks)
 
 
 @cute.jit
@@ -1191,6 +1240,22 @@ def merge_into(left: list, right: list) -> None:
     left[n + 1] = ptx.add_rn_f32(ptx.mul_rn_f32(left[n + 1], w_l), ptx.mul_rn_f32(right[n + 1], w_r))
 
 
+def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int) -> Int64:
+    """Device side (inlined into a traced kernel): the first trace row's byte offset in the
+    workspace, past the partials (none with one split), as `trace_rows` reads it."""
+    if num_splits == 1:
+        return Int64(0)
+    return Int64(num_reqs * (num_kv_heads * partials)) * lay.PARTIAL_BYTES
+
+
+def write_trace_row(row: Int64, fields: tuple[str, ...], clocks: dict) -> None:
+    """Device side (inlined into a traced kernel; its caller's thread 0 only): one CTA's trace row,
+    `fields` in order as int64 (the SM read here, the rest from `clocks`), at address `row`."""
+    words = dict(clocks, smid=Int64(ptx.read_smid_u32()))
+    for i, field in enumerate(fields):
+        ptx.st_global_u64(row + i * 8, words[field])
+
+
 @cute.jit
 def load_gate_words(gate: cute.Tensor, row: Int32, head: Int32, c: Int32, gate_row_words: Int32) -> list:
     """The gate's BF16 pairs of (row, head) that lane c holds: word t is dims 8t + 2c (low 16
@@ -1246,8 +1311,10 @@ class _Attn2CombineKernel:
     (`splits_per_cta` sibling leaves, already merged)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool, splits_per_cta: int = 1) -> None:
+                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
+        _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
+        self.trace = trace
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
@@ -1334,6 +1401,10 @@ class _Attn2CombineKernel:
     @cute.kernel
     def kernel(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
                gate_row_words: Int32) -> None:
+        clocks = {}  # the traced build's clocks (COMBINE_TRACE_FIELDS): read by every thread, written by thread 0
+        if cutlass.const_expr(self.trace):
+            clocks["globaltimer_entry"] = ptx.read_globaltimer_u64()
+            clocks["clock_entry"] = ptx.read_clock64_u64()
         row_index, kv_head, req = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         c = tidx % lay.COMBINE_QUADS
@@ -1356,9 +1427,13 @@ class _Attn2CombineKernel:
         _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
+        if cutlass.const_expr(self.trace):
+            clocks["clock_waited"] = ptx.read_clock64_u64()
         leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half)
                   for i in range(self.leaves)]
         mine = self.subtree(leaves, 0, self.leaves)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_loaded"] = ptx.read_clock64_u64()  # the group's partials loaded and merged
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
         # The groups' results meet in the tree's upper levels: first within each warp (its
@@ -1376,9 +1451,22 @@ class _Attn2CombineKernel:
             if tidx < 32:
                 nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
                 mine = self.subtree(nodes, 0, self.warps)
+        if cutlass.const_expr(self.trace):
+            clocks["clock_merged"] = ptx.read_clock64_u64()  # the tree above the groups (warp 0: its root)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
             row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
+        if cutlass.const_expr(self.trace):
+            clocks["clock_end"] = ptx.read_clock64_u64()
+            clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
+            if tidx == 0:  # group 0's lane 0: its row's store is its last
+                num_reqs = cute.arch.grid_dim()[2]
+                index = (req * self.num_kv_heads + kv_head) * lay.ROWS_PER_KV_HEAD + row_index
+                trace_row = (Int64(workspace.iterator.toint())
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
+                             + Int64(num_reqs * (self.num_kv_heads * self.partials)) * TRACE_ROW_BYTES
+                             + Int64(index) * TRACE_ROW_BYTES)
+                write_trace_row(trace_row, COMBINE_TRACE_FIELDS, clocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1438,6 +1526,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
+    knobs["trace"] = build.trace
     arch = build.arch or os.environ.get("CUTE_DSL_ARCH")
     target = arch or _device_arch()
     bf16 = cutlass.BFloat16
@@ -1492,10 +1581,53 @@ def prepare(*, num_kv_heads: int, max_model_len: int, window: int, enable_pdl: b
     compile_attn2(num_kv_heads, max_model_len, window, Attn2Build(enable_pdl=enable_pdl))
 
 
+def trace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_cta: int | None = None) -> int:
+    """Bytes of a traced launch's trace rows (`Attn2Build.trace`): TRACE_ROW_BYTES for every split
+    CTA (num_reqs x num_kv_heads x num_splits / splits_per_cta; None: the layout's) and, with
+    splits, every combine CTA (num_reqs x num_kv_heads x 64). They follow the partials in the
+    workspace (`traced_workspace_bytes`, `trace_rows`)."""
+    lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)  # its refusals (ValueError)
+    per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
+    lay.check_splits_per_cta(per_cta, num_splits)
+    split_ctas = num_reqs * num_kv_heads * (num_splits // per_cta)
+    combine_ctas = num_reqs * num_kv_heads * lay.ROWS_PER_KV_HEAD if num_splits > 1 else 0
+    return (split_ctas + combine_ctas) * TRACE_ROW_BYTES
+
+
+def traced_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int,
+                           splits_per_cta: int | None = None) -> int:
+    """The workspace a traced launch needs: the partials (`attn2_layout.workspace_bytes`, 0 with one
+    split), then the trace rows (`trace_bytes`)."""
+    return (lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+            + trace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta))
+
+
+def trace_rows(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
+               splits_per_cta: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of a traced launch's rows in its workspace (uint8, at least `traced_workspace_bytes`):
+    (split rows int64 [split CTAs, TRACE_WORDS], SPLIT_TRACE_FIELDS, row (request x KV heads + KV
+    head) x partials + partial; combine rows int64 [combine CTAs, TRACE_WORDS], COMBINE_TRACE_FIELDS,
+    row (request x KV heads + KV head) x 64 + the CTA's row, or None with one split). A split CTA's
+    row is written whether or not it has pages; a launch writes every row of both."""
+    need = traced_workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+    _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
+             and workspace.numel() >= need and workspace.is_contiguous() and workspace.data_ptr() % 8 == 0,
+             f"workspace must be a contiguous uint8 tensor of >= {need} bytes (traced_workspace_bytes)")
+    start = lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+    per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
+    split_ctas = num_reqs * num_kv_heads * (num_splits // per_cta)
+    rows = workspace[start:need].view(torch.int64).view(-1, TRACE_WORDS)
+    return rows[:split_ctas], (rows[split_ctas:] if num_splits > 1 else None)
+
+
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
-                 window: int, num_splits: int | None = None, splits_per_cta: int | None = None) -> int:
-    """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count."""
+                 window: int, num_splits: int | None = None, splits_per_cta: int | None = None,
+                 trace: bool = False) -> int:
+    """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count.
+    `trace` (the traced build): the workspace must also hold the trace rows
+    (`traced_workspace_bytes`, with one split as well)."""
+    _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
     variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits,
                        splits_per_cta)
     heads = variant["num_kv_heads"]
@@ -1523,10 +1655,14 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     _require(len(devices) == 1 and next(iter(devices)).type == "cuda", "every tensor must be on one CUDA device")
     splits = variant["num_splits"]
     need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
+    what = ""
+    if trace:
+        need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
+        what = " (traced: the partials, then the trace rows, traced_workspace_bytes)"
     if need:
         _require(workspace is not None and workspace.dtype == torch.uint8 and workspace.numel() >= need
                  and workspace.is_contiguous() and workspace.data_ptr() % ALIGN == 0 and workspace.device in devices,
-                 f"workspace must be a contiguous, 16-byte aligned uint8 tensor of >= {need} bytes on the device")
+                 f"workspace must be a contiguous, 16-byte aligned uint8 tensor of >= {need} bytes on the device{what}")
     return splits
 
 
@@ -1541,19 +1677,22 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
-           pages_per_step: int | None = None, ring_stages: int | None = None) -> None:
+           pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
     `pages_per_step` (None: the rule's, `attn2_layout.pages_per_step`; 1 or 2 forced) and
     `ring_stages` (None: the rule's, `attn2_layout.ring_stages`): experiments only (`Attn2Build`; refused before any
-    compile or launch outside their choices)."""
+    compile or launch outside their choices). `trace` (an experiment, `Attn2Build.trace`): the
+    traced build, which also writes every CTA's clocks into the workspace past the partials (it must
+    hold `traced_workspace_bytes`, one split included; read back with `trace_rows`)."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
-                       splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages)
+                       splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
+                       trace=trace)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta)
+                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
-    if workspace is None or splits == 1:
+    if not trace and (workspace is None or splits == 1):
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     gate_rows = cute_flat(_rows_span(gate), ALIGN, 8)

@@ -20,7 +20,10 @@ step's MMAs and one barrier a step besides the one-page loops, per split (`_step
 as the deployments', the hold and merge with two splits a CTA, no spill, registers within the
 cap; the build's default is the rule; its refusals. On ints, no compile: the K and V fragment addresses (`k_fragment_row`, `v_fragment_row`)
 give every lane its mma B fragments through an emulated
-ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions)."""
+ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions).
+The traced build (`Attn2Build.trace`): its clocks read by every thread, its rows stored by thread 0
+only after the kernel's own stores, no spill (the check fails on edited PTX); no deployment reads a
+clock; the traced workspace's layout and the refusals of a non-bool trace."""
 
 from __future__ import annotations
 
@@ -924,3 +927,158 @@ def test_ring_stages_refused_outside_its_choices():
     with pytest.raises(ValueError, match="ring_stages"):
         attn2.launch(*([None] * 7), max_model_len=131072, window=0, ring_stages=5)
     assert len(attn2.compilation.CACHE) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced build (`Attn2Build.trace`, an experiment for scripts/trace-attn2.py): every thread
+# reads the clocks, thread 0 of each CTA writes its row after its last store; the deployments
+# read no clock at all.
+
+# (KV heads, max_model_len, window): tp 8 and 16 at 128k (one split a CTA), tp 4 (two), one split
+TRACED = [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0), (2, 2048, 0)]
+CLOCKS = ("%globaltimer", "%clock64", "%smid")
+
+
+def _traced_ptx(tmp_path_factory, arch, heads, max_model_len, window):
+    key = ("traced", arch, heads, max_model_len, window)
+    if key not in _PTX:
+        folder = tmp_path_factory.mktemp("attn2_traced")
+        attn2.compile_attn2(heads, max_model_len, window, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), trace=True))
+        split = sorted(folder.glob("*_Attn2Kernel_*.ptx"))
+        combine = sorted(folder.glob("*_Attn2CombineKernel_*.ptx"))
+        _PTX[key] = (split[-1].read_text(), combine[-1].read_text() if combine else None)
+    return _PTX[key]
+
+
+def _thread0_failures(ptx: str, words: int = attn2.TRACE_WORDS) -> list[str]:
+    """What the traced PTX lacks (empty: nothing): `words` 64-bit stores, all of them inside the
+    one branch that %tid.x == 0 takes (a `setp.ne` of the %tid.x register against 0, a predicated
+    jump over them to a label after the last), and every clock read before that branch (every
+    thread reads them: no branch around them) but the SM's, which the row reads itself."""
+    tid = re.search(r"mov\.u32\s+(%r\d+), %tid\.x;", ptx)
+    if not tid:
+        return ["no %tid.x read"]
+    guard = re.search(rf"setp\.ne\.[bsu]32\s+(%p\d+), {re.escape(tid.group(1))}, 0;\s*@\1 bra\s+(\$L__BB\d+_\d+);", ptx)
+    if not guard:
+        return ["no branch on %tid.x != 0"]
+    label = ptx.find(f"\n{guard.group(2)}:", guard.end())
+    stores = [m.start() for m in re.finditer(r"st\.global\.u64", ptx)]
+    failures = []
+    if len(stores) != words:
+        failures.append(f"{len(stores)} 64-bit stores (a row: {words})")
+    if label < 0 or not all(guard.end() < s < label for s in stores):
+        failures.append("a 64-bit store outside thread 0's branch")
+    late = [m.group(0) for m in re.finditer(r"%globaltimer|%clock64", ptx) if m.start() > guard.start()]
+    if late:
+        failures.append(f"{len(late)} clock reads inside or after thread 0's branch")
+    return failures
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, window", TRACED)
+def test_the_traced_build_reads_the_clocks_and_writes_from_thread_0(tmp_path_factory, tmp_path, arch, heads,
+                                                                    max_model_len, window):
+    """Split kernel: %globaltimer at entry and end, %clock64 at entry, after the PDL wait, after the
+    prologue, after the chains and after the partial write (five), %smid once; combine: the same
+    counts (entry, wait, loads, tree, end). Eight 64-bit stores a CTA, all from thread 0's branch,
+    after the kernel's own last store; the partials' and out's stores as the deployment's, one
+    branch more than the deployment's (thread 0's: none in the page loop), ptxas without spills and
+    within the split kernel's register cap."""
+    ptx, combine = _traced_ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    plain, plain_combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    for traced, deployed, name in ((ptx, plain, "split"), (combine, plain_combine, "combine")):
+        if traced is None:
+            assert deployed is None
+            continue
+        assert traced.count("%globaltimer") == 2 and traced.count("%clock64") == 5 and traced.count("%smid") == 1, name
+        assert _thread0_failures(traced) == [], name
+        assert traced.index("griddepcontrol.wait") < [m.start() for m in re.finditer("%clock64", traced)][1]
+        for store in ("st.global.v4.u32", "st.global.u32", "st.global.v2.u32"):
+            assert traced.count(store) == deployed.count(store), (name, store)
+        last_own = max(m.start() for m in re.finditer(r"st\.global\.(v4|v2)?\.?u32", traced))
+        assert last_own < traced.index("st.global.u64"), name
+        assert len(re.findall(r"\bbra\b", traced)) == len(re.findall(r"\bbra\b", deployed)) + 1, name
+        report = assemble(traced, arch, tmp_path, f"attn2_traced_{name}")
+        assert_no_spills(report)
+        if name == "split":
+            registers = int(re.search(r"Used (\d+) registers", report).group(1))
+            assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm(arch)), report
+
+
+def test_the_thread_0_check_fails_on_edited_ptx(tmp_path_factory):
+    """`_thread0_failures` can fail: without thread 0's branch, with a store moved before it, with
+    a clock read moved into it, or with a row's word missing."""
+    ptx, _ = _traced_ptx(tmp_path_factory, "sm_90a", 1, 131072, 0)
+    assert _thread0_failures(ptx) == []
+    unguarded = re.sub(r"(setp\.ne\.[bsu]32\s+%p\d+, %r\d+, 0;\s*)@%p\d+ bra\s+\$L__BB\d+_\d+;", r"\1", ptx, count=0)
+    assert unguarded != ptx and _thread0_failures(unguarded) == ["no branch on %tid.x != 0"]
+    early = "st.global.u64 [%rd0], %rd0;\n" + ptx
+    assert "a 64-bit store outside thread 0's branch" in _thread0_failures(early, attn2.TRACE_WORDS + 1)
+    last = ptx.rindex("st.global.u64")
+    late_clock = ptx[:last] + "mov.u64 %rd0, %clock64;\n" + ptx[last:]
+    assert _thread0_failures(late_clock) == ["1 clock reads inside or after thread 0's branch"]
+    assert _thread0_failures(ptx, attn2.TRACE_WORDS + 1) == [f"{attn2.TRACE_WORDS} 64-bit stores (a row: "
+                                                             f"{attn2.TRACE_WORDS + 1})"]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
+def test_the_deployments_read_no_clock(tmp_path_factory, arch, heads, max_model_len, window):
+    """A deployment's kernels (split and combine) read no %globaltimer, %clock64 or %smid and
+    store no 64-bit word: the trace is compiled out (`Attn2Build.trace` False)."""
+    for ptx in _ptx(tmp_path_factory, arch, heads, max_model_len, window):
+        if ptx is not None:
+            assert not any(clock in ptx for clock in CLOCKS) and "st.global.u64" not in ptx
+
+
+def test_the_no_clock_check_sees_a_traced_build(tmp_path_factory):
+    """The deployments' check can fail: the traced build's PTX trips it."""
+    ptx, combine = _traced_ptx(tmp_path_factory, "sm_90a", 1, 131072, 0)
+    assert all(any(clock in text for clock in CLOCKS) for text in (ptx, combine))
+
+
+def test_trace_is_its_own_variant_and_refuses_a_non_bool():
+    """`trace` is in both kernels' compile keys (False for the deployments); a non-bool is refused
+    by the build, and by `launch` before the tensors are checked for a device (CPU tensors here)."""
+    before = set(attn2.compilation.CACHE.keys())
+    for trace in (False, True):
+        attn2.compile_attn2(1, 131072, 0, attn2.Attn2Build(arch="sm_90a", trace=trace))
+    new = [(k[0].rsplit("_", 1)[-1], dict(k[3])["trace"]) for k in attn2.compilation.CACHE.keys()
+           if k[1] == "sm_90a" and k[2] is None and dict(k[3]).get("num_kv_heads") == 1
+           and dict(k[3]).get("max_model_len") == 131072 and dict(k[3]).get("window") == 0]
+    assert {("Attn2Kernel", False), ("Attn2Kernel", True), ("Attn2CombineKernel", False),
+            ("Attn2CombineKernel", True)} <= {(name.split(".")[-1], t) for name, t in new}, (new, before)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="trace must be a bool"):
+            attn2.Attn2Build(trace=bad)
+        with pytest.raises(ValueError, match="trace must be a bool"):
+            attn2.launch(**_cpu_launch_args(8192), trace=bad)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        attn2.launch(**_cpu_launch_args(8192), trace=True)
+
+
+@pytest.mark.parametrize("heads, splits, per_cta, split_ctas", [(2, 256, 1, 512), (1, 256, 1, 256), (4, 256, 2, 512),
+                                                                (2, 1, 1, 2)])
+def test_traced_workspace_holds_the_partials_then_every_ctas_row(heads, splits, per_cta, split_ctas):
+    """`traced_workspace_bytes` = the partials + a row for every split CTA and (with splits) every
+    combine CTA (64 a KV head); `trace_rows` views them in that order, and refuses a workspace
+    without them (the deployment's)."""
+    import torch
+
+    combine_ctas = heads * lay.ROWS_PER_KV_HEAD if splits > 1 else 0
+    partials = lay.workspace_bytes(1, heads, splits, per_cta)
+    need = attn2.traced_workspace_bytes(1, heads, splits, per_cta)
+    assert need == partials + (split_ctas + combine_ctas) * attn2.TRACE_ROW_BYTES
+    workspace = torch.arange(need, dtype=torch.int64).to(torch.uint8)
+    split_rows, combine_rows = attn2.trace_rows(workspace, 1, heads, splits, per_cta)
+    assert tuple(split_rows.shape) == (split_ctas, attn2.TRACE_WORDS)
+    assert split_rows.data_ptr() == workspace.data_ptr() + partials
+    if splits > 1:
+        assert tuple(combine_rows.shape) == (combine_ctas, attn2.TRACE_WORDS)
+        assert combine_rows.data_ptr() == split_rows.data_ptr() + split_ctas * attn2.TRACE_ROW_BYTES
+    else:
+        assert combine_rows is None
+    with pytest.raises(ValueError, match="traced_workspace_bytes"):
+        attn2.trace_rows(workspace[:need - 8], 1, heads, splits, per_cta)
+    with pytest.raises(ValueError, match="does not divide"):
+        attn2.traced_workspace_bytes(1, heads, 1, 2)

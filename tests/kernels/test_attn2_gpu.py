@@ -2,7 +2,9 @@
 ULPs at each head row's scale, mean element error small; ex2.approx and the tensor cores' guard
 bits are not emulated), against the FP64 reference beside the stock
 (max and mean ULP each at most the stock's), bitwise determinism across calls and graph replays,
-rank identity across tp, same keys same bits across L, poison never read."""
+rank identity across tp, same keys same bits across L, poison never read. The traced build
+(`Attn2Build.trace`): the same bits, every CTA's row written with its clocks in order, in a graph
+too; a workspace without room for the rows refused."""
 
 from __future__ import annotations
 
@@ -386,3 +388,123 @@ def test_the_deployments_pages_per_step_is_the_rules():
             forced, _ = _launch(problem, pages_per_step=rule)
             assert torch.equal(deployed.view(torch.int16), forced.view(torch.int16)), (
                 (seq_len, heads), _first_difference(deployed, forced))
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced build (`Attn2Build.trace`, scripts/trace-attn2.py): the same bits, every CTA's row.
+
+
+def _traced(problem):
+    """(out, workspace) on the CPU of the traced launch of the deployment's plan; its workspace
+    (`traced_workspace_bytes`) starts zeroed, so an unwritten trace row reads 0."""
+    from musebench.kernels import attn2
+
+    p = problem.to("cuda")
+    heads = p.num_kv_heads
+    splits = cute_ops.attn2_splits(p.max_model_len, p.window, heads)
+    workspace = torch.zeros(attn2.traced_workspace_bytes(p.num_reqs, heads, splits), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(p.q, float("nan"))
+    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
+                 window=p.window, trace=True)
+    torch.cuda.synchronize()
+    return out.cpu(), workspace.cpu()
+
+
+def _clock_failures(rows: list[list[int]], fields: tuple[str, ...], sms: int) -> list[str]:
+    """What is wrong with a kernel's trace rows (empty: nothing): a row whose clocks (the fields
+    from clock_entry on, in order) decrease, whose globaltimer_entry is not before its
+    globaltimer_end, or whose SM is not one of the GPU's `sms`."""
+    failures = []
+    clocks = [i for i, f in enumerate(fields) if f.startswith("clock_")]
+    at = {f: i for i, f in enumerate(fields)}
+    for n, row in enumerate(rows):
+        if any(row[a] > row[b] for a, b in zip(clocks, clocks[1:])):
+            failures.append(f"row {n}: clocks decrease {[row[i] for i in clocks]}")
+        if not row[at["globaltimer_entry"]] < row[at["globaltimer_end"]]:
+            failures.append(f"row {n}: entry {row[at['globaltimer_entry']]} not before end {row[at['globaltimer_end']]}")
+        if not 0 <= row[at["smid"]] < sms:
+            failures.append(f"row {n}: SM {row[at['smid']]} of {sms}")
+    return failures
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("seq_len", [8, 9000, 131072])
+def test_the_traced_build_keeps_every_bit_and_writes_every_row(tp, seq_len):
+    """The traced launch's out and partials are the deployment's bit for bit (tp 8: 2 KV heads,
+    tp 16: 1; 256 splits, one a CTA); every split and combine CTA's row is written, its clocks
+    non-decreasing, its globaltimer entry before its end, its SM one of the GPU's. The row check
+    fails on a row with two clocks swapped."""
+    from musebench.kernels import attn2
+
+    heads = 16 // tp  # a rank's KV heads at tp
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=heads)
+    splits = cute_ops.attn2_splits(131072, 0, heads)
+    want, plain_workspace = _launch(problem)
+    got, workspace = _traced(problem)
+    assert torch.equal(want.view(torch.int16), got.view(torch.int16)), _first_difference(want, got)
+    partials = lay.workspace_bytes(1, heads, splits)
+    assert torch.equal(plain_workspace[:partials], workspace[:partials])
+    split_rows, combine_rows = attn2.trace_rows(workspace, 1, heads, splits)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, fields in ((split_rows, attn2.SPLIT_TRACE_FIELDS), (combine_rows, attn2.COMBINE_TRACE_FIELDS)):
+        rows = rows.tolist()
+        assert all(row[fields.index("clock_entry")] != 0 for row in rows)  # every CTA wrote its row
+        assert _clock_failures(rows, fields, sms) == []
+        swapped = list(rows[0])
+        a, b = fields.index("clock_entry"), fields.index("clock_end" if "clock_end" in fields else "clock_written")
+        swapped[a], swapped[b] = swapped[b] + 1, swapped[a]
+        assert _clock_failures([swapped], fields, sms) != []
+    assert len(split_rows) == heads * splits and len(combine_rows) == heads * lay.ROWS_PER_KV_HEAD
+
+
+def test_the_traced_comparison_sees_a_change():
+    """The bit comparison above can fail: another seed's traced output differs from this one's."""
+    ours = _traced(make_problem("random", 9000, 131072, num_kv_heads=2))[0]
+    other = _traced(make_problem("random", 9000, 131072, seed=1, num_kv_heads=2))[0]
+    assert not torch.equal(ours.view(torch.int16), other.view(torch.int16))
+
+
+def test_traced_launches_replay_in_a_graph():
+    """Three traced launches captured in one graph (compiled before capture), each with its own
+    workspace: every replay rewrites every row (zeroed between replays), and the out bits are the
+    eager launch's."""
+    from musebench.kernels import attn2
+
+    problem = make_problem("random", 8192, 131072, num_kv_heads=1)
+    want, _ = _traced(problem)
+    p = problem.to("cuda")
+    splits = cute_ops.attn2_splits(131072, 0, 1)
+    workspaces = [torch.zeros(attn2.traced_workspace_bytes(1, 1, splits), dtype=torch.uint8, device="cuda")
+                  for _ in range(3)]
+    out = torch.full_like(p.q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in workspaces:
+            attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, w, max_model_len=131072, window=0,
+                         trace=True)
+    for _ in range(2):
+        for w in workspaces:
+            w.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for w in workspaces:
+            split_rows, combine_rows = attn2.trace_rows(w, 1, 1, splits)
+            assert bool((split_rows[:, 3] != 0).all()) and bool((combine_rows[:, 3] != 0).all())
+        assert torch.equal(want.view(torch.int16), out.cpu().view(torch.int16))
+
+
+def test_a_traced_launch_refuses_a_workspace_without_the_rows():
+    """`launch(trace=True)` with the deployment's workspace (no room for the rows), or with none at
+    one split: ValueError naming `traced_workspace_bytes`, before anything compiles or launches."""
+    from musebench.kernels import attn2
+
+    before = len(attn2.compilation.CACHE)
+    for max_model_len in (131072, 2048):
+        p = make_problem("random", 100, max_model_len, num_kv_heads=1).to("cuda")
+        splits = cute_ops.attn2_splits(max_model_len, 0, 1)
+        need = lay.workspace_bytes(1, 1, splits)
+        workspace = torch.zeros(need, dtype=torch.uint8, device="cuda") if need else None
+        with pytest.raises(ValueError, match="traced_workspace_bytes"):
+            attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, torch.empty_like(p.q), workspace,
+                         max_model_len=max_model_len, window=0, trace=True)
+    assert len(attn2.compilation.CACHE) == before

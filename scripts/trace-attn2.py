@@ -1,0 +1,254 @@
+"""Where an attn2 launch spends its time, CTA by CTA: the traced build (`kernels.attn2`,
+`Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
+
+    python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--calls 20] [--json PATH]
+
+Why: the bench gives one number a call (tp 8, CUDA graphs: L 8 6.94 µs, 128k 29.36 µs) and Nsight
+Compute the split kernel alone (128k: 23.8 µs), without the PDL overlap of the graph. The trace
+says, per CTA, where the rest goes: the split kernel's PDL wait, its prologue (Q fragments, the
+page-table prefetch, the ring's first copies issued), its page chain(s) and its partial write; the
+combine's PDL wait (the split grid's end), its partial loads with its group's subtree, the tree
+above the groups (shuffles, shared memory) and the epilogue; and when the grids start and end.
+
+Per (tp, L) (the bench's inputs: `cases.attn2_inputs`, random family, one request, rank 0's KV
+heads, max_model_len 131072): `--calls` traced launches, each with its own workspace (the partials,
+then every CTA's trace row: `attn2.traced_workspace_bytes`), captured in one graph on a side stream
+after an eager warm-up (which compiles), replayed twice; the second replay's rows are read. Launch
+0 is left out (its predecessor is the previous replay's last launch, or nothing).
+
+Clocks: %globaltimer (ns, shared by every SM) places CTAs in time; %clock64 (cycles, per SM) times
+a CTA's phases, converted per kernel at the ratio of the summed cycles to the summed nanoseconds of
+every CTA's whole life (no clock-rate guess). Printed per configuration: the launch period and span
+(first split entry to last combine end), each kernel's span, the gap from the split grid's last end
+to the combine's first post-wait instant (its entry's globaltimer plus its wait in cycles), the
+overlap with the previous launch (its last end minus this one's first entry: positive where PDL
+overlaps them), each phase's median and max over CTAs (the split kernel's also over the CTAs with
+pages only: at L 8 one split of 256 has any), and CTAs per SM. `--json` writes every number.
+Exit 2 on a bad option or without a GPU, before any GPU work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+SPLIT_PHASES = (("pdl_wait", "clock_entry", "clock_waited"), ("prologue", "clock_waited", "clock_prologue"),
+                ("chain", "clock_prologue", "clock_chained"), ("partial_write", "clock_chained", "clock_written"))
+COMBINE_PHASES = (("pdl_wait", "clock_entry", "clock_waited"), ("loads", "clock_waited", "clock_loaded"),
+                  ("tree", "clock_loaded", "clock_merged"), ("epilogue", "clock_merged", "clock_end"))
+LIFE = {"split": ("clock_entry", "clock_written"), "combine": ("clock_entry", "clock_end")}
+TPS = (16, 8, 4, 2)
+MAX_MODEL_LEN = 131072  # the bench's deployment (`bench attn --max-model-len`)
+
+
+def _refuse(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
+def _csv(text: str, allowed, what: str) -> tuple:
+    """Comma-separated ints, each `allowed(v)`, each once; exit 2 otherwise."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v)
+    except ValueError:
+        values = ()
+    if not values or not all(allowed(v) for v in values) or len(set(values)) != len(values):
+        _refuse(f"{what}: {text!r} is not a comma list of {allowed.__doc__}, each once")
+    return values
+
+
+def _tp(v: int) -> bool:
+    """16, 8, 4, 2"""
+    return v in TPS
+
+
+def _length(v: int) -> bool:
+    """lengths in [8, 131072]"""
+    return 8 <= v <= MAX_MODEL_LEN
+
+
+def ratio(rows: list[dict], kernel: str) -> float:
+    """Cycles per ns of `kernel`'s rows: summed cycles over summed ns of the CTAs' whole lives."""
+    start, end = LIFE[kernel]
+    cycles = sum(r[end] - r[start] for r in rows)
+    ns = sum(r["globaltimer_end"] - r["globaltimer_entry"] for r in rows)
+    return cycles / ns if ns > 0 else float("nan")
+
+
+def _stats(values: list[float]) -> dict:
+    return dict(median_ns=round(statistics.median(values)), max_ns=round(max(values))) if values else {}
+
+
+def _per_sm(rows: list[dict]) -> list[int]:
+    """Each row's SM load: how many of the launch's CTAs of this kernel ran on its SM."""
+    count: dict[int, int] = {}
+    for r in rows:
+        count[r["smid"]] = count.get(r["smid"], 0) + 1
+    return [count[r["smid"]] for r in rows]
+
+
+def summarize(launches: list[dict]) -> dict:
+    """Launches (dicts: `split` and `combine` row lists of trace dicts, `split_pages` each split
+    row's page count) -> phases (ns), spans, gaps, overlaps and SM loads. A launch without a
+    combine (one split) has `combine` []."""
+    out: dict = {}
+    every = {k: [r for x in launches for r in x[k]] for k in ("split", "combine")}
+    ratios = {k: ratio(rows, k) for k, rows in every.items() if rows}
+    out["cycles_per_ns"] = {k: round(v, 4) for k, v in ratios.items()}
+    for kernel, phases in (("split", SPLIT_PHASES), ("combine", COMBINE_PHASES)):
+        if not every[kernel]:
+            continue
+        table = {name: _stats([(r[end] - r[start]) / ratios[kernel] for r in every[kernel]])
+                 for name, start, end in phases}
+        if kernel == "split":
+            busy = [r for x in launches for r, pages in zip(x["split"], x["split_pages"]) if pages > 0]
+            table["with_pages"] = dict(ctas=len(busy) // len(launches), **{
+                name: _stats([(r[end] - r[start]) / ratios[kernel] for r in busy]) for name, start, end in phases})
+        loads: dict[int, int] = {}
+        for x in launches:
+            for load in _per_sm(x[kernel]):
+                loads[load] = loads.get(load, 0) + 1
+        table["ctas_by_ctas_on_the_sm"] = {str(k): v // len(launches) for k, v in sorted(loads.items())}
+        table["ctas"] = len(launches[0][kernel])
+        out[kernel] = table
+    spans, split_spans, combine_spans, gaps, combine_after_split = [], [], [], [], []
+    for x in launches:
+        split, combine = x["split"], x["combine"]
+        first = min(r["globaltimer_entry"] for r in split)
+        split_end = max(r["globaltimer_end"] for r in split)
+        last = max(r["globaltimer_end"] for r in split + combine)
+        x["first_entry"], x["last_end"] = first, last
+        spans.append(last - first)
+        split_spans.append(split_end - first)
+        if combine:
+            combine_first = min(r["globaltimer_entry"] for r in combine)
+            combine_spans.append(max(r["globaltimer_end"] for r in combine) - combine_first)
+            waited = min(r["globaltimer_entry"] + (r["clock_waited"] - r["clock_entry"]) / ratios["combine"]
+                         for r in combine)
+            gaps.append(waited - split_end)
+            combine_after_split.append(combine_first - first)
+
+    def med(values: list[float]) -> dict:
+        return dict(median=round(statistics.median(values)), max=round(max(values))) if values else {}
+
+    out["launch_span_ns"] = med(spans)
+    out["split_span_ns"] = med(split_spans)
+    out["combine_span_ns"] = med(combine_spans)
+    out["combine_first_entry_after_split_first_entry_ns"] = med(combine_after_split)
+    out["gap_split_end_to_combine_waited_ns"] = med(gaps)
+    out["overlap_with_previous_ns"] = med([p["last_end"] - c["first_entry"] for p, c in zip(launches, launches[1:])])
+    out["launch_period_ns"] = med([c["first_entry"] - p["first_entry"] for p, c in zip(launches, launches[1:])])
+    return out
+
+
+def _us(ns) -> str:
+    return f"{ns / 1e3:.2f}" if isinstance(ns, (int, float)) else "-"
+
+
+def render(tp: int, length: int, table: dict) -> str:
+    """The configuration's lines: the launch's spans and gaps, then each kernel's phases (µs)."""
+    def median(key: str) -> str:
+        return _us(table[key].get("median"))
+
+    lines = [f"tp {tp} L {length}: period {median('launch_period_ns')} µs, span {median('launch_span_ns')} (split "
+             f"{median('split_span_ns')}, combine {median('combine_span_ns')}), combine entry "
+             f"+{median('combine_first_entry_after_split_first_entry_ns')}, split end -> combine waited "
+             f"{median('gap_split_end_to_combine_waited_ns')}, overlap with the previous "
+             f"{median('overlap_with_previous_ns')} µs"]
+    for kernel, phases in (("split", SPLIT_PHASES), ("combine", COMBINE_PHASES)):
+        if kernel not in table:
+            continue
+        t = table[kernel]
+        def phases_text(stats: dict) -> str:
+            return "; ".join(f"{name} {_us(stats[name].get('median_ns'))} (max {_us(stats[name].get('max_ns'))})"
+                             for name, _, _ in phases)
+
+        text = phases_text(t)
+        if kernel == "split":
+            text += f" µs; {t['with_pages']['ctas']} CTAs with pages: " + phases_text(t["with_pages"])
+        loads = ", ".join(f"{v} CTAs {k} an SM" for k, v in t["ctas_by_ctas_on_the_sm"].items())
+        rate = table["cycles_per_ns"][kernel]
+        lines.append(f"  {kernel} ({t['ctas']} CTAs; {loads}; {rate:.3f} cycles/ns): {text} µs")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", default="8,16", help="16, 8, 4, 2 (1, 2, 4, 8 KV heads)")
+    parser.add_argument("--lengths", default="8,8192,131072", help="request lengths L, 8 .. 131072")
+    parser.add_argument("--calls", type=int, default=20, help="traced launches in the graph (>= 3)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    tps = _csv(args.tp, _tp, "--tp")
+    lengths = _csv(args.lengths, _length, "--lengths")
+    if args.calls < 3:
+        _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        _refuse(f"--json: the folder of {args.json!r} does not exist")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        _refuse("trace-attn2.py needs a CUDA GPU (sm_90a / sm_100a); none is visible")
+
+    from musebench import attn2_layout as lay
+    from musebench.cases.attn2_inputs import for_rank, make_problem
+    from musebench.kernels import attn2
+
+    device = torch.device("cuda")
+    stream = torch.cuda.Stream(device)
+    report = []
+    for tp in tps:
+        for length in lengths:
+            p = for_rank(make_problem("random", length, MAX_MODEL_LEN), 0, tp).to(device)
+            heads = p.num_kv_heads
+            splits = lay.splits(p.max_model_len, p.window, heads)
+            per_cta = lay.splits_per_cta(heads, splits)
+            need = attn2.traced_workspace_bytes(1, heads, splits, per_cta)
+            workspaces = [torch.zeros(need, dtype=torch.uint8, device=device) for _ in range(args.calls)]
+            out = torch.empty_like(p.q)
+
+            def launches() -> None:
+                for workspace in workspaces:
+                    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                                 max_model_len=p.max_model_len, window=p.window, trace=True)
+
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                launches()  # eager: compiles, outside the capture
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                launches()
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    graph.replay()
+            stream.synchronize()
+            # the pages each split CTA streams (its splits' pages), in trace-row order (one request)
+            first_key, end_key = lay.visible_keys(length, p.window)
+            first_page, end_page = first_key // lay.PAGE_TOKENS, -(-end_key // lay.PAGE_TOKENS)
+            pages = [sum(len(lay.split_pages(cta * per_cta + j, splits, first_page, end_page)) for j in range(per_cta))
+                     for cta in range(splits // per_cta)] * heads
+            per_launch = []
+            for workspace in workspaces[1:]:
+                split_rows, combine_rows = attn2.trace_rows(workspace, 1, heads, splits, per_cta)
+                per_launch.append(dict(
+                    split=[dict(zip(attn2.SPLIT_TRACE_FIELDS, r)) for r in split_rows.cpu().tolist()],
+                    combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
+                    if combine_rows is not None else [],
+                    split_pages=pages))
+            table = summarize(per_launch)
+            table.update(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+                         launches=len(per_launch))
+            report.append(table)
+            print(render(tp, length, table), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
