@@ -25,8 +25,10 @@
 #   attn2       attn2's GPU tests (and the wgmma probe's), its split kernel's switches and tensor-core
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
 #               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, the ring's depth at tp 16,
-#               bench attn, and (ncu)
-#               the split and combine kernels' durations and the 128k split kernel's stalls per setting
+#               and bench attn (about 400 s)
+#   attn2-profile  where attn2's time goes: every CTA's phases from the traced build
+#               (scripts/trace-attn2.py), and (ncu) the split and combine kernels' durations, the 128k
+#               split kernel's pipe utilizations and its stalls per setting (ATTN2_ISSUES as above)
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
@@ -39,7 +41,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|attn2-profile|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -172,6 +174,9 @@ case $part in
     run sweep-attn2-ring 150 python3 scripts/sweep-attn2.py --splits 256 --tp 16 --lengths 8192,32768,131072 \
       --ring-stages 8,16,24,auto --json "$out/$day-$gpu-sweep-attn2-ring.json"
     run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
+    ;;
+  attn2-profile)  # a call of its own: with attn2's tests and sweeps it would pass one call's 600 s
+    issues=${ATTN2_ISSUES:-all@sync,all,auto}
     # every split and combine CTA's phases in a graph of back-to-back launches (the traced build's clocks)
     run trace-attn2 120 python3 scripts/trace-attn2.py --json "$out/$day-$gpu-trace-attn2.json"
     if command -v ncu > /dev/null; then
