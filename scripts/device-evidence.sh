@@ -28,7 +28,8 @@
 #               and bench attn (about 400 s)
 #   attn2-profile  where attn2's time goes: every CTA's phases from the traced build
 #               (scripts/trace-attn2.py), and (ncu) the split and combine kernels' durations, the 128k
-#               split kernel's pipe utilizations and its stalls per setting (ATTN2_ISSUES as above)
+#               split kernel's pipe utilizations, its page stream alone (--loads-only, tp 8 and 16) and its
+#               stalls per setting (ATTN2_ISSUES as above)
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
@@ -188,6 +189,12 @@ case $part in
       run ncu-attn2-pipes 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
         --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum" \
         python3 scripts/profile-attn2.py --lengths 131072
+      # the split kernel's page stream alone (no MMA, no softmax): the ceiling the memory side sets at 128k
+      for tp in 8 16; do
+        run "ncu-attn2-loads-only-tp$tp" 90 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
+          --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
+          python3 scripts/profile-attn2.py --tp "$tp" --lengths 131072 --loads-only
+      done
       for issue in ${issues//,/ }; do
         run "ncu-attn2-$issue" 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
           --metrics "regex:smsp__warp_issue_stalled_.*_per_warp_active.pct,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed.sum" \

@@ -12,7 +12,10 @@ or where the time goes (warp stall reasons, issue activity, memory throughput) o
 
 `--issue mask+lean` (a `SplitIssue` name, optionally `@wgmma` / `@sync`) profiles the split kernel
 with other compile-time switches than the deployment's (`kernels.attn2.launch`'s experiment
-arguments); the default is the deployment's build, through `cute_ops`.
+arguments); the default is the deployment's build, through `cute_ops`. `--loads-only` profiles the
+split kernel's page stream alone (`Attn2Build.loads_only`: its ring, copies, waits and barriers,
+without MMAs or softmax; the output is not attention): the time the memory side sets, to hold
+against the full kernel's, with the deployment's issue setting or `--issue`'s.
 
 Why: the bench times a CUDA graph of attn2 calls; it cannot say whether a call is bound by its
 HBM stream, by its per-page arithmetic or by its merge. Each length prints a marker line before its
@@ -40,12 +43,14 @@ def main() -> None:
     parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
     parser.add_argument("--tp", type=int, default=8, help="2, 4, 8 or 16 (8 .. 1 KV heads)")
     parser.add_argument("--issue", default=None, help="a SplitIssue name (auto: the deployment's, all, none, mask+lean, ...), optionally @wgmma|@sync")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="the split kernel's page stream alone (Attn2Build.loads_only): a timing probe")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()
     build = None
-    if args.issue:
-        setting, _, ops = args.issue.partition("@")
+    if args.issue or args.loads_only:
+        setting, _, ops = (args.issue or "auto").partition("@")
         try:
             build = (attn2.named_issue(setting), attn2.Attn2Build(tensor_ops=ops or None).tensor_ops)
         except ValueError as e:
@@ -64,11 +69,12 @@ def main() -> None:
             else:
                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out_rows(runner.outputs[OUT]),
                              runner.workspace, max_model_len=p.max_model_len, window=p.window, issue=build[0],
-                             tensor_ops=build[1])
+                             tensor_ops=build[1], loads_only=args.loads_only)
 
         for launch in range(LAUNCHES + 1):  # the first compiles and loads outside the count
             if launch == 1:
-                print(f"== attn2 tp {args.tp} L {length} {args.issue or 'deployment'}: {LAUNCHES} launches",
+                what = (args.issue or "deployment") + (" loads only" if args.loads_only else "")
+                print(f"== attn2 tp {args.tp} L {length} {what}: {LAUNCHES} launches",
                       flush=True)
             call()
             torch.cuda.synchronize()

@@ -214,6 +214,21 @@ def test_sweep_attn2_without_a_gpu_refuses_after_its_options():
     assert_refused(run_script(SWEEP_ATTN2, ["--ring-stages", "7"]), "ring_stages must be one of")
 
 
+def test_profile_attn2_takes_loads_only_and_names_the_gpu_it_needs():
+    """profile-attn2.py --loads-only (the page-stream probe) parses, and without a CUDA GPU ends with one
+    line naming what it needs (no traceback); a bad --issue is refused first."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the profile would run")
+    script = REPO / "scripts" / "profile-attn2.py"
+    done = run_script(script, ["--loads-only", "--lengths", "131072"])
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
+    bad = run_script(script, ["--loads-only", "--issue", "fast"])
+    assert bad.returncode == 1 and "--issue" in bad.stderr and "needs a CUDA GPU" not in bad.stderr
+
+
 def test_sweep_attn2_pages_per_step_values():
     """auto is the deployment's rule for the plan (`attn2_layout.pages_per_step`: 2 for split plans
     without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with

@@ -305,9 +305,15 @@ class Attn2Build:
     # experiments only: every CTA's clocks into trace rows past the partials (`trace_rows`; the
     # launch then needs `traced_workspace_bytes`); the same bits of out and of the partials
     trace: bool = False
+    # a timing probe only (`scripts/profile-attn2.py --loads-only`): the split kernel keeps its ring,
+    # copies, waits and barriers and drops every MMA and the softmax, so its time is the ceiling the
+    # page stream alone sets; its out and partials are NOT attention (they hold what an empty split
+    # leaves). Never a deployment; no test compares its bits.
+    loads_only: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
+        _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
         if self.splits_per_cta is not None:
@@ -349,10 +355,12 @@ class _Attn2Kernel:
                  eps: float, enable_pdl: bool, ctas_per_sm: int = lay.SPLIT_CTAS_PER_SM, mask_edges_only: bool = True,
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
-                 defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False) -> None:
+                 defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
+                 loads_only: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
+        self.loads_only = loads_only  # `Attn2Build.loads_only`: the page stream without the arithmetic
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         lay.check_pages_per_step(pages_per_step)
         self.pages_per_step = pages_per_step
@@ -765,8 +773,9 @@ class _Attn2Kernel:
             i = begin + 2 * j
             self.ring_advance(i, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head, seq_len,
                               cache_pages, tidx, streams)
-            m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
-                                low_key, m, o)
+            if cutlass.const_expr(not self.loads_only):
+                m, o = self.pair_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c,
+                                    own_key, low_key, m, o)
         if cutlass.const_expr(self.defer_values):
             o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V (a no-op after none)
         return m, o
@@ -889,8 +898,9 @@ class _Attn2Kernel:
         for i in cutlass.range(begin, end, unroll=1):
             self.ring_advance(i, 1, load_offset, load_start, ring_base, cache_base, table_smem, total, kv_head,
                               seq_len, cache_pages, tidx, streams)
-            m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c, own_key,
-                                low_key, m, o)
+            if cutlass.const_expr(not self.loads_only):
+                m, o = self.page_at(i, ring_base, chain_start, seq_len, k_words, v_words, descriptors, a, g, c,
+                                    own_key, low_key, m, o)
         return m, o
 
     @cute.jit
@@ -1538,6 +1548,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     split_knobs = dict(knobs, **issue.knobs(), pages_per_step=per_step, ring_stages=ring)
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
     split_knobs["wgmma"] = wgmma
+    split_knobs["loads_only"] = build.loads_only
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1677,7 +1688,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
-           pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False) -> None:
+           pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
+           loads_only: bool = False) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1685,10 +1697,12 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `ring_stages` (None: the rule's, `attn2_layout.ring_stages`): experiments only (`Attn2Build`; refused before any
     compile or launch outside their choices). `trace` (an experiment, `Attn2Build.trace`): the
     traced build, which also writes every CTA's clocks into the workspace past the partials (it must
-    hold `traced_workspace_bytes`, one split included; read back with `trace_rows`)."""
+    hold `traced_workspace_bytes`, one split included; read back with `trace_rows`). `loads_only`
+    (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
+    not attention."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
-                       trace=trace)
+                       trace=trace, loads_only=loads_only)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

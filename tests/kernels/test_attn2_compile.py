@@ -1082,3 +1082,29 @@ def test_traced_workspace_holds_the_partials_then_every_ctas_row(heads, splits, 
         attn2.trace_rows(workspace[:need - 8], 1, heads, splits, per_cta)
     with pytest.raises(ValueError, match="does not divide"):
         attn2.traced_workspace_bytes(1, heads, 1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attn2Build.loads_only: a timing probe of the page stream alone
+
+
+@pytest.mark.parametrize("arch, heads", [("sm_90a", 2), ("sm_90a", 1), ("sm_100a", 2)])
+def test_loads_only_keeps_the_stream_and_drops_the_arithmetic(tmp_path_factory, tmp_path, arch, heads):
+    """The loads-only split kernel keeps the deployment's copies (as many cp.async) and barriers and
+    has no tensor-core step and no softmax exponent; its own variant; no spill."""
+    folder = tmp_path_factory.mktemp("attn2-loads-only")
+    attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), loads_only=True))
+    (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+    probe = split.read_text()
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, 131072, 0)
+    assert not re.search(MMA_STEP, probe) and "ex2.approx.ftz.f32" not in probe
+    assert re.search(MMA_STEP, deployed) and "ex2.approx.ftz.f32" in deployed
+    assert probe.count("cp.async.cg.shared.global") == deployed.count("cp.async.cg.shared.global")
+    assert probe.count("bar.sync") == deployed.count("bar.sync")
+    assert_no_spills(assemble(probe, arch, tmp_path))
+
+
+def test_loads_only_is_refused_unless_a_bool():
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="loads_only"):
+            attn2.Attn2Build(loads_only=bad)  # type: ignore[arg-type]
