@@ -28,7 +28,8 @@
 #               and bench attn (about 400 s)
 #   attn2-profile  where attn2's time goes: every CTA's phases from the traced build
 #               (scripts/trace-attn2.py), and (ncu) the split and combine kernels' durations, the 128k
-#               split kernel's pipe utilizations, its page stream alone (--loads-only, tp 8 and 16) and its
+#               split kernel's pipe utilizations, its page stream alone (--loads-only, tp 8 and 16), both with
+#               the pages in logical order (--sequential-pages), and its
 #               stalls per setting (ATTN2_ISSUES as above)
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
@@ -190,10 +191,13 @@ case $part in
         --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum" \
         python3 scripts/profile-attn2.py --lengths 131072
       # the split kernel's page stream alone (no MMA, no softmax): the ceiling the memory side sets at 128k
+      # and with the request's pages in logical order (--sequential-pages): what scattering 4 KB pages costs
       for tp in 8 16; do
-        run "ncu-attn2-loads-only-tp$tp" 90 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \
-          --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
-          python3 scripts/profile-attn2.py --tp "$tp" --lengths 131072 --loads-only
+        for what in --loads-only "--loads-only --sequential-pages" --sequential-pages; do
+          run "ncu-attn2-tp$tp${what//[ -]/_}" 90 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 \
+            --launch-count 1 --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum \
+            python3 scripts/profile-attn2.py --tp "$tp" --lengths 131072 $what
+        done
       done
       for issue in ${issues//,/ }; do
         run "ncu-attn2-$issue" 120 ncu --clock-control none -k regex:Attn2Kernel --launch-skip 1 --launch-count 1 \

@@ -15,7 +15,10 @@ with other compile-time switches than the deployment's (`kernels.attn2.launch`'s
 arguments); the default is the deployment's build, through `cute_ops`. `--loads-only` profiles the
 split kernel's page stream alone (`Attn2Build.loads_only`: its ring, copies, waits and barriers,
 without MMAs or softmax; the output is not attention): the time the memory side sets, to hold
-against the full kernel's, with the deployment's issue setting or `--issue`'s.
+against the full kernel's, with the deployment's issue setting or `--issue`'s. `--sequential-pages`
+lays the request's pages out in logical order (the cache permuted to match, the table the identity:
+the same values, the same bits) instead of the bench's shuffled table, so the two runs side by side
+say what scattering 4 KB pages over HBM costs.
 
 Why: the bench times a CUDA graph of attn2 calls; it cannot say whether a call is bound by its
 HBM stream, by its per-page arithmetic or by its merge. Each length prints a marker line before its
@@ -38,6 +41,23 @@ from musebench.cases.attn2_inputs import for_rank, make_problem
 LAUNCHES = 3  # per length, after one warm-up launch
 
 
+def in_logical_order(problem):
+    """The same request with its cache pages permuted into table order: page i of the new cache is
+    the one the table named at i (entries past the request's pages follow, the pool's rest after),
+    and the table is the identity. Every page a launch reads holds what it held: the same bits."""
+    import dataclasses
+
+    table = problem.page_table[0].long()
+    pool = problem.kv_cache.shape[0]
+    named = list(dict.fromkeys(table.tolist()))  # first use order, each page once
+    rest = [page for page in range(pool) if page not in set(named)]
+    order = torch.tensor(named + rest)
+    where = torch.empty(pool, dtype=torch.long)
+    where[order] = torch.arange(pool)
+    return dataclasses.replace(problem, kv_cache=problem.kv_cache[order].contiguous(),
+                               page_table=where[table].int()[None])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,32768,131072", help="context lengths L, comma-separated")
@@ -45,6 +65,8 @@ def main() -> None:
     parser.add_argument("--issue", default=None, help="a SplitIssue name (auto: the deployment's, all, none, mask+lean, ...), optionally @wgmma|@sync")
     parser.add_argument("--loads-only", action="store_true",
                         help="the split kernel's page stream alone (Attn2Build.loads_only): a timing probe")
+    parser.add_argument("--sequential-pages", action="store_true",
+                        help="the request's pages in logical order in the cache (table = identity)")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--window", type=int, default=0)
     args = parser.parse_args()
@@ -60,6 +82,8 @@ def main() -> None:
     device = torch.device("cuda")
     for length in (int(x) for x in args.lengths.split(",")):
         problem = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, args.tp)
+        if args.sequential_pages:
+            problem = in_logical_order(problem)
         runner = runner_for(cute_ops, problem, device)
         p = runner.problem
 

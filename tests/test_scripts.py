@@ -229,6 +229,34 @@ def test_profile_attn2_takes_loads_only_and_names_the_gpu_it_needs():
     assert bad.returncode == 1 and "--issue" in bad.stderr and "needs a CUDA GPU" not in bad.stderr
 
 
+def test_profile_attn2_sequential_pages_keep_the_values():
+    """profile-attn2.py's --sequential-pages layout: the table becomes the identity over the request's
+    pages, and the CPU model of the kernel gives the same bits as with the shuffled table (a window and
+    spare entries included); a check that sees a changed page."""
+    import dataclasses
+    import importlib.util
+
+    import torch
+
+    from musebench.cases.attn2_inputs import make_problem
+    from musebench.cpu.attn2 import attn2_model
+
+    spec = importlib.util.spec_from_file_location("profile_attn2", REPO / "scripts" / "profile-attn2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for window in (0, 100):
+        problem = make_problem("random", 300, 4096, window=window, num_kv_heads=1)
+        ordered = module.in_logical_order(problem)
+        used = (300 + 15) // 16
+        assert ordered.page_table[0, :used].tolist() == list(range(used))
+        want = attn2_model(problem, num_splits=4)
+        assert torch.equal(attn2_model(ordered, num_splits=4).view(torch.int16), want.view(torch.int16))
+    broken = ordered.kv_cache.clone()
+    broken[used - 1] = 0
+    changed = attn2_model(dataclasses.replace(ordered, kv_cache=broken), num_splits=4)
+    assert not torch.equal(changed.view(torch.int16), attn2_model(ordered, num_splits=4).view(torch.int16))
+
+
 def test_sweep_attn2_pages_per_step_values():
     """auto is the deployment's rule for the plan (`attn2_layout.pages_per_step`: 2 for split plans
     without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with
