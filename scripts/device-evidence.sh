@@ -18,7 +18,8 @@
 #               durations of scripts/profile-routing.py
 #   front       qkv_front's GPU tests, bench front with the cold-weight column, and (ncu, caches not
 #               flushed between launches) each launch's duration and DRAM / L2 bytes
-#               (scripts/profile-qkv-front.py, warm and cold weights); FRONT_TREE=DIR (optional):
+#               (scripts/profile-qkv-front.py, warm and cold weights; cold again without the MMAs,
+#               --loads-only); FRONT_TREE=DIR (optional):
 #               another musebench tree (e.g. `git archive front-profile musebench`, carried) benched
 #               the same way, alternating with the checkout, for an A/B on one lease; then every
 #               CTA's phases from the traced build (scripts/trace-qkv-front.py)
@@ -157,6 +158,10 @@ case $part in
       run ncu-front 200 ncu --cache-control none --clock-control none --kernel-name regex:QkvFront \
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sector_hit_rate.pct \
         python3 scripts/profile-qkv-front.py
+      # the same launches without the MMAs (the stream, the reduction and the epilogue): what the arithmetic costs
+      run ncu-front-loads-only 200 ncu --cache-control none --clock-control none --kernel-name regex:QkvFront \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python3 scripts/profile-qkv-front.py --loads-only --l2 cold
     else
       echo "== ncu-front: no ncu on this machine" | tee -a "$log"
     fi

@@ -40,6 +40,11 @@ launch and every configuration reads cold; `--clock-control none`: the bench's c
         --section SchedulerStats --section Occupancy --section LaunchStats \\
         python3 scripts/profile-qkv-front.py --n 2304 --tokens 1 --l2 cold
 
+`--loads-only` launches the same configurations with the timing probe (`kernels.qkv_front`
+`compile_qkv_front(loads_only=True)`: the weight stream, its waits and barriers, the cluster's
+reduction and the epilogue without any MMA; its outputs are not the projection), so that the
+same counters say what the stream and the fixed phases cost without the arithmetic.
+
 `--list` prints the configurations and their launch indices without a GPU. The inputs are random
 (x N(0, 1), weights N(0, 1/8192), a random table, slots 0 .. T - 1): nothing is checked here
 (`musebench front` and the GPU tests check the bits).
@@ -101,6 +106,8 @@ def main() -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, 1..16")
     parser.add_argument("--l2", default=",".join(L2_STATES), help="warm, cold or both")
     parser.add_argument("--list", action="store_true", help="print the plan (launch indices) and exit")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="the timing probe: the stream and fixed phases without the MMAs (not the projection)")
     args = parser.parse_args()
     sizes = _parse(args.n, SIZES, "--n")
     tokens = _parse(args.tokens, tuple(range(1, 17)), "--tokens")
@@ -114,6 +121,7 @@ def main() -> None:
     import torch
 
     from musebench import cute_ops
+    from musebench.kernels import qkv_front
 
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (sm_90a / sm_100a)", file=sys.stderr)
@@ -139,10 +147,15 @@ def main() -> None:
                 rotation = len(weights) if state == "cold" else 1
                 for launch in range(warmups + LAUNCHES):  # the warm-ups compile, load and set the L2 state
                     if launch == warmups:
-                        print(f"== qkv_front N {n} T {t} {state} (weight {weight_bytes(n) / 1e6:.1f} MB"
+                        print(f"== qkv_front{' loads only' if args.loads_only else ''} N {n} T {t} {state} (weight {weight_bytes(n) / 1e6:.1f} MB"
                               f"{f', {rotation} copies' if state == 'cold' else ''}): {LAUNCHES} launches, "
                               f"indices {first}..{first + LAUNCHES - 1} (--launch-skip {first})", flush=True)
-                    cute_ops.launch_qkv_front(x, weights[launch % rotation], positions, cos_sin, slots, cache, kv, out)
+                    if args.loads_only:
+                        qkv_front.launch(x, weights[launch % rotation], positions, cos_sin, slots, cache, out,
+                                         loads_only=True)
+                    else:
+                        cute_ops.launch_qkv_front(x, weights[launch % rotation], positions, cos_sin, slots, cache, kv,
+                                                  out)
                     torch.cuda.synchronize()
 
 

@@ -257,6 +257,21 @@ def test_profile_attn2_sequential_pages_keep_the_values():
     assert not torch.equal(changed.view(torch.int16), attn2_model(ordered, num_splits=4).view(torch.int16))
 
 
+def test_profile_qkv_front_plans_the_loads_only_probe_and_names_the_gpu_it_needs():
+    """profile-qkv-front.py --loads-only: the same plan as without it (--list, no GPU needed), and
+    without a CUDA GPU one line naming what it needs, exit 2, before any GPU work."""
+    import torch
+
+    script = REPO / "scripts" / "profile-qkv-front.py"
+    plain = run_script(script, ["--list", "--l2", "cold"])
+    probe = run_script(script, ["--list", "--l2", "cold", "--loads-only"])
+    assert plain.returncode == probe.returncode == 0 and probe.stdout == plain.stdout and "N 2304 T 1 cold" in probe.stdout
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the profile would run")
+    assert_refused(run_script(script, ["--loads-only", "--n", "2304", "--tokens", "1", "--l2", "cold"]),
+                   "needs a CUDA GPU")
+
+
 def test_sweep_attn2_pages_per_step_values():
     """auto is the deployment's rule for the plan (`attn2_layout.pages_per_step`: 2 for split plans
     without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with

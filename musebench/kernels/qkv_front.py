@@ -178,10 +178,11 @@ class _QkvFrontKernel:
     """The QKV front of one layer shape: grid (8, N / 64), clusters (8, 1, 1), 128 threads."""
 
     def __init__(self, *, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
-                 trace: bool = False) -> None:
+                 trace: bool = False, loads_only: bool = False) -> None:
         _require(num_kv_heads in KV_HEADS, f"num_kv_heads must be one of {KV_HEADS}, got {num_kv_heads!r}")
         _require(isinstance(enable_pdl, bool), f"enable_pdl must be a bool, got {enable_pdl!r}")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
+        _require(isinstance(loads_only, bool), f"loads_only must be a bool, got {loads_only!r}")
         check_eps(eps)
         self.kv = num_kv_heads
         self.rope = bool(rope)
@@ -189,6 +190,7 @@ class _QkvFrontKernel:
         self.eps = float(eps)
         self.enable_pdl = enable_pdl
         self.trace = trace
+        self.loads_only = loads_only  # a timing probe: the stream without its MMAs (`compile_qkv_front`)
         self.stages = STAGES[num_kv_heads]
         self.n = COLUMNS_PER_KV_HEAD * num_kv_heads
         self.heads = self.n // HEAD_DIM
@@ -292,7 +294,7 @@ class _QkvFrontKernel:
                 self.issue_stage(ahead, ahead % self.stages, weight_source, x_source, x_bytes, copy_target)
             cute.arch.cp_async_commit_group()
             stage = (st % self.stages) * STAGE_BYTES
-            for s in cutlass.range_constexpr(STAGE_K // STEP_K):
+            for s in cutlass.range_constexpr(0 if self.loads_only else STAGE_K // STEP_K):
                 a_low = ptx.ld_shared_v4_u32(x_read + stage + chunk_offset[s])
                 a_high = ptx.ld_shared_v4_u32(x_read + stage + 8 * LINE_BYTES + chunk_offset[s])
                 for jj in cutlass.range_constexpr(TILES_PER_WARP):
@@ -438,17 +440,21 @@ class _QkvFrontKernel:
 
 
 def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, enable_pdl: bool = True,
-                      trace: bool = False, arch: str | None = None, ptx_dir: str | None = None) -> Any:
+                      trace: bool = False, loads_only: bool = False, arch: str | None = None,
+                      ptx_dir: str | None = None) -> Any:
     """The compiled QKV front for these compile-time values (cached; never during capture).
 
     `enable_pdl` (default True): launched with programmatic dependent launch, the weight's first
     ring stages streamed before `griddepcontrol.wait` (False: the launch without PDL, no griddepcontrol;
     the same bits). `trace` (an experiment, default False): every CTA's clocks into a trace buffer
-    (the module docstring's Trace). `arch` overrides the target (default: CUTE_DSL_ARCH or the
+    (the module docstring's Trace). `loads_only` (a timing probe, default False; never deployed):
+    the weight and x stream through the ring, with its waits and barriers, the cluster's reduction
+    and the epilogue, but no MMA, so its time is what the stream and the fixed phases cost without
+    the arithmetic; its outputs are not the projection. `arch` overrides the target (default: CUTE_DSL_ARCH or the
     current GPU); `ptx_dir` keeps the PTX there. All are in the cache key.
     """
     config_ = dict(num_kv_heads=num_kv_heads, rope=bool(rope), tap=bool(tap), eps=float(eps), enable_pdl=enable_pdl,
-                   trace=trace)
+                   trace=trace, loads_only=loads_only)
 
     def build() -> Any:
         kernel = _QkvFrontKernel(**config_)
@@ -464,12 +470,15 @@ def compile_qkv_front(*, num_kv_heads: int, rope: bool, tap: bool, eps: float, e
 
 def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None,
            slot_mapping: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor, *, tap: torch.Tensor | None = None,
-           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True, trace: torch.Tensor | None = None) -> None:
+           eps: float = config.RMS_NORM_EPS, enable_pdl: bool = True, trace: torch.Tensor | None = None,
+           loads_only: bool = False) -> None:
     """One launch on the current stream (arguments checked by `cute_ops.launch_qkv_front`):
     compiles the variant on first use (refused during capture), then passes raw addresses and the
     bounds the kernel keeps: max_pos (the table's rows) and pages x 16 (the cache's slots).
     `trace` (an experiment): an int64 [CTAS[kv], TRACE_WORDS] contiguous tensor on x's device
-    (ValueError otherwise, before anything launches) that the traced build fills."""
+    (ValueError otherwise, before anything launches) that the traced build fills. `loads_only` (a
+    timing probe, `compile_qkv_front`'s): out, tap and the cache get what a projection of zeros
+    gives, not the projection."""
     num_kv_heads = kv_cache.shape[1]
     if trace is not None:
         ctas = CTAS.get(num_kv_heads)
@@ -478,7 +487,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, cos_s
                  f"trace must be a contiguous int64 tensor of shape ({ctas}, {TRACE_WORDS}) on {x.device}, got "
                  f"{getattr(trace, 'dtype', type(trace))} {tuple(getattr(trace, 'shape', ()))}")
     compiled = compile_qkv_front(num_kv_heads=num_kv_heads, rope=cos_sin_cache is not None, tap=tap is not None,
-                                 eps=eps, enable_pdl=enable_pdl, trace=trace is not None)
+                                 eps=eps, enable_pdl=enable_pdl, trace=trace is not None, loads_only=loads_only)
     stream = cuda.CUstream(torch.cuda.current_stream(x.device).cuda_stream)
     max_pos = cos_sin_cache.shape[0] if cos_sin_cache is not None else 1
     compiled(

@@ -33,10 +33,11 @@ KV = (1, 2, 4)  # N = 1152 (tp 16), 2304 (tp 8), 4608 (tp 4)
 
 
 @functools.lru_cache(maxsize=None)
-def front_ptx(arch: str, kv: int, rope: bool, tap: bool, pdl: bool = True, trace: bool = False) -> str:
+def front_ptx(arch: str, kv: int, rope: bool, tap: bool, pdl: bool = True, trace: bool = False,
+              loads_only: bool = False) -> str:
     folder = tempfile.mkdtemp(prefix="musebench-qkv-front-ptx-")
-    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, enable_pdl=pdl, trace=trace, arch=arch,
-                                ptx_dir=folder)
+    qkv_front.compile_qkv_front(num_kv_heads=kv, rope=rope, tap=tap, eps=1e-5, enable_pdl=pdl, trace=trace,
+                                loads_only=loads_only, arch=arch, ptx_dir=folder)
     (path,) = glob.glob(f"{folder}/*.ptx")
     with open(path) as f:
         return f.read()
@@ -169,6 +170,21 @@ def test_knobs_are_validated():
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, enable_pdl=1, arch="sm_90a")
     with pytest.raises(ValueError, match="trace"):
         qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, trace=1, arch="sm_90a")
+    with pytest.raises(ValueError, match="loads_only"):
+        qkv_front.compile_qkv_front(num_kv_heads=2, rope=True, tap=False, eps=1e-5, loads_only=1, arch="sm_90a")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv", KV)
+def test_the_loads_only_probe_streams_without_the_mmas(arch, kv, tmp_path):
+    """The timing probe (`loads_only`) keeps the deployment's copies, waits, barriers and cluster
+    reduction and drops every MMA; it assembles without a spill."""
+    probe = front_ptx(arch, kv, True, False, loads_only=True)
+    deployed = front_ptx(arch, kv, True, False)
+    assert count(probe, r"mma\.sync") == 0 and count(deployed, r"mma\.sync") > 0
+    for pattern in (r"cp\.async\.cg", r"cp\.async\.wait_group", r"bar\.sync|barrier\.sync", r"barrier\.cluster\.wait"):
+        assert count(probe, pattern) == count(deployed, pattern), pattern
+    assert_no_spills(assemble(probe, arch, tmp_path))
 
 
 SPECIAL_REGISTERS = r"%clock64|%globaltimer|%smid"
