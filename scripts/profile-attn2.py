@@ -50,7 +50,8 @@ def in_logical_order(problem):
     table = problem.page_table[0].long()
     pool = problem.kv_cache.shape[0]
     named = list(dict.fromkeys(table.tolist()))  # first use order, each page once
-    rest = [page for page in range(pool) if page not in set(named)]
+    taken = set(named)
+    rest = [page for page in range(pool) if page not in taken]
     order = torch.tensor(named + rest)
     where = torch.empty(pool, dtype=torch.long)
     where[order] = torch.arange(pool)

@@ -244,17 +244,17 @@ def test_profile_attn2_sequential_pages_keep_the_values():
     spec = importlib.util.spec_from_file_location("profile_attn2", REPO / "scripts" / "profile-attn2.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    used = (300 + 15) // 16  # the request's pages
     for window in (0, 100):
         problem = make_problem("random", 300, 4096, window=window, num_kv_heads=1)
         ordered = module.in_logical_order(problem)
-        used = (300 + 15) // 16
         assert ordered.page_table[0, :used].tolist() == list(range(used))
-        want = attn2_model(problem, num_splits=4)
-        assert torch.equal(attn2_model(ordered, num_splits=4).view(torch.int16), want.view(torch.int16))
-    broken = ordered.kv_cache.clone()
-    broken[used - 1] = 0
-    changed = attn2_model(dataclasses.replace(ordered, kv_cache=broken), num_splits=4)
-    assert not torch.equal(changed.view(torch.int16), attn2_model(ordered, num_splits=4).view(torch.int16))
+        want = attn2_model(ordered, num_splits=4)
+        assert torch.equal(attn2_model(problem, num_splits=4).view(torch.int16), want.view(torch.int16))
+        broken = ordered.kv_cache.clone()
+        broken[used - 1] = 0  # the page holding L - 1, which every row sees
+        changed = attn2_model(dataclasses.replace(ordered, kv_cache=broken), num_splits=4)
+        assert not torch.equal(changed.view(torch.int16), want.view(torch.int16))
 
 
 def test_profile_qkv_front_plans_the_loads_only_probe_and_names_the_gpu_it_needs():

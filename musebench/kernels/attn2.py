@@ -1592,17 +1592,22 @@ def prepare(*, num_kv_heads: int, max_model_len: int, window: int, enable_pdl: b
     compile_attn2(num_kv_heads, max_model_len, window, Attn2Build(enable_pdl=enable_pdl))
 
 
-def trace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_cta: int | None = None) -> int:
-    """Bytes of a traced launch's trace rows (`Attn2Build.trace`): TRACE_ROW_BYTES for every split
-    CTA (num_reqs x num_kv_heads x num_splits / splits_per_cta; None: the layout's) and, with
-    splits, every combine CTA (num_reqs x num_kv_heads x 64). They follow the partials in the
-    workspace (`traced_workspace_bytes`, `trace_rows`)."""
+def _trace_ctas(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_cta: int | None) -> tuple[int, int]:
+    """(split CTAs, combine CTAs) of a launch, a trace row each: num_reqs x num_kv_heads x
+    num_splits / splits_per_cta (None: the layout's), and with splits num_reqs x num_kv_heads x 64
+    (none with one split). ValueError where `attn2_layout.workspace_bytes` refuses the plan."""
     lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)  # its refusals (ValueError)
     per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
     lay.check_splits_per_cta(per_cta, num_splits)
     split_ctas = num_reqs * num_kv_heads * (num_splits // per_cta)
-    combine_ctas = num_reqs * num_kv_heads * lay.ROWS_PER_KV_HEAD if num_splits > 1 else 0
-    return (split_ctas + combine_ctas) * TRACE_ROW_BYTES
+    return split_ctas, (num_reqs * num_kv_heads * lay.ROWS_PER_KV_HEAD if num_splits > 1 else 0)
+
+
+def trace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_cta: int | None = None) -> int:
+    """Bytes of a traced launch's trace rows (`Attn2Build.trace`): TRACE_ROW_BYTES for every split
+    and every combine CTA (`_trace_ctas`). They follow the partials in the workspace
+    (`traced_workspace_bytes`, `trace_rows`)."""
+    return sum(_trace_ctas(num_reqs, num_kv_heads, num_splits, splits_per_cta)) * TRACE_ROW_BYTES
 
 
 def traced_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int,
@@ -1625,8 +1630,7 @@ def trace_rows(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_sp
              and workspace.numel() >= need and workspace.is_contiguous() and workspace.data_ptr() % 8 == 0,
              f"workspace must be a contiguous uint8 tensor of >= {need} bytes (traced_workspace_bytes)")
     start = lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
-    per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
-    split_ctas = num_reqs * num_kv_heads * (num_splits // per_cta)
+    split_ctas, _ = _trace_ctas(num_reqs, num_kv_heads, num_splits, splits_per_cta)
     rows = workspace[start:need].view(torch.int64).view(-1, TRACE_WORDS)
     return rows[:split_ctas], (rows[split_ctas:] if num_splits > 1 else None)
 
