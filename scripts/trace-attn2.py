@@ -181,13 +181,19 @@ def main() -> None:
     parser.add_argument("--lengths", default="8,8192,131072", help="request lengths L, 8 .. 131072")
     parser.add_argument("--calls", type=int, default=20, help="traced launches in the graph (>= 3)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--rows", default=None,
+                        help="also write every launch's raw CTA rows (JSON: per configuration, per launch, the "
+                             "split and combine rows with each split row's KV head, first split and page count)")
+    parser.add_argument("--loads-only", action="store_true",
+                        help="trace the split kernel's page stream alone (Attn2Build.loads_only): a timing probe")
     args = parser.parse_args()
     tps = _csv(args.tp, _tp, "--tp")
     lengths = _csv(args.lengths, _length, "--lengths")
     if args.calls < 3:
         _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        _refuse(f"--json: the folder of {args.json!r} does not exist")
+    for flag, path in (("--json", args.json), ("--rows", args.rows)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            _refuse(f"{flag}: the folder of {path!r} does not exist")
 
     import torch
 
@@ -200,7 +206,7 @@ def main() -> None:
 
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
-    report = []
+    report, raw = [], []
     for tp in tps:
         for length in lengths:
             p = for_rank(make_problem("random", length, MAX_MODEL_LEN), 0, tp).to(device)
@@ -214,7 +220,8 @@ def main() -> None:
             def launches() -> None:
                 for workspace in workspaces:
                     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
-                                 max_model_len=p.max_model_len, window=p.window, trace=True)
+                                 max_model_len=p.max_model_len, window=p.window, trace=True,
+                                 loads_only=args.loads_only)
 
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -240,14 +247,24 @@ def main() -> None:
                     combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
                     if combine_rows is not None else [],
                     split_pages=pages))
+            if args.rows:  # before summarize, which adds its own keys to each launch
+                ctas = splits // per_cta
+                raw.append(dict(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+                                loads_only=args.loads_only, launches=[dict(
+                                    split=[dict(r, kv_head=i // ctas, first_split=(i % ctas) * per_cta, pages=n)
+                                           for i, (r, n) in enumerate(zip(x["split"], x["split_pages"]))],
+                                    combine=x["combine"]) for x in per_launch]))
             table = summarize(per_launch)
             table.update(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
-                         launches=len(per_launch))
+                         launches=len(per_launch), loads_only=args.loads_only)
             report.append(table)
             print(render(tp, length, table), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.rows:
+        with open(args.rows, "w") as f:
+            json.dump(raw, f)
 
 
 if __name__ == "__main__":
