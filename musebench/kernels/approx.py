@@ -22,12 +22,12 @@ import torch
 from cutlass import Float32, Int32
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor
 
-from musebench.kernels import compilation, ptx
+from musebench.kernels import compilation, division, ptx
 from musebench.numerics import PRECISE, Approximations
 
 THREADS = 256
 UNARY_OPS = ("ex2_approx_f32", "rsqrt_approx_ftz_f32")
-BINARY_OPS = ("div_full_f32",)
+BINARY_OPS = ("div_full_f32", "fast_quotient_f32", "quotient_rn_f32")
 
 
 class _ElementwiseKernel:
@@ -57,6 +57,11 @@ class _ElementwiseKernel:
                 out[i] = ptx.rsqrt_approx_ftz_f32(Float32(a[i]))
             if cutlass.const_expr(self.op == "div_full_f32"):
                 out[i] = ptx.div_full_f32(Float32(a[i]), Float32(b[i]))
+            if cutlass.const_expr(self.op == "fast_quotient_f32"):
+                x, y = Float32(a[i]), Float32(b[i])
+                out[i] = division.fast_quotient(x, y, division.fast_reciprocal(y))
+            if cutlass.const_expr(self.op == "quotient_rn_f32"):
+                out[i] = division.quotients_rn([Float32(a[i])], [Float32(b[i])])[0]
 
 
 def compile_elementwise(op: str, *, arch: str | None = None, ptx_dir: str | None = None) -> Any:
@@ -120,6 +125,18 @@ def rsqrt_approx_ftz_f32(x: torch.Tensor) -> torch.Tensor:
 def div_full_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`div.full.f32` of a / b elementwise, broadcast (CUDA float32 in, broadcast shape out)."""
     return _apply("div_full_f32", a, b)
+
+
+def fast_quotient_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`kernels.division`'s fast path of a / b elementwise, unguarded (its bits equal IEEE division
+    where both operands are `division.in_fast_range`; outside, anything): the probe of its GPU test."""
+    return _apply("fast_quotient_f32", a, b)
+
+
+def quotient_rn_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`kernels.division.quotients_rn` of a / b elementwise (one-element lists): IEEE division's
+    bits for every operand, the fast path inside its range, `div.rn.f32` outside."""
+    return _apply("quotient_rn_f32", a, b)
 
 
 def _rsqrt_hardware(x: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from musebench import attn2_layout as lay
 from musebench import config
-from musebench.kernels import compilation, gmma, ptx
+from musebench.kernels import compilation, division, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
 __all__ = ["Attn2Build", "CompiledAttn2", "SplitIssue", "compile_attn2", "launch", "prepare"]
@@ -1286,14 +1286,17 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
     (lane 0 + lane 1) + (lane 2 + lane 3) bit for bit (each add is commutative). One 4-byte store
     per n-tile (dims 8t + 2c, 8t + 2c + 1; a quad's four stores fill the tile's 16 bytes). The
     warp's first `lanes` lanes (all it has) execute it (the butterfly), lanes with `store` 0 write
-    nothing."""
+    nothing. Every quotient (O / l, 1 / sqrt, the sigmoid's 1 / (1 + e)) has `div.rn.f32`'s bits;
+    the lists of 16 go through `division.quotients_rn` (one branch a list, not one a quotient)."""
     mask = (1 << lanes) - 1
     out_row_words = num_kv_heads * lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM // 2
     xs = []
     ss = Float32(0.0)
+    # the 16 quotients O / l and below the 16 sigmoids: div.rn.f32's bits, one branch a list
+    # (`kernels.division`), not one a quotient
+    ratios = division.quotients_rn(values, [lsum] * lay.LANE_DIMS)
     for k in cutlass.range_constexpr(lay.LANE_DIMS):
-        ratio = ptx.div_rn_f32(values[k], lsum)
-        word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratio)
+        word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratios[k])
         x = ptx.bitcast_u32_to_f32(word << 16)
         ss = ptx.add_rn_f32(ss, ptx.mul_rn_f32(x, x))
         xs.append(x)
@@ -1302,15 +1305,17 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
     mean = ptx.add_rn_f32(ptx.mul_rn_f32(ss, Float32(1.0 / lay.HEAD_DIM)), Float32(eps))
     rstd = ptx.div_rn_f32(Float32(1.0), ptx.sqrt_rn_f32(mean))
     out_base = Int64(out.iterator.toint()) + Int64(row) * (out_row_words * WORD_BYTES)
+    denominators = []  # 1 + 2^(-g log2 e) of dims 8t + 2c + k, in xs' order
     for t in cutlass.range_constexpr(V_TILES):
-        dim_word = (head * lay.HEAD_DIM + lay.TILE_DIMS * t + 2 * c) // 2
         gw = gate_words[t]
         gates = [ptx.bitcast_u32_to_f32(gw << 16), ptx.bitcast_u32_to_f32(gw & Uint32(0xFFFF0000))]
-        ys = []
         for k in cutlass.range_constexpr(2):
             e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[k], Float32(-LOG2_E)))
-            sig = ptx.div_rn_f32(Float32(1.0), ptx.add_rn_f32(Float32(1.0), e))
-            ys.append(ptx.mul_rn_f32(ptx.mul_rn_f32(xs[2 * t + k], rstd), sig))
+            denominators.append(ptx.add_rn_f32(Float32(1.0), e))
+    sigmoids = division.quotients_rn([1.0] * lay.LANE_DIMS, denominators)
+    for t in cutlass.range_constexpr(V_TILES):
+        dim_word = (head * lay.HEAD_DIM + lay.TILE_DIMS * t + 2 * c) // 2
+        ys = [ptx.mul_rn_f32(ptx.mul_rn_f32(xs[2 * t + k], rstd), sigmoids[2 * t + k]) for k in range(2)]
         if store != 0:
             ptx.st_global_u32(out_base + Int64(dim_word) * WORD_BYTES, ptx.cvt_rn_bf16x2_f32(ys[1], ys[0]))
 

@@ -317,6 +317,14 @@ def ex2_approx_ftz_f32(x: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
+def rcp_approx_ftz_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """`rcp.approx.ftz.f32`: 1 / x, approximate (one MUFU.RCP; a subnormal input counts as 0). The
+    seed of `kernels.division`'s correctly rounded quotients."""
+    return Float32(_asm(T.f32(), [_ir(Float32(x), loc, ip)], "rcp.approx.ftz.f32 $0, $1;", "=f,f", side_effects=False,
+                        loc=loc, ip=ip))
+
+
+@dsl_user_op
 def div_full_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """`div.full.f32`: a / b to about 2 ulp (not IEEE division)."""
     return Float32(
@@ -650,10 +658,12 @@ def max_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def div_rn_f32(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
-    """`div.rn.f32`: IEEE division, correctly rounded."""
+def div_rn_f32(a: Float32, b: Float32, *, pinned: bool = False, loc=None, ip=None) -> Float32:
+    """`div.rn.f32`: IEEE division, correctly rounded. `pinned` as `mul_rn_f32`'s: kept inside the
+    branch it is written in (ptxas expands the division into a fast path and a call of its slow
+    path, which a hoisted copy would run on every path)."""
     return Float32(_asm(T.f32(), [_ir(Float32(a), loc, ip), _ir(Float32(b), loc, ip)], "div.rn.f32 $0, $1, $2;",
-                        "=f,f,f", side_effects=False, loc=loc, ip=ip))
+                        "=f,f,f", side_effects=bool(pinned), loc=loc, ip=ip))
 
 
 @dsl_user_op
