@@ -32,6 +32,8 @@
 #               split kernel's pipe utilizations, its page stream alone (--loads-only, tp 8 and 16), both with
 #               the pages in logical order (--sequential-pages), and its
 #               stalls per setting (ATTN2_ISSUES as above)
+#   floor       the read floor: the best plain read (Triton, swept; torch.sum) of qkv_front's weight
+#               and attn2's K + V byte counts, cold and warm, as CUDA-graph medians (scripts/read-floor.py)
 #   multi-gpu   one process per GPU (needs 2+ GPUs): tail (both EP forms) and bench tail
 #               --launcher torchrun at tp = TP (default: every GPU; TP=2 or 4 on eight GPUs uses
 #               the first TP)
@@ -44,7 +46,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|attn2-profile|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|attn2-profile|floor|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -212,6 +214,9 @@ case $part in
     else
       echo "== ncu-attn2: no ncu on this machine" | tee -a "$log"
     fi
+    ;;
+  floor)
+    run read-floor 200 python3 scripts/read-floor.py --json "$out/$day-$gpu-read-floor.json"
     ;;
   multi-gpu)  # TP=N (default: every GPU) runs on the first N GPUs, one process each
     tp=${TP:-$gpus}

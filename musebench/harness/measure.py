@@ -183,7 +183,8 @@ def replay_bound_s(options: BenchOptions) -> float:
 def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options: BenchOptions,
                     barrier: Callable[[], None] | None = None, sync: Callable[[], None] | None = None,
                     agree: Callable[[bool], bool] | None = None,
-                    before_replays: Callable[[], None] | None = None) -> float:
+                    before_replays: Callable[[], None] | None = None,
+                    samples: list[float] | None = None) -> float:
     """Median µs per call of `call` captured `options.calls` times in one graph and replayed
     `options.replays` times after warm replays, every replay waited for at most `replay_bound_s`.
 
@@ -194,6 +195,7 @@ def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options
     (PeerNotReady, or the rank's own error), so the ranks' barriers stay in step.
     `before_replays` runs on `stream` after the warm-up and capture, before the first replay (the
     caller's poison: the replays, not the warm-up, must write what the check then reads).
+    `samples`, where given, receives every timed replay's µs per call (the spread around the median).
     """
     error: Exception | None = None
     sync_graph = timed = None
@@ -229,4 +231,6 @@ def graph_median_us(call: Callable[[], None], stream: torch.cuda.Stream, options
             wait_for_device(end, replay_bound_s(options), "a timed replay")
             if replay >= WARM_REPLAYS:
                 times.append(start.elapsed_time(end) * 1e3 / options.calls)
+    if samples is not None:
+        samples.extend(times)
     return statistics.median(times)

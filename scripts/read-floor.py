@@ -1,0 +1,387 @@
+"""The read floor: what a plain HBM read of a kernel's byte count costs on this GPU, timed as the
+benches time (CUDA-graph medians of back-to-back launches), cold and warm.
+
+Why: issues 15 (attn2) and 16 (qkv_front) set goals against bytes / 4.2 TB/s, and both kernels
+stream at 60-65 % of DRAM peak. The best plain read of exactly those bytes, timed the same way,
+says whether a goal is reachable and how far each kernel is from the hardware.
+
+Byte counts (`--bytes`, plain ints, multiples of 16): 18874368, 37748736, 75497472 (qkv_front's
+weight at N 1152 / 2304 / 4608 x 8192 x 2 B) and 33554432, 67108864 (attn2's K + V at 128k with
+one and two KV heads). States (`--states`):
+- cold: every call of the graph reads its own copy of the bytes (`cold_copies` = --calls copies,
+  the rotation of `bench front --cold-weights`): between two reads of a copy lie --calls - 1 other
+  copies, at least COLD_L2_FACTOR x the 50 MiB L2 of traffic (fewer calls exit 2);
+- warm: every call reads the same buffer (L2-resident where it fits).
+
+Readers, each launch checked after its replays (a reader that skips bytes fails the run, exit 1):
+- triton: a persistent streaming read (`_reader_kernel`): `programs_per_sm` x SMs programs stride
+  the buffer's int32 words in chunks of loads_in_flight x num_warps x 32 x 4 words (each thread
+  issues loads_in_flight 16-byte loads a chunk, all in flight before their adds), add them into an
+  int32 vector and write one wrapped int32 sum per program; the wrapped sum of a copy's partials
+  must equal the copy's int32 words summed mod 2^32 (`check_partials`). Every configuration of
+  --programs-per-sm x --loads-in-flight x --num-warps is timed; the best (lowest median) per
+  (bytes, state) is marked.
+- torch: `torch.sum(words, dtype=torch.int64)` over the int32 view (`TORCH_READER`): torch's own
+  reduction, reading every byte once; its int64 result must equal the copy's sum exactly.
+
+Timing: `harness.measure.graph_median_us`, the benches' method: an eager warm-up (Triton compiles
+there, outside the capture), --calls launches captured in one CUDA graph, warm replays, then
+--replays timed replays; per launch the median (replay / calls), min and max over the replays, in
+µs, the GB/s of the median and its ratio to the roofline (bytes / 4.2 TB/s). The graph's empty
+launch (`bench_empty_kernel`) is reported beside, the floor every launch sits on.
+
+    python3 scripts/read-floor.py [--bytes 18874368,67108864] [--states cold,warm] [--calls 20] \\
+        [--replays 20] [--programs-per-sm 1,2,4,8] [--loads-in-flight 1,2,4,8] [--num-warps 4,8] [--json PATH]
+
+Prints one line per (bytes, state, reader configuration), then the best per (bytes, state);
+--json writes every number, the GPU, its SM count, torch and Triton versions and
+MUSEBENCH_GIT_COMMIT. Every option is checked before the GPU is touched (exit 2 with the reason);
+without a CUDA GPU or Triton it exits 2 naming what is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S  # the issues' HBM read bandwidth, 4.2 TB/s
+from musebench.cases.qkv_front import COLD_L2_FACTOR, COLD_MAX_BYTES, L2_BYTES, WeightRotation
+
+DEFAULT_BYTES = (18874368, 37748736, 75497472, 33554432, 67108864)
+STATES = ("cold", "warm")
+DEFAULT_PROGRAMS_PER_SM = (1, 2, 4, 8)
+DEFAULT_LOADS_IN_FLIGHT = (1, 2, 4, 8)
+DEFAULT_NUM_WARPS = (4, 8)
+VECTOR_BYTES = 16  # one 128-bit load per thread and chunk step
+WORD_BYTES = 4  # the readers sum int32 words
+WORDS_PER_VECTOR = VECTOR_BYTES // WORD_BYTES
+THREADS_PER_WARP = 32
+MAX_BYTES = 1 << 32  # int32 word offsets inside the Triton reader stay below 2^31
+POWERS_OF_TWO_TO_16 = (1, 2, 4, 8, 16)  # Triton's block must be a power of two
+MAX_PROGRAMS_PER_SM = 32
+TORCH_READER = "torch.sum(int32 view, dtype=torch.int64)"
+WRAP = 1 << 32
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """One Triton reader configuration: programs_per_sm x SMs persistent programs of num_warps
+    warps, each thread loading loads_in_flight 16-byte vectors a chunk."""
+
+    programs_per_sm: int
+    loads_in_flight: int
+    num_warps: int
+
+    @property
+    def chunk_words(self) -> int:
+        """int32 words one program reads a chunk (a power of two)."""
+        return self.loads_in_flight * self.num_warps * THREADS_PER_WARP * WORDS_PER_VECTOR
+
+    def name(self) -> str:
+        return f"triton {self.programs_per_sm}/SM x {self.num_warps} warps x {self.loads_in_flight} loads"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The checked options: what to read, how, and how to time it."""
+
+    sizes: tuple[int, ...]
+    states: tuple[str, ...]
+    configs: tuple[TritonConfig, ...]
+    calls: int
+    replays: int
+    json_path: str | None
+
+
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
+    """A comma list of plain positive ints, each once (ValueError naming `what` otherwise)."""
+    pieces = [p.strip() for p in text.split(",") if p.strip()]
+    if not pieces:
+        raise ValueError(f"{what}: give at least one value")
+    bad = [p for p in pieces if not p.isdigit()]
+    if bad:
+        raise ValueError(f"{what}: {bad[0]!r} is not a plain positive int (no suffixes, no decimals)")
+    values = tuple(int(p) for p in pieces)
+    if 0 in values:
+        raise ValueError(f"{what}: 0 is not a positive int")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what}: name each value once")
+    return values
+
+
+def parse_states(text: str) -> tuple[str, ...]:
+    states = tuple(s.strip() for s in text.split(",") if s.strip())
+    bad = [s for s in states if s not in STATES]
+    if not states or bad or len(set(states)) != len(states):
+        raise ValueError(f"--states: {bad or list(states)} is not a list of {', '.join(STATES)}, each once")
+    return states
+
+
+def cold_copies(nbytes: int, calls: int) -> int:
+    """The copies a cold state rotates through with `calls` calls a graph: one per call (each
+    copy read once a replay, calls - 1 other copies after its last read). ValueError, with the
+    reason, where those are fewer than COLD_L2_FACTOR L2s of bytes (the reads would hit the L2) or
+    the copies exceed COLD_MAX_BYTES."""
+    needed = -(-COLD_L2_FACTOR * L2_BYTES // nbytes) + 1
+    if calls < needed:
+        raise ValueError(f"--calls {calls}: a cold read of {nbytes} B needs --calls >= {needed} (one copy a call, "
+                         f"so that {COLD_L2_FACTOR} x the {L2_BYTES >> 20} MiB L2 of other copies lie between two "
+                         f"reads of one copy)")
+    if calls * nbytes > COLD_MAX_BYTES:
+        raise ValueError(f"--calls {calls}: cold copies of {nbytes} B would hold {calls * nbytes / 1e9:.1f} GB "
+                         f"(at most {COLD_MAX_BYTES >> 30} GiB); use fewer --calls or smaller --bytes")
+    return calls
+
+
+def check_options(args: argparse.Namespace) -> Plan:
+    """Every option checked (ValueError with the reason) before anything touches a GPU."""
+    sizes = parse_ints(args.bytes, "--bytes")
+    for nbytes in sizes:
+        if nbytes % VECTOR_BYTES:
+            raise ValueError(f"--bytes: {nbytes} is not a multiple of {VECTOR_BYTES} (the readers' 16-byte loads)")
+        if nbytes > MAX_BYTES:
+            raise ValueError(f"--bytes: {nbytes} is above {MAX_BYTES} (the reader's int32 word offsets)")
+    states = parse_states(args.states)
+    per_sm = parse_ints(args.programs_per_sm, "--programs-per-sm")
+    if max(per_sm) > MAX_PROGRAMS_PER_SM:
+        raise ValueError(f"--programs-per-sm: at most {MAX_PROGRAMS_PER_SM}, got {max(per_sm)}")
+    loads = parse_ints(args.loads_in_flight, "--loads-in-flight")
+    warps = parse_ints(args.num_warps, "--num-warps")
+    for what, values in (("--loads-in-flight", loads), ("--num-warps", warps)):
+        bad = [v for v in values if v not in POWERS_OF_TWO_TO_16]
+        if bad:
+            raise ValueError(f"{what}: {bad[0]} is not one of {POWERS_OF_TWO_TO_16} (Triton's block is a power of two)")
+    if args.calls < 1 or args.replays < 1:
+        raise ValueError(f"--calls and --replays must be >= 1, got {args.calls} and {args.replays}")
+    if "cold" in states:
+        for nbytes in sizes:
+            cold_copies(nbytes, args.calls)
+    if args.json is not None:
+        folder = pathlib.Path(args.json).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--json: the folder {folder} does not exist")
+    configs = tuple(TritonConfig(p, lif, w) for p in per_sm for lif in loads for w in warps)
+    return Plan(sizes, states, configs, args.calls, args.replays, args.json)
+
+
+def gb_per_s(nbytes: int, us: float) -> float:
+    """Bytes per µs as GB/s (10^9 B/s)."""
+    return nbytes / us / 1e3
+
+
+def roofline_us(nbytes: int) -> float:
+    """The issues' roofline: `nbytes` at 4.2 TB/s, in µs."""
+    return nbytes / ROOFLINE_BYTES_PER_S * 1e6
+
+
+def timing_row(nbytes: int, state: str, reader: str, samples_us: list[float], copies: int,
+               config: TritonConfig | None = None) -> dict[str, Any]:
+    """One (bytes, state, reader) row from its replays' µs per launch: median, min, max, the
+    median's GB/s and its ratio to the roofline (above 1: slower than 4.2 TB/s)."""
+    median = statistics.median(samples_us)
+    row: dict[str, Any] = dict(bytes=nbytes, state=state, reader="triton" if config else "torch",
+                               name=reader, copies=copies, us_median=round(median, 3),
+                               us_min=round(min(samples_us), 3), us_max=round(max(samples_us), 3),
+                               gb_per_s=round(gb_per_s(nbytes, median), 1), roofline_us=round(roofline_us(nbytes), 3),
+                               ratio_to_roofline=round(median / roofline_us(nbytes), 3), best=False)
+    if config is not None:
+        row.update(programs_per_sm=config.programs_per_sm, loads_in_flight=config.loads_in_flight,
+                   num_warps=config.num_warps)
+    return row
+
+
+def mark_best(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark, per (bytes, state), the Triton row with the lowest median `best`; returns those rows."""
+    best: dict[tuple[int, str], dict[str, Any]] = {}
+    for row in rows:
+        key = (row["bytes"], row["state"])
+        if row["reader"] == "triton" and (key not in best or row["us_median"] < best[key]["us_median"]):
+            best[key] = row
+    for row in best.values():
+        row["best"] = True
+    return list(best.values())
+
+
+def record(rows: list[dict[str, Any]], plan: Plan, facts: dict[str, Any]) -> dict[str, Any]:
+    """The --json document: the machine's facts, the options, every row and the best rows."""
+    return dict(facts, calls=plan.calls, replays=plan.replays, l2_bytes=L2_BYTES, cold_l2_factor=COLD_L2_FACTOR,
+                roofline_bytes_per_s=ROOFLINE_BYTES_PER_S, torch_reader=TORCH_READER,
+                git_commit=os.environ.get("MUSEBENCH_GIT_COMMIT"), rows=rows,
+                best=[r for r in rows if r["best"]])
+
+
+def line(row: dict[str, Any]) -> str:
+    return (f"{row['bytes']:>11} B {row['state']:<4} {row['name']:<44} {row['us_median']:8.2f} µs "
+            f"(min {row['us_min']:.2f}, max {row['us_max']:.2f}) {row['gb_per_s']:7.1f} GB/s "
+            f"{row['ratio_to_roofline']:.3f} x roofline {row['roofline_us']:.2f} µs")
+
+
+def wrapped(total: int) -> int:
+    """An integer sum as the readers' int32 arithmetic leaves it: mod 2^32, in [0, 2^32)."""
+    return total % WRAP
+
+
+def check_partials(partials: Any, expected_total: int, what: str) -> None:
+    """The Triton reader's per-program int32 sums (any int tensor) must add, mod 2^32, to the
+    copy's int32 words summed (`expected_total`, exact); RuntimeError naming `what` otherwise."""
+    got = wrapped(int(partials.long().sum()))
+    if got != wrapped(expected_total):
+        raise RuntimeError(f"{what}: the programs' sums add to {got} mod 2^32, the buffer's words to "
+                           f"{wrapped(expected_total)}: the reader did not read every byte once")
+
+
+@functools.lru_cache(maxsize=None)
+def _reader_kernel() -> Any:
+    """Define the Triton streaming reader on first use (Triton is imported lazily)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _read_words(words_ptr, partials_ptr, num_words, CHUNK: tl.constexpr):
+        program = tl.program_id(0)
+        programs = tl.num_programs(0)
+        lanes = tl.arange(0, CHUNK)
+        acc = tl.zeros([CHUNK], dtype=tl.int32)
+        full_chunks = num_words // CHUNK
+        for chunk in range(program, full_chunks, programs):  # unmasked: 16-byte vector loads
+            acc += tl.load(words_ptr + chunk * CHUNK + lanes)
+        for chunk in range(full_chunks + program, tl.cdiv(num_words, CHUNK), programs):  # the last, partial chunk
+            offsets = chunk * CHUNK + lanes
+            acc += tl.load(words_ptr + offsets, mask=offsets < num_words, other=0)
+        tl.store(partials_ptr + program, tl.sum(acc, axis=0))
+
+    return _read_words
+
+
+def triton_read(words: Any, partials: Any, config: TritonConfig) -> None:
+    """Launch the reader over `words` (int32, contiguous, 16-byte aligned) on the current stream:
+    partials (int32 [programs_per_sm x SMs]) receives one wrapped sum per program. Graph-capturable
+    once compiled (the first call compiles)."""
+    _reader_kernel()[(partials.numel(),)](words, partials, words.numel(), CHUNK=config.chunk_words,
+                                          num_warps=config.num_warps)
+
+
+def read_size(nbytes: int, plan: Plan, sms: int, stream: Any, generator: Any) -> list[dict[str, Any]]:
+    """Time and check every state and reader of `plan` on `nbytes`: random int32 copies (cold:
+    --calls of them, one a call; warm: the first) live on the GPU until this returns."""
+    import torch
+
+    from musebench.harness.measure import BenchOptions, graph_median_us
+
+    options = BenchOptions(calls=plan.calls, replays=plan.replays)
+    count = plan.calls if "cold" in plan.states else 1
+    copies = [torch.randint(-2 ** 31, 2 ** 31, (nbytes // WORD_BYTES,), dtype=torch.int32, device=stream.device,
+                            generator=generator) for _ in range(count)]
+    totals = [int(c.sum(dtype=torch.int64)) for c in copies]  # exact: <= 2^30 words of magnitude <= 2^31
+    rows: list[dict[str, Any]] = []
+    for state in plan.states:
+        used = len(copies) if state == "cold" else 1
+        for config in plan.configs:
+            partials = torch.zeros(used, config.programs_per_sm * sms, dtype=torch.int32, device=stream.device)
+            pick = WeightRotation(list(range(used))).next  # the copy index, as bench front's cold rotation
+
+            def call(config=config, partials=partials, pick=pick) -> None:
+                j = pick()
+                triton_read(copies[j], partials[j], config)
+
+            samples: list[float] = []
+            graph_median_us(call, stream, options, samples=samples)
+            torch.cuda.synchronize()
+            for j in range(used):  # the replays' last writes: every copy's partials
+                check_partials(partials[j], totals[j], f"{config.name()}, {nbytes} B {state}, copy {j}")
+            rows.append(timing_row(nbytes, state, config.name(), samples, used, config))
+            print(line(rows[-1]), flush=True)
+        sums = torch.zeros(used, dtype=torch.int64, device=stream.device)
+        pick = WeightRotation(list(range(used))).next
+
+        def torch_call(sums=sums, pick=pick) -> None:
+            j = pick()
+            torch.sum(copies[j], 0, dtype=torch.int64, out=sums[j])
+
+        samples = []
+        graph_median_us(torch_call, stream, options, samples=samples)
+        torch.cuda.synchronize()
+        for j in range(used):
+            if int(sums[j]) != totals[j]:
+                raise RuntimeError(f"{TORCH_READER}, {nbytes} B {state}, copy {j}: {int(sums[j])} != {totals[j]}")
+        rows.append(timing_row(nbytes, state, TORCH_READER, samples, used))
+        print(line(rows[-1]), flush=True)
+    return rows
+
+
+def measure(plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Time every (bytes, state, reader) of `plan` on the current CUDA GPU; check every reader's
+    result after its replays (RuntimeError on a wrong sum). Returns the rows and the machine's facts."""
+    import torch
+    import triton
+
+    from musebench.harness.measure import BenchOptions, bench_empty_kernel
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    properties = torch.cuda.get_device_properties(device)
+    sms = properties.multi_processor_count
+    stream = torch.cuda.Stream(device)
+    facts = dict(gpu=properties.name, sm_count=sms, torch=torch.__version__, triton=triton.__version__,
+                 empty_launch_us=round(bench_empty_kernel(BenchOptions(calls=plan.calls, replays=plan.replays)), 3))
+    print(f"{properties.name}, {sms} SMs; empty launch {facts['empty_launch_us']:.2f} µs; "
+          f"{plan.calls} calls a graph, {plan.replays} replays", flush=True)
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for nbytes in plan.sizes:
+        rows += read_size(nbytes, plan, sms, stream, generator)
+        torch.cuda.empty_cache()  # the copies are gone: the next size's fit
+    return rows, facts
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bytes", default=",".join(map(str, DEFAULT_BYTES)), help="comma list of byte counts (plain ints)")
+    p.add_argument("--states", default=",".join(STATES), help="cold, warm or both")
+    p.add_argument("--calls", type=int, default=20, help="launches a graph (cold: one copy each)")
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--programs-per-sm", default=",".join(map(str, DEFAULT_PROGRAMS_PER_SM)))
+    p.add_argument("--loads-in-flight", default=",".join(map(str, DEFAULT_LOADS_IN_FLIGHT)),
+                   help="16-byte loads a thread issues a chunk (1, 2, 4, 8, 16)")
+    p.add_argument("--num-warps", default=",".join(map(str, DEFAULT_NUM_WARPS)), help="1, 2, 4, 8, 16")
+    p.add_argument("--json", default=None, help="write every number here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        plan = check_options(args)
+    except ValueError as e:
+        print(f"read-floor.py: {e}", file=sys.stderr)
+        sys.exit(2)
+    import torch
+
+    if not torch.cuda.is_available():  # after every option's check: those refusals come first
+        print("read-floor.py: needs a CUDA GPU; none is visible", file=sys.stderr)
+        sys.exit(2)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("read-floor.py: needs Triton (import triton failed)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        rows, facts = measure(plan)
+    except RuntimeError as e:
+        print(f"read-floor.py: FAIL: {e}", file=sys.stderr)
+        sys.exit(1)
+    for row in mark_best(rows):
+        print(f"best: {line(row)}")
+    if plan.json_path:
+        with open(plan.json_path, "w") as f:
+            json.dump(record(rows, plan, facts), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
