@@ -86,7 +86,12 @@ groups.json).
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
 rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd
-sig), one 4-byte store (gate: one 4-byte load) per n-tile.
+sig), one 4-byte store (gate: one 4-byte load) per n-tile. A lane's 16 quotients O / l and its 16
+sigmoids go through `kernels.division.quotients_rn`: div.rn.f32's bits, on its fast path without a
+branch per quotient where every operand lies in 2^-60 .. 2^61 (else div.rn.f32 each, one branch
+for the list). div.rn.f32 alone branched around its slow path 33 times a row, one after the other:
+the combine's epilogue took 1.5 us; now 0.7 (trace, tp 16 128k), every bench point 0.4-1.3 us
+faster with the same bits (records/2026-12-02-h200-081ea38-ab-attn2-quotients.json).
 
 Determinism. The layout fixes which lane holds which dim and so the sum of squares' order; it is
 a compile-time constant of the code, the same for every KV head, request, L, tp and launch (eager
