@@ -315,9 +315,16 @@ class Attn2Build:
     # page stream alone sets; its out and partials are NOT attention (they hold what an empty split
     # leaves). Never a deployment; no test compares its bits.
     loads_only: bool = False
+    # experiments only: P's BF16 terms in P V: 2 (every deployment: p_hi + p_lo, P V near FP32) or 1
+    # (p_hi = RN(p) alone: half the P V MMAs, P rounded to BF16 as FlashAttention's is; other bits,
+    # no CPU model; wgmma only). `scripts/weight-terms-attn2.py` times both and measures their error
+    # against the FP64 reference beside the stock's.
+    weight_terms: int = 2
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
+        _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
+                 f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
@@ -330,6 +337,9 @@ class Attn2Build:
                  f"ring_stages must be one of {RING_STAGES_CHOICES} or None, got {self.ring_stages!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
+
+
+WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
 
 
 # The split kernel's tensor-core path per target (`Attn2Build.tensor_ops` overrides it): on sm_90a
@@ -361,8 +371,11 @@ class _Attn2Kernel:
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
-                 loads_only: bool = False) -> None:
+                 loads_only: bool = False, weight_terms: int = 2) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
+                 f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
+        self.weight_terms = weight_terms
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
         self.loads_only = loads_only  # `Attn2Build.loads_only`: the page stream without the arithmetic
@@ -625,7 +638,10 @@ class _Attn2Kernel:
                     h0 = ptx.bitcast_u32_to_f32(pword << 16)
                     h1 = ptx.bitcast_u32_to_f32(pword & Uint32(0xFFFF0000))
                     hi.append(pword)
-                    lo.append(ptx.cvt_rn_bf16x2_f32(ptx.sub_rn_f32(px1, h1), ptx.sub_rn_f32(px0, h0)))
+                    if cutlass.const_expr(self.weight_terms == 2):
+                        lo.append(ptx.cvt_rn_bf16x2_f32(ptx.sub_rn_f32(px1, h1), ptx.sub_rn_f32(px0, h0)))
+                    else:  # `Attn2Build.weight_terms` 1: P V takes p_hi alone (these words are never read)
+                        lo.append(Uint32(0))
             p_hi.append(hi)
             p_lo.append(lo)
         # A fragments of P, per page: a0 row g keys 2c.., a1 row g + 8 keys 2c.., a2 row g keys 8 + 2c..,
@@ -665,6 +681,8 @@ class _Attn2Kernel:
             # N = 72: V's 64 dims (N-major, transpose-b) and 8 columns of the ones block, which the
             # descriptor reaches as V's second 64-column block (LBO: `gmma.MN_MAJOR_VALUES_WITH_ONES`)
             descriptor = gmma.advance_values_descriptor(descriptors[1], Int64(stage_offset >> 4))
+            if cutlass.const_expr(self.weight_terms == 1):
+                return wgmma_chain(ACCUMULATOR_COLUMNS, [ah], [descriptor], 1, o)
             return wgmma_chain(ACCUMULATOR_COLUMNS, [al, ah], [descriptor, descriptor], 1, o)
         o = list(o)
         ones = Uint32(gmma.BF16_ONES_WORD)
@@ -726,8 +744,12 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.wgmma):
             values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
             # defer_values: committed, not waited for (the next step's Q K^T wait, or pair_chain's end)
-            o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
-                            [values[0], values[0], values[1], values[1]], 1, o, wait=not self.defer_values)
+            if cutlass.const_expr(self.weight_terms == 2):
+                o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
+                                [values[0], values[0], values[1], values[1]], 1, o, wait=not self.defer_values)
+            else:
+                o = wgmma_chain(ACCUMULATOR_COLUMNS, [ah[0:4], ah[4:8]], [values[0], values[1]], 1, o,
+                                wait=not self.defer_values)
         else:
             for k in cutlass.range_constexpr(2):
                 o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
@@ -1559,6 +1581,10 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     split_knobs["ctas_per_sm"] = lay.split_ctas_per_sm(target)
     split_knobs["wgmma"] = wgmma
     split_knobs["loads_only"] = build.loads_only
+    if build.weight_terms != 2:  # the deployments' keys (and PTX) stay as they were
+        _require(wgmma, f"weight_terms 1 needs tensor_ops 'wgmma' (sm_90a), the build's is {build.tensor_ops!r} "
+                        f"on {target}")
+        split_knobs["weight_terms"] = build.weight_terms
 
     def compile_split() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1703,7 +1729,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
-           loads_only: bool = False) -> None:
+           loads_only: bool = False, weight_terms: int = 2) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1713,10 +1739,10 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     traced build, which also writes every CTA's clocks into the workspace past the partials (it must
     hold `traced_workspace_bytes`, one split included; read back with `trace_rows`). `loads_only`
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
-    not attention."""
+    not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
-                       trace=trace, loads_only=loads_only)
+                       trace=trace, loads_only=loads_only, weight_terms=weight_terms)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

@@ -1111,3 +1111,40 @@ def test_loads_only_is_refused_unless_a_bool():
     for bad in (1, "yes", None):
         with pytest.raises(ValueError, match="loads_only"):
             attn2.Attn2Build(loads_only=bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attn2Build.weight_terms: an experiment, P as one BF16 term
+
+
+@pytest.mark.parametrize("heads", [2, 1])
+def test_one_weight_term_halves_the_value_mmas_and_drops_p_lo(tmp_path_factory, tmp_path, heads):
+    """weight_terms 1 (sm_90a): half the P V wgmmas of the deployment's two-page and one-page steps
+    (Q K^T's unchanged), fewer BF16 conversions (no p_lo), no spill; the deployment's own variant
+    and PTX are untouched (its key has no weight_terms)."""
+    folder = tmp_path_factory.mktemp("attn2-one-term")
+    attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), weight_terms=1))
+    (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+    one = split.read_text()
+    deployed, _ = _ptx(tmp_path_factory, "sm_90a", heads, 131072, 0)
+
+    def values(text: str) -> int:  # P V: N = 72 (V's 64 dims and the ones' 8)
+        return len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n72k16", text))
+
+    def keys(text: str) -> int:
+        return len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n16k16", text))
+
+    assert values(deployed) == 2 * values(one) > 0
+    assert keys(one) == keys(deployed) > 0
+    assert one.count("cvt.rn.bf16x2.f32") < deployed.count("cvt.rn.bf16x2.f32")
+    assert_no_spills(assemble(one, "sm_90a", tmp_path))
+
+
+def test_one_weight_term_is_refused_off_wgmma_and_outside_its_choices():
+    for bad in (0, 3, True, 2.0, None):
+        with pytest.raises(ValueError, match="weight_terms"):
+            attn2.Attn2Build(weight_terms=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weight_terms 1 needs tensor_ops 'wgmma'"):
+        attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_100a", weight_terms=1))
+    with pytest.raises(ValueError, match="weight_terms 1 needs tensor_ops 'wgmma'"):
+        attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_90a", tensor_ops="sync", weight_terms=1))

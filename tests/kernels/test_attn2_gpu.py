@@ -508,3 +508,25 @@ def test_a_traced_launch_refuses_a_workspace_without_the_rows():
             attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, torch.empty_like(p.q), workspace,
                          max_model_len=max_model_len, window=0, trace=True)
     assert len(attn2.compilation.CACHE) == before
+
+
+@pytest.mark.parametrize("tp, seq_len", [(8, 9000), (16, 131072), (8, 17)])
+def test_one_weight_term_stays_near_the_deployment(tp, seq_len):
+    """`Attn2Build.weight_terms` 1 (an experiment: P V from p_hi = RN(p) alone, sm_90a): finite, other
+    bits than the deployment's somewhere, every element within 2^-5 of the output's largest
+    magnitude of it (P's rounding moves O by about 2^-9 relative, averaged over the keys; a P V
+    missing a page's or a term's keys moves it by far more) and the mean within one BF16 ULP; the
+    same bits on a second launch. The two-page and the one-page steps both run
+    (L 17: two pages; 9000: pairs and a lone last page)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("weight_terms 1 is wgmma's (sm_90a)")
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=16 // tp)
+    deployed = _launch(problem)[0]
+    one = _launch(problem, weight_terms=1)[0]
+    again = _launch(problem, weight_terms=1)[0]
+    assert torch.isfinite(one.float()).all()
+    assert torch.equal(one.view(torch.int16), again.view(torch.int16))
+    assert not torch.equal(one.view(torch.int16), deployed.view(torch.int16))
+    difference = (one.float() - deployed.float()).abs()
+    assert difference.max() <= 2.0**-5 * deployed.float().abs().max(), float(difference.max())
+    assert ulp_error(one, deployed.double()).mean <= 1.0
