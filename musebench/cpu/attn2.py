@@ -27,8 +27,9 @@ the products exact and summed without rounding, the result truncated to FP32 (ro
 the tensor cores of Volta through Hopper align and truncate rather than round, Fasi et al., "Numerical
 behavior of NVIDIA tensor cores", PeerJ CS 2021). Q K^T is the chain of its four k-steps from
 zero, as the kernel issues them. Modelling this matters: with round to nearest instead, the model
-missed the H200 by up to 653 BF16 ULPs at L = 2048 (then one split of 128 pages; scores near 4000 lose up to an FP32 ULP,
-2^-12, per truncation; a long chain of P V mmas into one accumulator drifts toward zero), while
+missed the H200 by up to 653 BF16 ULPs at L = 2048 (then one split, a chain of 128 pages; scores
+near 4000 lose up to an FP32 ULP, 2^-12, per truncation; a long chain of P V mmas into one
+accumulator drifts toward zero), while
 this emulation (of the kernel as it then was) reproduced the worst elements of its three failing
 `large` cases to the ULP (197, 653 and 68 ULPs).
 
