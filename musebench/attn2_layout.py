@@ -74,9 +74,17 @@ SPLITS_PER_CTA_CHOICES = (1, 2)
 PAGES_PER_STEP_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
-# SHORT_MAX_LEN: up to 2048 tokens (128 pages) one CTA per KV head reads the whole context; a
-# deployment whose max_model_len fits it never pays for a merge.
-SHORT_MAX_LEN = 2048
+# SHORT_MAX_LEN: up to 128 tokens (8 pages) one CTA per KV head reads the whole context and no
+# merge runs; above it a deployment takes a split plan (`splits`: 256 tokens 8 splits, 2048 64).
+# One split reads its pages serially. Measured on the H200 (CUDA-graph medians, tp 8 and 16 alike,
+# records/2026-12-02-h200-081ea38-bench-attn-short.summary.json): with max_model_len 2048 (then one
+# split) L 8 / 512 / 2048 ran 3.6 / 15.4 / 51.6 us, about 0.38 us a page, against SDPA flash
+# 5.8 / 8.9 / 10.1; the split plans (max_model_len 131072, 256 splits, split kernel + combine)
+# ran 5.7-6.3 / 6.8-7.5 / 8.1-8.4. One split pays only below about 7 pages: at 8 its worst case,
+# 3.6 + 8 x 0.38 = 6.6 us, is about a split plan's cost. The split plans this moves (129 .. 2048
+# tokens: 4 .. 64 splits) take the 128k plans' rules (two pages a step, the deep ring up to
+# DEEP_RING_MAX_CTAS split CTAs), unmeasured at those sizes.
+SHORT_MAX_LEN = 128
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 
 # SPLIT_CTAS_PER_SM: split CTAs one SM holds at once (registers capped at 65536 / (4 x 128) = 128
@@ -167,8 +175,9 @@ def max_pages(max_model_len: int) -> int:
 
 
 def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
-    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN, else MAX_SPLITS, at least
-    MIN_PAGES_PER_SPLIT pages each (of the pages a row can see: the window's with one).
+    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN (128 tokens), else the most
+    up to MAX_SPLITS with at least MIN_PAGES_PER_SPLIT pages each (of the pages a row can see: the
+    window's with one): 129 .. 240 tokens 4, 241 .. 496 8, 2048 64, from 8177 256.
 
     Not divided by num_kv_heads (the seeds' SPLIT_TARGET_CLUSTERS // (ROW_GROUPS * heads)): the
     split count decides a row's summation order, and a KV head's bits must be the same whichever
@@ -221,8 +230,8 @@ def check_pages_per_step(per_step: object) -> None:
 # against two; 0 bits differing in the BF16 output on those inputs, KV head 0 equal across tp):
 # tp 8 L 8k / 32k / 128k 13.74 / 15.64 / 33.78 us against 13.62 / 14.61 / 29.76; tp 16 10.09 /
 # 14.16 / 30.39 against 10.32 / 13.36 / 26.33. Not taken: the window's plans (2048: 64 splits),
-# where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN),
-# unmeasured. A row's bits follow the value, so it depends only on the plan (max_model_len, window,
+# where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN:
+# 8 pages at most), unmeasured. A row's bits follow the value, so it depends only on the plan (max_model_len, window,
 # splits), never on tp or the splits a CTA runs: tp 4 and 2 (two splits a CTA) take it too.
 # Deployed (records/2026-12-01-h200-50ccdea-*): bench attn tp 8 128k 29.97 us (34.40 with one page
 # a step), tp 16 27.08 (30.47); tp 4 8k / 128k 16.37 / 53.16 against 16.17 / 61.86, tp 2 28.78 /

@@ -70,7 +70,8 @@ def test_combine_groups_are_complete_subtrees():
 
 
 def test_split_table_entries_cover_every_page_a_split_visits():
-    for max_model_len, window in ((2048, 0), (4096, 0), (131072, 0), (131072, 2048), (4096, 64), (2200, 64)):
+    for max_model_len, window in ((128, 0), (129, 0), (256, 0), (2048, 0), (2048, 100), (4096, 0), (131072, 0),
+                                  (131072, 2048), (4096, 64), (2200, 64)):
         splits = lay.splits(max_model_len, window, 2)
         entries = lay.split_table_entries(max_model_len, window, splits)
         for seq_len in range(8, max_model_len + 1, max(1, max_model_len // 97)):
@@ -80,6 +81,8 @@ def test_split_table_entries_cover_every_page_a_split_visits():
                 assert len(lay.split_pages(split, splits, first_page, end_page)) <= entries
     assert lay.split_table_entries(131072, 0, 256) == 32
     assert lay.split_table_entries(131072, 0, 512) == 16  # per split: a CTA of two splits holds 32
+    # one split (SHORT_MAX_LEN: 8 pages at most); the small split plans: 2 or 3 pages a split
+    assert [lay.split_table_entries(n, 0, lay.splits(n, 0, 2)) for n in (128, 129, 240, 256, 2048)] == [8, 3, 4, 2, 2]
 
 
 def test_split_ctas_per_sm():
@@ -106,8 +109,13 @@ def test_split_plan_constants():
     (131072, 2048, 2, 64, 1),  # the window's plan: 8 x 64 = 512 CTAs, below two a target
     (131072, 2048, 8, 64, 1),
     (131072, 2048, 16, 64, 1),
-    (2048, 0, 8, 1, 1),  # one split: nothing to pair
-    (2048, 0, 2, 1, 1),
+    (128, 0, 8, 1, 1),  # one split: nothing to pair
+    (128, 0, 2, 1, 1),
+    (2048, 0, 1, 64, 2),  # the small split plans: 16 KV heads x 64 = 1024 leaves pair; 8 x 64 do not
+    (2048, 0, 2, 64, 1),
+    (2048, 0, 16, 64, 1),
+    (256, 0, 2, 8, 1),
+    (129, 0, 16, 4, 1),
     (8192, 0, 4, 256, 2),
     (8192, 0, 8, 256, 1),  # 2 KV heads x 256 = 512
     (131072, 2048, 4, 64, 1),  # 4 x 64 = 256 leaves
@@ -178,9 +186,9 @@ def test_either_pages_per_step_is_accepted():
     assert lay.PAGES_PER_STEP_CHOICES == (1, 2)
 
 
-# (max_model_len, window): the short plan, the split plans without a window, the window's
-DEPLOYMENT_PLANS = [(2048, 0), (4096, 0), (8192, 0), (32768, 0), (131072, 0), (131072, 2048), (8192, 2048),
-                    (4096, 1)]
+# (max_model_len, window): the short plans, the split plans without a window, the window's
+DEPLOYMENT_PLANS = [(8, 0), (128, 0), (129, 0), (256, 0), (2048, 0), (4096, 0), (8192, 0), (32768, 0), (131072, 0),
+                    (131072, 2048), (8192, 2048), (2048, 100), (4096, 1)]
 
 
 @pytest.mark.parametrize("max_model_len, window", DEPLOYMENT_PLANS)
@@ -194,9 +202,10 @@ def test_pages_per_step_rule_is_two_for_split_plans_without_a_window(max_model_l
 
 
 def test_pages_per_step_rule_values():
-    """The deployments' values: 2 at 4096 .. 128k without a window, 1 at 2048 (one split) and with
-    the 2048 window; a forced plan follows its own split count."""
-    assert [lay.pages_per_step(0, lay.splits(n, 0, 2)) for n in (2048, 4096, 8192, 131072)] == [1, 2, 2, 2]
+    """The deployments' values: 2 at 129 .. 128k without a window (2048 included: a split plan), 1 at
+    128 (one split) and with the 2048 window; a forced plan follows its own split count."""
+    assert [lay.pages_per_step(0, lay.splits(n, 0, 2)) for n in (128, 129, 256, 2048, 4096, 8192, 131072)] == [
+        1, 2, 2, 2, 2, 2, 2]
     assert lay.pages_per_step(2048, lay.splits(131072, 2048, 2)) == 1
     assert lay.pages_per_step(0, 1) == 1 and lay.pages_per_step(0, 2) == 2
     assert lay.pages_per_step(2048, 256) == 1
@@ -229,6 +238,13 @@ def test_ring_stages_rule():
     assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
     assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
     assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
+    # the small split plans (max_model_len 129 .. 2048: 4 .. 64 splits) have few CTAs: the deep ring,
+    # up to 8 KV heads at 64 splits (512 CTAs); one split (max_model_len <= 128) keeps PIPELINE_STAGES
+    for heads in (1, 2, 4):
+        assert lay.ring_stages(0, heads, lay.splits(2048, 0, heads)) == deep
+    assert lay.ring_stages(0, 8, lay.splits(2048, 0, 8)) == plain
+    assert {lay.ring_stages(0, heads, lay.splits(n, 0, heads)) for heads in (1, 8) for n in (129, 256)} == {deep}
+    assert {lay.ring_stages(0, heads, lay.splits(128, 0, heads)) for heads in (1, 8)} == {plain}
     # deferred P V waits: the deep plans take DEFERRED_DEEP_RING_STAGES, the others stay as they are
     deferred = lay.DEFERRED_DEEP_RING_STAGES
     assert deferred != deep
@@ -238,3 +254,20 @@ def test_ring_stages_rule():
         args = dict(window=0, num_kv_heads=1, num_splits=256) | bad
         with pytest.raises(ValueError):
             lay.ring_stages(**args)
+
+
+def test_short_max_len_is_eight_pages():
+    """One split up to SHORT_MAX_LEN (128 tokens, 8 pages: where one CTA's serial pages cost about
+    what a split plan does), a split plan from the next token on, at every tp."""
+    assert lay.SHORT_MAX_LEN == 8 * lay.PAGE_TOKENS == 128
+    for heads in (1, 2, 4, 8, 16):
+        assert [lay.splits(n, 0, heads) for n in (8, 16, 17, 127, 128)] == [1] * 5
+        assert [lay.splits(n, 0, heads) for n in (129, 256, 2047, 2048)] == [4, 8, 64, 64]
+
+
+def test_short_max_len_check_can_fail(monkeypatch):
+    """Fault injection: the old threshold (2048 tokens) puts max_model_len 2048 back on one split,
+    which the plan checks above refuse (64 splits expected)."""
+    monkeypatch.setattr(lay, "SHORT_MAX_LEN", 2048)
+    assert lay.splits(2048, 0, 2) == 1 and lay.splits(256, 0, 2) == 1
+    assert lay.splits(2049, 0, 2) == 64

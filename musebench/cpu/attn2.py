@@ -27,8 +27,9 @@ the products exact and summed without rounding, the result truncated to FP32 (ro
 the tensor cores of Volta through Hopper align and truncate rather than round, Fasi et al., "Numerical
 behavior of NVIDIA tensor cores", PeerJ CS 2021). Q K^T is the chain of its four k-steps from
 zero, as the kernel issues them. Modelling this matters: with round to nearest instead, the model
-missed the H200 by up to 653 BF16 ULPs at L = 2048 (scores near 4000 lose up to an FP32 ULP,
-2^-12, per truncation; a long chain of P V mmas into one accumulator drifts toward zero), while
+missed the H200 by up to 653 BF16 ULPs at L = 2048 (then one split, a chain of 128 pages; scores
+near 4000 lose up to an FP32 ULP, 2^-12, per truncation; a long chain of P V mmas into one
+accumulator drifts toward zero), while
 this emulation (of the kernel as it then was) reproduced the worst elements of its three failing
 `large` cases to the ULP (197, 653 and 68 ULPs).
 
@@ -115,8 +116,9 @@ def accumulate_page(o: torch.Tensor, lsum: torch.Tensor, p_hi: torch.Tensor, p_l
     them, p_lo's step then p_hi's, over V with an n-tile of ones beside it ([16, 64 + 8]: the ones'
     columns sum each row's P, so l rides in the same chain as O; its 8 columns are equal, and l is
     the first). Each step truncates at the accumulator's scale, toward zero: a split's chain of n
-    pages (n <= 128: one split holds at most 2048 keys; 32 at 128k with 256 splits) leaves O and l
-    within 2n FP32 ULPs of the rounded sums (2^-16 relative at n = 128, a 256th of a BF16 ULP)."""
+    pages (a deployment's n: at most 8 with one split, `attn2_layout.SHORT_MAX_LEN`; 32 at 128k with
+    256 splits; 128 for an experiment forcing one split at 2048) leaves O and l within 2n FP32 ULPs
+    of the rounded sums (2^-16 relative at n = 128, a 256th of a BF16 ULP)."""
     ones = torch.ones(values.shape[0], ONES_COLUMNS, dtype=torch.float32)
     acc = torch.cat([o, lsum[:, None].expand(-1, ONES_COLUMNS)], dim=1)
     acc = tc_mma(p_hi, torch.cat([values, ones], dim=1), tc_mma(p_lo, torch.cat([values, ones], dim=1), acc))

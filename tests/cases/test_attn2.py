@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from musebench import attn2_layout as lay
 from musebench.cases import FAMILIES
 from musebench.cases import attn2 as fam
 from musebench.cases.attn2_inputs import for_rank, make_problem
@@ -189,23 +190,32 @@ def test_bench_rows_hold_measured_times_and_carry_the_roofline_apart(gpu_with_ds
     assert row["roofline_us"] == pytest.approx(fam.roofline_us(fam.Attn2Case(tp=8, tokens=512, max_model_len=131072)))
 
 
+# (max_model_len, lengths, windows): the split kernel at 4096 with the window; one split (max_model_len
+# <= SHORT_MAX_LEN, with a 64-key window too); the small split plans (256: 8 splits, 2048: 64, with a 100-key window: 4)
+GPU_JOB_PLANS = [(4096, (17, 2049), (0, 2048)), (128, (17, 128), (0, 64)), (256, (129, 256), (0,)),
+                 (2048, (17, 2048), (0, 100))]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_model_len, lengths, windows", GPU_JOB_PLANS)
 @pytest.mark.parametrize("inject", [None, "flip:1"])
-def test_job_on_the_gpu_passes_and_a_flipped_bit_fails(inject):
-    """The whole family through the one driver at tp 16 (1 KV head a rank), the split kernel and
-    the window; a flipped bit of rank 1's output must fail its row."""
+def test_job_on_the_gpu_passes_and_a_flipped_bit_fails(inject, max_model_len, lengths, windows):
+    """The whole family through the one driver at tp 16 (1 KV head a rank) on each plan kind (one
+    split, the small split plans, the split kernel and the window); a flipped bit of rank 1's
+    output must fail its row."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from musebench.harness.case import Faults
     from musebench.harness.jobs import make_attn2_job, run_job
 
+    assert (max_model_len <= lay.SHORT_MAX_LEN) == (lay.splits(max_model_len, 0, 1) == 1)
     faults = Faults.parse([inject]) if inject else Faults()
-    job = make_attn2_job(name="attn2 gpu test", tp=16, lengths=(17, 2049), max_model_len=4096, windows=(0, 2048),
+    job = make_attn2_job(name="attn2 gpu test", tp=16, lengths=lengths, max_model_len=max_model_len, windows=windows,
                          inputs=("random",), seeds=(0,), faults=faults)
     rows = run_job(job)
     for row in rows:
         print(f"\n{row.tokens} {row.norm}: passed={row.passed} error={row.error} {row.stock_path}")
-    assert len(rows) == 4
+    assert len(rows) == len(lengths) * len(windows)
     if inject:
         assert not any(row.passed for row in rows)
     else:

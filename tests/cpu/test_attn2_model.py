@@ -67,6 +67,36 @@ def test_same_keys_same_bits_at_every_length(seq_len, window, splits):
     assert torch.equal(_bits(now[1:]), _bits(then[:-1]))
 
 
+# (L, max_model_len): the deployments' own plans (the model's default) at page and plan boundaries:
+# one split up to SHORT_MAX_LEN (128), the small split plans above it (256: 8 splits, 2048: 64)
+DEPLOYMENT_LENGTHS = [(15, 128), (16, 128), (17, 128), (127, 128), (128, 128), (17, 256), (129, 256), (256, 256),
+                      (129, 2048), (2047, 2048), (2048, 2048)]
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len", DEPLOYMENT_LENGTHS)
+def test_deployment_plans_are_accurate(family, seq_len, max_model_len):
+    """The model on the deployment's plan (one split up to SHORT_MAX_LEN, else a split plan of two
+    pages a step) is as accurate as the stock against the FP64 reference, on every input family."""
+    p = make_problem(family, seq_len, max_model_len, num_kv_heads=1)
+    assert (lay.splits(max_model_len, 0, 1) == 1) == (max_model_len <= lay.SHORT_MAX_LEN)
+    _, exact = attn2_reference(p)
+    err = ulp_error(attn2_model(p), exact)
+    stock = ulp_error(stock_attn2(p), exact)
+    assert err.nonfinite == 0 and err.max < max(8, 2 * stock.max) and err.mean < max(0.3, 1.5 * stock.mean), (err, stock)
+
+
+@pytest.mark.parametrize("seq_len, max_model_len", [(15, 128), (16, 128), (127, 128), (15, 256), (128, 256),
+                                                    (129, 256), (255, 256)])
+def test_deployment_plans_same_keys_same_bits(seq_len, max_model_len):
+    """Same keys, same bits from L to L + 1 on the deployment's plan (one split at 128, 8 splits
+    of two pages a step at 256), across page boundaries and SHORT_MAX_LEN's 8 pages."""
+    p = make_problem("random", seq_len, max_model_len, num_kv_heads=2)
+    later = _extended(p)
+    now, then = attn2_model(p), attn2_model(later)
+    assert torch.equal(_bits(now[1:]), _bits(then[:-1]))
+
+
 def test_the_length_check_can_fail():
     """Fault injection for the test above: a changed key the rows see changes their bits."""
     p = make_problem("random", 30, 256, num_kv_heads=1)
@@ -157,11 +187,12 @@ def test_agreement_tolerates_tensor_core_rounding(monkeypatch):
     judge the GPU; the row-scaled bound the GPU test uses does not flag it. (Its mean bound does
     now, 0.269 against 0.25: with exact differences s - m the scores' last bit is no longer
     blurred by the scaled max's rounding, and rounding every score differently is far more than
-    the GPU's guard bits and ex2.approx, which the mean bound is for.)"""
+    the GPU's guard bits and ex2.approx, which the mean bound is for.) One split, as that run's
+    plan was (SHORT_MAX_LEN then 2048): one chain of 128 pages."""
     p = make_problem("large", 2048, 2048, num_kv_heads=2)
-    truncating = attn2_model(p)
+    truncating = attn2_model(p, num_splits=1)
     monkeypatch.setattr(model_module, "round_toward_zero_f32", lambda x: x.float())
-    nearest = attn2_model(p)
+    nearest = attn2_model(p, num_splits=1)
     assert ulp_error(nearest, truncating.double()).max > 100
     agree = agreement(nearest, truncating)
     assert agree.nonfinite == 0 and agree.row_max <= model_module.AGREE_ROW_ULPS, agree.describe()
@@ -438,7 +469,8 @@ def test_the_model_refuses_pages_per_step_outside_the_choices(bad):
 
 
 @pytest.mark.parametrize("seq_len, max_model_len, window, splits", [
-    (40, 256, 0, None),  # the short plan (one split): 1
+    (40, 128, 0, None),  # the short plan (one split, max_model_len <= SHORT_MAX_LEN): 1
+    (150, 256, 0, None),  # a small split plan (8 splits): 2
     (150, 4096, 0, None),  # a split plan without a window: 2
     (150, 4096, 40, None),  # the window's plan: 1
     (150, 256, 0, 4),  # a forced split plan: its own rule, 2

@@ -125,10 +125,11 @@ def _wgmma_page(ptx: str, copies: int, loops: int = 1) -> bool:
             and ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned"))
 
 
-# (KV heads, max_model_len, window): the short plan, the 4096-token plan (128 partials), tp 4 (two
+# (KV heads, max_model_len, window): the short plan (one split, max_model_len <= SHORT_MAX_LEN), a
+# small split plan (2048: 64 splits, the deep ring), the 4096-token plan (128 partials), tp 4 (two
 # splits a CTA), tp 8 and 16 at 128k, the window; two pages a step where the rule takes them
 # (every split plan without a window)
-DEPLOYMENTS = [(2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
+DEPLOYMENTS = [(2, 128, 0), (2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
 # (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: none
 # (the one-KV-head sm_90a baseline spilled 108 bytes until V's fragments came through ldmatrix,
 # which holds 4 address registers where the word loads held 8, and needs no prmt temporaries)
@@ -209,7 +210,7 @@ def _check_split_ptx(ptx: str, combine: str | None, arch: str, issue: str, heads
     assert ptx.index("griddepcontrol.launch_dependents") > ptx.index("mma")  # released after the main loop
     assert f".minnctapersm {lay.split_ctas_per_sm(arch)}" in ptx  # the register cap of CTAs an SM
     assert "atom." not in ptx  # no counters: nothing inside a launch waits on another CTA
-    split = max_model_len > lay.SHORT_MAX_LEN
+    split = lay.splits(max_model_len, window, heads) > 1  # one split up to SHORT_MAX_LEN (or a tiny window)
     assert ("st.global.v4.u32" in ptx) == split  # the partial; one split stores its output (v2) itself
     assert ptx.count("st.global.v4.u32") == (lay.PARTIAL_O_VECTORS + 1) * split  # one partial a CTA, either way
     assert (combine is not None) == split
@@ -228,8 +229,8 @@ def _check_split_ptx(ptx: str, combine: str | None, arch: str, issue: str, heads
         assert combine.count("bar.sync") + combine.count("barrier.sync") == 1
 
 
-# (KV heads, max_model_len, window): one split (short), the split kernel (tp 8 and tp 16, one split
-# a CTA), the window
+# (KV heads, max_model_len, window): one split (short), the small split plan, the split kernel (tp 8
+# and tp 16, one split a CTA), the window
 @pytest.mark.parametrize("arch, issue", ARCH_ISSUES)
 @pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
 def test_compiles_with_ptx_assertions(tmp_path_factory, arch, heads, max_model_len, window, issue):
@@ -464,10 +465,10 @@ def test_a_float_splits_per_cta_is_refused_by_the_build():
         attn2.Attn2Build(splits_per_cta=2.0)
 
 
-@pytest.mark.parametrize("heads, max_model_len, window", [(2, 2048, 0), (8, 1024, 0), (2, 131072, 0)])
+@pytest.mark.parametrize("heads, max_model_len, window", [(2, 128, 0), (8, 1024, 0), (2, 2048, 0), (2, 131072, 0)])
 def test_two_splits_a_cta_of_a_one_split_plan_is_refused_before_compile(heads, max_model_len, window):
-    """splits_per_cta 2 needs two splits to pair: with a 1-split plan (max_model_len <= 2048, or
-    num_splits 1 forced) compile_attn2 refuses it before compiling anything."""
+    """splits_per_cta 2 needs two splits to pair: with a 1-split plan (max_model_len <= SHORT_MAX_LEN,
+    128, or num_splits 1 forced) compile_attn2 refuses it before compiling anything."""
     before = len(attn2.compilation.CACHE)
     num_splits = 1 if max_model_len > lay.SHORT_MAX_LEN else None
     with pytest.raises(ValueError, match="splits_per_cta"):
@@ -492,7 +493,7 @@ def _cpu_launch_args(max_model_len: int) -> dict:
 def test_launch_refuses_splits_per_cta_before_anything_launches():
     """`launch(..., splits_per_cta=)`: outside the choices, or 2 with one split, refused before the
     tensors are even checked for a device (CPU tensors here)."""
-    args = _cpu_launch_args(2048)
+    args = _cpu_launch_args(lay.SHORT_MAX_LEN)
     before = len(attn2.compilation.CACHE)
     for per_cta in (2, 3):
         with pytest.raises(ValueError, match="splits_per_cta"):
@@ -639,9 +640,11 @@ def test_v_fragment_checks_fail_on_wrong_addresses():
 
 # (KV heads, max_model_len, window, splits_per_cta): tp 8 and tp 16 at 128k (256 splits), without
 # and with the window (64 splits), one split a CTA; tp 4 and tp 2 at 128k (two a CTA, the layout's),
-# and two a CTA forced with the window (each split's lone first page) and at 8192 (short splits)
+# and two a CTA forced with the window (each split's lone first page) and at 8192 (short splits), the
+# small split plan (2048: 64 splits of two pages, the deep ring)
 STEP_DEPLOYMENTS = [(2, 131072, 0, None), (1, 131072, 0, None), (2, 131072, 2048, None), (1, 131072, 2048, None),
-                    (4, 131072, 0, None), (8, 131072, 0, None), (2, 131072, 2048, 2), (4, 8192, 0, None)]
+                    (4, 131072, 0, None), (8, 131072, 0, None), (2, 131072, 2048, 2), (4, 8192, 0, None),
+                    (2, 2048, 0, None)]
 STEP_ARCH_ISSUES = [("sm_90a", "all"), ("sm_90a", "sync"), ("sm_90a", "none"), ("sm_100a", "all")]
 
 
@@ -746,7 +749,7 @@ def test_two_pages_a_step_with_two_splits_a_cta_is_accepted():
 
 
 @pytest.mark.parametrize("heads, max_model_len, window, want", [
-    (2, 2048, 0, 1), (2, 4096, 0, 2), (1, 131072, 0, 2), (2, 131072, 0, 2), (4, 131072, 0, 2), (8, 131072, 0, 2),
+    (2, 128, 0, 1), (2, 256, 0, 2), (8, 2048, 0, 2), (2, 4096, 0, 2), (1, 131072, 0, 2), (2, 131072, 0, 2), (4, 131072, 0, 2), (8, 131072, 0, 2),
     (2, 131072, 2048, 1), (4, 131072, 2048, 1)])
 def test_the_builds_default_pages_per_step_is_the_rule(heads, max_model_len, window, want):
     """Attn2Build's None resolves to `attn2_layout.pages_per_step` of the build's plan (2 for split
@@ -805,11 +808,11 @@ def test_pages_per_step_is_its_own_variant():
 DEFER = dataclasses.replace(attn2.SplitIssue(), defer_values=True)
 
 
-def _defer_ptx(tmp_path_factory, heads, per_cta=None):
-    key = ("defer", heads, per_cta)
+def _defer_ptx(tmp_path_factory, heads, per_cta=None, max_model_len=131072):
+    key = ("defer", heads, per_cta, max_model_len)
     if key not in _PTX:
         folder = tmp_path_factory.mktemp("attn2-defer")
-        attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), issue=DEFER,
+        attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder), issue=DEFER,
                                                                splits_per_cta=per_cta))
         (split,) = folder.glob("*_Attn2Kernel_*.ptx")
         _PTX[key] = (split.read_text(), None)
@@ -867,6 +870,7 @@ def _ring_of(ptx: str) -> int:
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, window, deep", [
     (1, 131072, 0, True), (2, 4096, 0, True), (2, 131072, 0, False), (4, 131072, 0, False), (1, 131072, 2048, False),
+    (2, 2048, 0, True), (8, 2048, 0, False), (2, 128, 0, False),  # the small split plan: 128 and 512 CTAs; one split
 ])
 def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, deep):
     """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (where a launch
@@ -899,6 +903,7 @@ def test_deployment_issue_rule():
 @pytest.mark.parametrize("arch, heads, max_model_len, window, defers", [
     ("sm_90a", 2, 131072, 0, True), ("sm_90a", 1, 131072, 0, True), ("sm_90a", 4, 131072, 0, False),
     ("sm_90a", 2, 131072, 2048, False), ("sm_100a", 2, 131072, 0, False),
+    ("sm_90a", 2, 2048, 0, True),  # the small split plan: 64 splits, one a CTA, two pages a step
 ])
 def test_the_deployment_defers_where_the_rule_says(tmp_path_factory, arch, heads, max_model_len, window, defers):
     """The deployment's split kernel (`Attn2Build.issue` None) is the deferred build where
@@ -909,7 +914,7 @@ def test_the_deployment_defers_where_the_rule_says(tmp_path_factory, arch, heads
     every_saving, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window, "all")
     commits = "wgmma.commit_group.sync.aligned"
     if defers:
-        explicit = _defer_ptx(tmp_path_factory, heads)
+        explicit = _defer_ptx(tmp_path_factory, heads, max_model_len=max_model_len)
         # the deferred step commits its Q K^T once, before the mask branch: fewer commits than "all"
         assert deployed.count(commits) < every_saving.count(commits)
     else:
@@ -938,7 +943,8 @@ def test_ring_stages_refused_outside_its_choices():
 # read no clock at all.
 
 # (KV heads, max_model_len, window): tp 8 and 16 at 128k (one split a CTA), tp 4 (two), one split
-TRACED = [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0), (2, 2048, 0)]
+# (max_model_len <= SHORT_MAX_LEN)
+TRACED = [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0), (2, 128, 0)]
 CLOCKS = ("%globaltimer", "%clock64", "%smid")
 
 
