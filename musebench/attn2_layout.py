@@ -77,7 +77,7 @@ MIN_PAGES_PER_SPLIT = 2
 # SHORT_MAX_LEN: up to 128 tokens (8 pages) one CTA per KV head reads the whole context and no
 # merge runs; above it a deployment takes a split plan (`splits`: 256 tokens 8 splits, 2048 64).
 # One split reads its pages serially. Measured on the H200 (CUDA-graph medians, tp 8 and 16 alike,
-# records/2026-12-02-h200-081ea38-bench-attn-short.summary.json): with max_model_len 2048 (then one
+# records/2026-12-02-h200-081ea38-ab-attn2-quotients.json, its one-split round): with max_model_len 2048 (then one
 # split) L 8 / 512 / 2048 ran 3.6 / 15.4 / 51.6 us, about 0.38 us a page, against SDPA flash
 # 5.8 / 8.9 / 10.1; the split plans (max_model_len 131072, 256 splits, split kernel + combine)
 # ran 5.7-6.3 / 6.8-7.5 / 8.1-8.4. One split pays only below about 7 pages: at 8 its worst case,
