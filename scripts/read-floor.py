@@ -14,13 +14,14 @@ one and two KV heads). States (`--states`):
 - warm: every call reads the same buffer (L2-resident where it fits).
 
 Readers, each launch checked after its replays (a reader that skips bytes fails the run, exit 1):
-- triton: a persistent streaming read (`_reader_kernel`): `programs_per_sm` x SMs programs stride
-  the buffer's int32 words in chunks of loads_in_flight x num_warps x 32 x 4 words (each thread
-  issues loads_in_flight 16-byte loads a chunk, all in flight before their adds), add them into an
-  int32 vector and write one wrapped int32 sum per program; the wrapped sum of a copy's partials
-  must equal the copy's int32 words summed mod 2^32 (`check_partials`). Every configuration of
-  --programs-per-sm x --loads-in-flight x --num-warps is timed; the best (lowest median) per
-  (bytes, state) is marked.
+- triton: `musebench.stock.read_floor`'s persistent streaming read (`triton_read`):
+  `programs_per_sm` x SMs programs stride the buffer's int32 words in chunks of loads_in_flight x
+  num_warps x 32 x 4 words (each thread issues loads_in_flight 16-byte loads a chunk, all in
+  flight before their adds), add them into an int32 vector and write one wrapped int32 sum per
+  program; the wrapped sum of a copy's partials must equal the copy's int32 words summed mod 2^32
+  (`check_partials`). Every configuration of --programs-per-sm x --loads-in-flight x --num-warps
+  is timed; the best (lowest median) per (bytes, state) is marked. The benches' `read floor`
+  columns use one of them, `read_floor.FLOOR_CONFIG`, chosen from this sweep.
 - torch: `torch.sum(words, dtype=torch.int64)` over the int32 view (`TORCH_READER`): torch's own
   reduction, reading every byte once; its int64 result must equal the copy's sum exactly.
 
@@ -42,7 +43,6 @@ without a CUDA GPU or Triton it exits 2 naming what is missing.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import pathlib
@@ -53,39 +53,17 @@ from typing import Any
 
 from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S  # the issues' HBM read bandwidth, 4.2 TB/s
 from musebench.cases.qkv_front import COLD_L2_FACTOR, COLD_MAX_BYTES, L2_BYTES, WeightRotation
+from musebench.stock.read_floor import (MAX_BYTES, VECTOR_BYTES, WORD_BYTES, ReaderConfig, check_partials,
+                                        triton_read, words_total)
 
 DEFAULT_BYTES = (18874368, 37748736, 75497472, 33554432, 67108864)
 STATES = ("cold", "warm")
 DEFAULT_PROGRAMS_PER_SM = (1, 2, 4, 8)
 DEFAULT_LOADS_IN_FLIGHT = (1, 2, 4, 8)
 DEFAULT_NUM_WARPS = (4, 8)
-VECTOR_BYTES = 16  # one 128-bit load per thread and chunk step
-WORD_BYTES = 4  # the readers sum int32 words
-WORDS_PER_VECTOR = VECTOR_BYTES // WORD_BYTES
-THREADS_PER_WARP = 32
-MAX_BYTES = 1 << 32  # int32 word offsets inside the Triton reader stay below 2^31
 POWERS_OF_TWO_TO_16 = (1, 2, 4, 8, 16)  # Triton's block must be a power of two
 MAX_PROGRAMS_PER_SM = 32
 TORCH_READER = "torch.sum(int32 view, dtype=torch.int64)"
-WRAP = 1 << 32
-
-
-@dataclass(frozen=True)
-class TritonConfig:
-    """One Triton reader configuration: programs_per_sm x SMs persistent programs of num_warps
-    warps, each thread loading loads_in_flight 16-byte vectors a chunk."""
-
-    programs_per_sm: int
-    loads_in_flight: int
-    num_warps: int
-
-    @property
-    def chunk_words(self) -> int:
-        """int32 words one program reads a chunk (a power of two)."""
-        return self.loads_in_flight * self.num_warps * THREADS_PER_WARP * WORDS_PER_VECTOR
-
-    def name(self) -> str:
-        return f"triton {self.programs_per_sm}/SM x {self.num_warps} warps x {self.loads_in_flight} loads"
 
 
 @dataclass(frozen=True)
@@ -94,7 +72,7 @@ class Plan:
 
     sizes: tuple[int, ...]
     states: tuple[str, ...]
-    configs: tuple[TritonConfig, ...]
+    configs: tuple[ReaderConfig, ...]
     calls: int
     replays: int
     json_path: str | None
@@ -167,7 +145,7 @@ def check_options(args: argparse.Namespace) -> Plan:
         folder = pathlib.Path(args.json).resolve().parent
         if not folder.is_dir():
             raise ValueError(f"--json: the folder {folder} does not exist")
-    configs = tuple(TritonConfig(p, lif, w) for p in per_sm for lif in loads for w in warps)
+    configs = tuple(ReaderConfig(p, lif, w) for p in per_sm for lif in loads for w in warps)
     return Plan(sizes, states, configs, args.calls, args.replays, args.json)
 
 
@@ -182,7 +160,7 @@ def roofline_us(nbytes: int) -> float:
 
 
 def timing_row(nbytes: int, state: str, reader: str, samples_us: list[float], copies: int,
-               config: TritonConfig | None = None) -> dict[str, Any]:
+               config: ReaderConfig | None = None) -> dict[str, Any]:
     """One (bytes, state, reader) row from its replays' µs per launch: median, min, max, the
     median's GB/s and its ratio to the roofline (above 1: slower than 4.2 TB/s)."""
     median = statistics.median(samples_us)
@@ -223,51 +201,6 @@ def line(row: dict[str, Any]) -> str:
             f"{row['ratio_to_roofline']:.3f} x roofline {row['roofline_us']:.2f} µs")
 
 
-def wrapped(total: int) -> int:
-    """An integer sum as the readers' int32 arithmetic leaves it: mod 2^32, in [0, 2^32)."""
-    return total % WRAP
-
-
-def check_partials(partials: Any, expected_total: int, what: str) -> None:
-    """The Triton reader's per-program int32 sums (any int tensor) must add, mod 2^32, to the
-    copy's int32 words summed (`expected_total`, exact); RuntimeError naming `what` otherwise."""
-    got = wrapped(int(partials.long().sum()))
-    if got != wrapped(expected_total):
-        raise RuntimeError(f"{what}: the programs' sums add to {got} mod 2^32, the buffer's words to "
-                           f"{wrapped(expected_total)}: the reader did not read every byte once")
-
-
-@functools.lru_cache(maxsize=None)
-def _reader_kernel() -> Any:
-    """Define the Triton streaming reader on first use (Triton is imported lazily)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _read_words(words_ptr, partials_ptr, num_words, CHUNK: tl.constexpr):
-        program = tl.program_id(0)
-        programs = tl.num_programs(0)
-        lanes = tl.arange(0, CHUNK)
-        acc = tl.zeros([CHUNK], dtype=tl.int32)
-        full_chunks = num_words // CHUNK
-        for chunk in range(program, full_chunks, programs):  # unmasked: 16-byte vector loads
-            acc += tl.load(words_ptr + chunk * CHUNK + lanes)
-        for chunk in range(full_chunks + program, tl.cdiv(num_words, CHUNK), programs):  # the last, partial chunk
-            offsets = chunk * CHUNK + lanes
-            acc += tl.load(words_ptr + offsets, mask=offsets < num_words, other=0)
-        tl.store(partials_ptr + program, tl.sum(acc, axis=0))
-
-    return _read_words
-
-
-def triton_read(words: Any, partials: Any, config: TritonConfig) -> None:
-    """Launch the reader over `words` (int32, contiguous, 16-byte aligned) on the current stream:
-    partials (int32 [programs_per_sm x SMs]) receives one wrapped sum per program. Graph-capturable
-    once compiled (the first call compiles)."""
-    _reader_kernel()[(partials.numel(),)](words, partials, words.numel(), CHUNK=config.chunk_words,
-                                          num_warps=config.num_warps)
-
-
 def read_size(nbytes: int, plan: Plan, sms: int, stream: Any, generator: Any) -> list[dict[str, Any]]:
     """Time and check every state and reader of `plan` on `nbytes`: random int32 copies (cold:
     --calls of them, one a call; warm: the first) live on the GPU until this returns."""
@@ -279,7 +212,7 @@ def read_size(nbytes: int, plan: Plan, sms: int, stream: Any, generator: Any) ->
     count = plan.calls if "cold" in plan.states else 1
     copies = [torch.randint(-2 ** 31, 2 ** 31, (nbytes // WORD_BYTES,), dtype=torch.int32, device=stream.device,
                             generator=generator) for _ in range(count)]
-    totals = [int(c.sum(dtype=torch.int64)) for c in copies]  # exact: <= 2^30 words of magnitude <= 2^31
+    totals = [words_total(c) for c in copies]  # exact: <= 2^30 words of magnitude <= 2^31
     rows: list[dict[str, Any]] = []
     for state in plan.states:
         used = len(copies) if state == "cold" else 1

@@ -77,3 +77,16 @@ def gpu_with_dsl(monkeypatch):
 
     monkeypatch.setattr(jobs, "_gpu_name", lambda: "Fake H200")
     monkeypatch.setattr(jobs, "_dsl_imports", lambda: True)
+
+
+@pytest.fixture
+def emulated_read_floor(monkeypatch):
+    """`stock.read_floor.triton_read` replaced by `tests._read_floor.emulated_triton_read` (the
+    reader's partials in torch: the families' `read floor` paths build and check on CPU); yields
+    the list of the words every read read (in order)."""
+    from musebench.stock import read_floor
+    from tests._read_floor import emulated_triton_read
+
+    reads: list = []
+    monkeypatch.setattr(read_floor, "triton_read", lambda w, p, c: emulated_triton_read(w, p, c, reads))
+    return reads

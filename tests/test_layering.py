@@ -232,6 +232,7 @@ def test_a_reference_may_not_reach_the_kernels_through_the_api_or_the_models():
     assert "musebench.stock.qkv_front" in _modules_under("musebench.stock")
     assert "musebench.stock.triton_qkv_epilogue" in _modules_under("musebench.stock")
     assert "musebench.stock.all_reduce" in _modules_under("musebench.stock")
+    assert "musebench.stock.read_floor" in _modules_under("musebench.stock")
     assert "musebench.attn2_layout" in _modules_under("musebench.stock", *CONFIG_LEVEL)
 
 

@@ -41,6 +41,7 @@ name = "attn2"
 faults = ("flip", "silent")
 PARTS: tuple[str, ...] = ()
 VIRTUAL_STOCK = PROCESS_STOCK = "torch SDPA flash"
+READ_FLOOR = "read floor"  # the bench's baseline: a plain read of bytes_moved(case), the same buffer every call
 OUT = "out"
 TPS = (2, 4, 8, 16)  # 8, 4, 2, 1 KV heads a rank
 GUARD_ROWS = 8  # poisoned rows of `out` before and after the launch's: one request's worth each side
@@ -265,8 +266,14 @@ def sdpa_call(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> Any:
 def baselines(case: Attn2Case, inputs: Any, rank: int, runner: Attn2Runner, comms: Any) -> dict:
     """torch SDPA (flash) on this rank's K/V gathered contiguous: the keys the 8 rows see (with a
     window: its last W + 7), all 64 query rows of a KV head in one call; its output is not checked
-    (another summation order, no gate)."""
+    (another summation order, no gate). And `read floor` (`stock.read_floor.FloorRead`): a plain
+    streaming read of `bytes_moved(case)` bytes, one buffer allocated here (once a case) and read
+    by every call, as the kernel reads the same KV cache every call: where the bytes fit the 50 MiB
+    L2 (tp 16 at 128k: 33.6 MB) both may read from L2 across the graph's replays. Its cell's ratio
+    is the kernel over it, measured in the same run. Its sum is checked once here, before any
+    timing (RuntimeError, the case's error, where the reader skipped a byte)."""
     from musebench.cases.tail import Baseline
+    from musebench.stock import read_floor
     from musebench.stock.attn2 import gather_kv
 
     p = runner.problem
@@ -276,4 +283,6 @@ def baselines(case: Attn2Case, inputs: Any, rank: int, runner: Attn2Runner, comm
     heads = p.num_kv_heads
     q = p.q.view(lay.QUERY_LEN, heads, lay.HEADS_PER_KV_HEAD, lay.HEAD_DIM).permute(1, 2, 0, 3)
     q = q.reshape(1, heads, lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM).contiguous()
-    return {VIRTUAL_STOCK: Baseline(sdpa_call(q, keys, values))}
+    floor = read_floor.FloorRead(bytes_moved(case), p.kv_cache.device)
+    floor.check(f"{READ_FLOOR} of {case.label()}")
+    return {VIRTUAL_STOCK: Baseline(sdpa_call(q, keys, values)), READ_FLOOR: Baseline(floor)}

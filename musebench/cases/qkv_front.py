@@ -26,7 +26,11 @@ alone (torch.matmul into `torch matmul`'s qkv buffer) with call j reading the sa
 cold_copies: cold against cold, the comparison issue 16 asks for ("faster than cuBLAS's GEMM
 alone"), where `torch matmul` reads its one weight from L2 at N 1152 and 2304 as the tail does.
 Its cell's ratio is the `cold weights` µs over it (`BASELINE_RATIO_OF`: below 1, the cold fused
-launch beats cold cuBLAS), every other cell's the tail over it. Then
+launch beats cold cuBLAS), every other cell's the tail over it. `read floor` times a plain streaming
+read of the weight's bytes (`stock.read_floor`; one buffer, every call: as the tail reads its one
+weight) and, with cold weights, `read floor, cold weights` the same read with call j reading the
+next of cold_copies buffers (its ratio `cold weights` over it): what the hardware gives for the
+kernel's bytes, timed the same way in the same run. Then
 (`expected`): the tap equals the tap of an independent launch (the projection is
 bitwise repeatable; the driver's repeated calls and rank identity check the rest); out and the
 cache equal `stock.qkv_front.qkv_epilogue_reference` applied to that projection with the GPU's
@@ -65,7 +69,10 @@ MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
 COLD = "cold weights"  # the bench's baseline: the deployment's launch, every call reading another weight copy
 COLD_MATMUL = "torch matmul, cold weights"  # cuBLAS alone, every call reading the next of COLD's copies
-BASELINE_RATIO_OF = {COLD_MATMUL: COLD}  # the cold cuBLAS cell's ratio: cold launch / cold cuBLAS, not the tail's
+READ_FLOOR = "read floor"  # a plain read of the weight's bytes, the same buffer every call
+COLD_READ_FLOOR = "read floor, cold weights"  # a plain read of the next of cold_copies buffers of the weight's bytes
+# The cold cells' ratios: the cold launch over each (cold against cold), not the one-weight tail's.
+BASELINE_RATIO_OF = {COLD_MATMUL: COLD, COLD_READ_FLOOR: COLD}
 L2_BYTES = 50 * 1024 * 1024  # H200 L2 (the weights of N 1152 and 2304 fit)
 COLD_L2_FACTOR = 4  # a cold call's copy was last read at least this many L2s of weight ago
 COLD_MAX_BYTES = 16 * 1024 ** 3  # weight copies a cold bench may hold on the GPU
@@ -433,8 +440,16 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     (`cold_matmul`): `torch matmul` with call j reading the same copy j mod cold_copies (the
     copies of `cold weights`, not a second set), into the qkv buffer above, unchecked like it;
     its cell's ratio is `cold weights` over it (BASELINE_RATIO_OF: the fused launch against
-    cuBLAS alone, both reading weights from HBM)."""
+    cuBLAS alone, both reading weights from HBM). `read floor` (`stock.read_floor.FloorRead`): a
+    plain streaming read of the weight's bytes (`bytes_moved`), one buffer allocated here, read by
+    every call (as the tail reads its one weight: from L2 at N 1152 and 2304); its ratio is the
+    tail over it. With cold weights, `read floor, cold weights`: the same read with call j reading
+    buffer j mod cold_copies of cold_copies separate buffers of the weight's size (allocated like
+    the cold weight copies); its ratio is `cold weights` over it (BASELINE_RATIO_OF). Each floor's
+    sum is checked once here, before any timing (RuntimeError, the case's error, where the reader
+    skipped a byte)."""
     from musebench.cases.tail import Baseline
+    from musebench.stock import read_floor
     from musebench.stock.triton_qkv_epilogue import triton_qkv_epilogue
 
     qkv = torch.empty_like(runner.outputs[OUT])
@@ -451,10 +466,16 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     paths = {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
     if case.bench and takes_pdl(runner.launch):
         paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
+    floor = read_floor.FloorRead(bytes_moved(case), runner.weight.device)
+    floor.check(f"{READ_FLOOR} of {case.label()}")
+    paths[READ_FLOOR] = Baseline(floor)
     if case.bench and case.cold_copies:
         cold = cold_launch(runner, case.cold_copies)
         paths[COLD] = Baseline(cold)
         paths[COLD_MATMUL] = Baseline(cold_matmul(runner.x, cold.copies, qkv))
+        cold_floor = read_floor.FloorRead(bytes_moved(case), runner.weight.device, count=case.cold_copies)
+        cold_floor.check(f"{COLD_READ_FLOOR} of {case.label()}")
+        paths[COLD_READ_FLOOR] = Baseline(cold_floor)
     return paths
 
 

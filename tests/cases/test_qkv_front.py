@@ -409,7 +409,7 @@ def test_cold_launch_reads_a_copy_of_its_own_per_captured_call_and_checks_every_
     front.check_cold_copies_agree(runner, [c.clone() for c in call.copies])
 
 
-def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch):
+def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch, emulated_read_floor):
     import musebench.stock.triton_qkv_epilogue as triton_stock
 
     monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
@@ -420,15 +420,20 @@ def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch):
                                    **front._device_copies(case, inputs, 0, torch.device("cpu")))
         paths = front.baselines(case, inputs, 0, runner, None)
         assert (front.COLD in paths) == want and (front.COLD_MATMUL in paths) == want
+        assert (front.COLD_READ_FLOOR in paths) == want and front.READ_FLOOR in paths
         assert front.NO_PDL not in paths  # the stand-in takes no enable_pdl
 
 
 def _cold_front_baselines(monkeypatch, copies=4):
-    """A cold bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed), and a
-    log of the weights every torch.matmul call reads and the buffer it writes."""
+    """A cold bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed, the read
+    floor's reader emulated), and a log of the weights every torch.matmul call reads and the
+    buffer it writes."""
     import musebench.stock.triton_qkv_epilogue as triton_stock
+    from musebench.stock import read_floor
+    from tests._read_floor import emulated_triton_read
 
     monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
+    monkeypatch.setattr(read_floor, "triton_read", emulated_triton_read)
     case = small_case(tokens=2, bench=True, cold_copies=copies)
     inputs = front.make_inputs(case)
     runner = front.FrontRunner(_fake_launch(False), case, **front._device_copies(case, inputs, 0, torch.device("cpu")))
@@ -493,5 +498,112 @@ def test_a_cold_matmul_making_a_view_per_call_is_caught(monkeypatch):
 
 
 def test_the_cold_ratios_pair_cold_with_cold():
-    """The cold cuBLAS cell's ratio is the cold launch over it; the others stay the tail's."""
-    assert front.BASELINE_RATIO_OF == {front.COLD_MATMUL: front.COLD}
+    """The cold cuBLAS and cold read floor cells' ratios are the cold launch over them; the others
+    (the one-buffer read floor's included) stay the tail's."""
+    assert front.BASELINE_RATIO_OF == {front.COLD_MATMUL: front.COLD, front.COLD_READ_FLOOR: front.COLD}
+    from musebench.harness.results import CaseResult
+    from musebench.harness.report import baseline_legend
+
+    row = CaseResult(kernel="qkv_front", backend="cute", mode="rope", tp=16, tokens=1, weight_dtype="bf16",
+                     norm="qk", inputs="random", seed=0, launcher="virtual", transport="local", stock="torch",
+                     tail_us=8.0, baselines_us={front.READ_FLOOR: 4.0, front.COLD: 10.0, front.COLD_READ_FLOOR: 6.25})
+    row.baseline_ratio_of = {name: over for name, over in front.BASELINE_RATIO_OF.items() if name in row.baselines_us}
+    assert row.baseline_ratios == {front.READ_FLOOR: 2.0, front.COLD: 0.8, front.COLD_READ_FLOOR: 1.6}
+    assert "but read floor, cold weights: cold weights / it" in baseline_legend([row])
+
+
+def _front_floor_paths(copies: int, bench: bool = True):
+    """A bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed; the caller
+    emulates or breaks the read floor's reader), and its runner."""
+    case = small_case(tokens=1, bench=bench, cold_copies=copies)
+    inputs = front.make_inputs(case)
+    runner = front.FrontRunner(_fake_launch(False), case, **front._device_copies(case, inputs, 0, torch.device("cpu")))
+    return front.baselines(case, inputs, 0, runner, None), runner
+
+
+def test_the_read_floors_read_the_weights_bytes_one_buffer_or_the_cold_copies_count(monkeypatch,
+                                                                                    emulated_read_floor):
+    """`read floor` reads one buffer of the weight's bytes at every call; `read floor, cold
+    weights` as many separate buffers of that size as the cold weights have copies, call j the
+    buffer j mod cold_copies; both checked once before timing (every buffer read once)."""
+    import musebench.stock.triton_qkv_epilogue as triton_stock
+
+    monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
+    paths, runner = _front_floor_paths(copies=4)
+    size = front.bytes_moved(small_case())
+    assert size == runner.weight.numel() * 2 == 1152 * 8192 * 2
+    assert [w.numel() * 4 for w in emulated_read_floor] == [size] * 5  # the checks: 1 + 4 buffers, once each
+    floor, cold = paths[front.READ_FLOOR].call, paths[front.COLD_READ_FLOOR].call
+    assert len(floor.buffers) == 1 and len(cold.buffers) == 4 == len(paths[front.COLD].call.copies)
+    assert len({b.data_ptr() for b in cold.buffers}) == 4 and all(b.numel() * 4 == size for b in cold.buffers)
+    emulated_read_floor.clear()
+    for _ in range(3):
+        floor()
+    for _ in range(8):
+        cold()
+    read = [w.data_ptr() for w in emulated_read_floor]
+    assert read[:3] == [floor.buffers[0].data_ptr()] * 3
+    assert read[3:] == [cold.buffers[j % 4].data_ptr() for j in range(8)]
+    assert list(paths)[-1] == front.COLD_READ_FLOOR and list(paths).index(front.READ_FLOOR) < list(paths).index(front.COLD)
+
+
+def test_a_read_floor_that_skips_bytes_fails_the_case_before_timing(monkeypatch):
+    """Fault injection: a reader that skips each buffer's last 16 bytes makes `baselines` raise
+    (the case's error, naming the path) instead of timing a floor that read less."""
+    import musebench.stock.triton_qkv_epilogue as triton_stock
+    from musebench.stock import read_floor
+    from tests._read_floor import emulated_triton_read
+
+    monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
+    monkeypatch.setattr(read_floor, "triton_read", lambda w, p, c: emulated_triton_read(w[:-4], p, c))
+    with pytest.raises(RuntimeError, match=r"^read floor of qkv_front .*buffer 0 of 1: .* did not read every byte"):
+        _front_floor_paths(copies=0)
+    reads = []
+
+    def cold_only_short(words, partials, config):  # the one-buffer floor's check reads right, the cold floor's short
+        reads.append(words)
+        emulated_triton_read(words if len(reads) == 1 else words[:-4], partials, config)
+
+    monkeypatch.setattr(read_floor, "triton_read", cold_only_short)
+    with pytest.raises(RuntimeError, match=r"^read floor, cold weights of qkv_front .*buffer 0 of 4"):
+        _front_floor_paths(copies=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cold", [False, True])
+def test_bench_front_times_the_read_floor_beside_the_kernel(cold):
+    """On a GPU: a bench front row (tp 16, 1 token; with cold weights over 13 copies) passes and
+    carries `read floor` (and `read floor, cold weights`) with a positive time and its ratio."""
+    from musebench.harness.jobs import make_front_job, run_job
+    from musebench.harness.measure import BenchOptions
+
+    pytest.importorskip("triton")
+    job = make_front_job(name="front floor", tp=16, tokens=(1,), rope=(True,), inputs=("random",), seeds=(0,),
+                         measurement="bench", bench=BenchOptions(calls=13, replays=3), cold_weights=cold)
+    (row,) = run_job(job)
+    assert row.passed, row.error
+    assert row.baselines_us[front.READ_FLOOR] > 0 and row.baseline_ratios[front.READ_FLOOR] > 0
+    if cold:
+        assert row.baselines_us[front.COLD_READ_FLOOR] > 0
+        assert row.baseline_ratios[front.COLD_READ_FLOOR] == pytest.approx(
+            row.baselines_us[front.COLD] / row.baselines_us[front.COLD_READ_FLOOR])
+    else:
+        assert front.COLD_READ_FLOOR not in row.baselines_us
+
+
+@pytest.mark.gpu
+def test_bench_front_refuses_a_read_floor_with_a_wrong_sum(monkeypatch):
+    """On a GPU: the compiled reader made to read 16 bytes short fails the bench row, naming the
+    read floor, and no floor time is reported."""
+    from musebench.harness.jobs import make_front_job, run_job
+    from musebench.harness.measure import BenchOptions
+    from musebench.stock import read_floor
+
+    pytest.importorskip("triton")
+    real = read_floor.triton_read
+    monkeypatch.setattr(read_floor, "triton_read", lambda w, p, c: real(w[:-4], p, c))
+    job = make_front_job(name="front floor short", tp=16, tokens=(1,), rope=(True,), inputs=("random",), seeds=(0,),
+                         measurement="bench", bench=BenchOptions(calls=5, replays=3))
+    (row,) = run_job(job)
+    assert not row.passed and "read floor" in row.error and "did not read every byte" in row.error
+    assert front.READ_FLOOR not in row.baselines_us

@@ -228,7 +228,8 @@ def test_positions_and_slots_outside_the_tables_stay_inside_them(tp, pdl):
 
 def test_a_bench_case_binds_and_its_deployed_launch_matches_expected():
     """The bench's case: bind checks the three forms agree, its call (no tap, PDL) writes out and
-    the cache buffer `expected` holds (no tap), and its baselines include the build without PDL."""
+    the cache buffer `expected` holds (no tap), and its baselines include the build without PDL
+    and the read floor."""
     from musebench.harness.case import RunOptions
 
     case = front.FrontCase(tp=8, tokens=5, inputs="adversarial", bench=True)
@@ -244,7 +245,8 @@ def test_a_bench_case_binds_and_its_deployed_launch_matches_expected():
     for name, tensor in runner.outputs.items():
         count, _, first = checks.compare_bits(tensor.cpu(), want[name])
         assert count == 0, (name, first)
-    assert set(front.baselines(case, inputs, 0, runner, None)) == {front.VIRTUAL_STOCK, front.MATMUL, front.NO_PDL}
+    assert set(front.baselines(case, inputs, 0, runner, None)) == {front.VIRTUAL_STOCK, front.MATMUL, front.NO_PDL,
+                                                                    front.READ_FLOOR}
 
 
 def test_a_cold_bench_row_times_the_cold_launch_and_cold_cublas_on_the_same_copies():
@@ -261,7 +263,7 @@ def test_a_cold_bench_row_times_the_cold_launch_and_cold_cublas_on_the_same_copi
     (row,) = run_virtual([case], RunOptions(backend="cute", impl="musebench"), measurement="bench", bench=bench)
     assert row.passed, (row.error, row.first_mismatch, row.notes)
     assert row.baselines_us[front.COLD] > 0 and row.baselines_us[front.COLD_MATMUL] > 0
-    assert row.baseline_ratio_of == {front.COLD_MATMUL: front.COLD}
+    assert row.baseline_ratio_of == {front.COLD_MATMUL: front.COLD, front.COLD_READ_FLOOR: front.COLD}
     assert row.baseline_ratios[front.COLD_MATMUL] == row.baselines_us[front.COLD] / row.baselines_us[front.COLD_MATMUL]
 
     inputs = front.make_inputs(case)

@@ -50,7 +50,7 @@ def test_the_defaults_plan_the_issues_byte_counts_both_states_and_the_sweep(floo
     assert plan.states == ("cold", "warm") and (plan.calls, plan.replays, plan.json_path) == (20, 20, None)
     assert len(plan.configs) == 4 * 4 * 2 and len(set(plan.configs)) == len(plan.configs)
     assert {c.programs_per_sm for c in plan.configs} == {1, 2, 4, 8}
-    assert floor.TritonConfig(1, 4, 8).chunk_words == 4 * 8 * 32 * 4  # 4 x 16-byte loads a thread
+    assert floor.ReaderConfig(1, 4, 8).chunk_words == 4 * 8 * 32 * 4  # 4 x 16-byte loads a thread
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -108,14 +108,14 @@ def test_gb_per_s_and_the_roofline_ratio(floor):
     row = floor.timing_row(42_000_000, "cold", "torch.sum", [21.0, 20.0, 30.0], copies=20)
     assert (row["us_median"], row["us_min"], row["us_max"]) == (21.0, 20.0, 30.0)
     assert row["gb_per_s"] == 2000.0 and row["ratio_to_roofline"] == 2.1 and row["reader"] == "torch"
-    config = floor.TritonConfig(2, 4, 8)
+    config = floor.ReaderConfig(2, 4, 8)
     triton_row = floor.timing_row(42_000_000, "warm", config.name(), [10.0], copies=1, config=config)
     assert triton_row["reader"] == "triton" and triton_row["ratio_to_roofline"] == 1.0
     assert (triton_row["programs_per_sm"], triton_row["loads_in_flight"], triton_row["num_warps"]) == (2, 4, 8)
 
 
 def test_the_best_row_is_the_fastest_triton_reader_per_bytes_and_state(floor):
-    configs = [floor.TritonConfig(p, 2, 4) for p in (1, 2)]
+    configs = [floor.ReaderConfig(p, 2, 4) for p in (1, 2)]
     rows = [floor.timing_row(33554432, "cold", c.name(), [us], 20, c) for c, us in zip(configs, (12.0, 11.0))]
     rows += [floor.timing_row(33554432, "cold", floor.TORCH_READER, [9.0], 20)]  # faster, but not a Triton reader
     rows += [floor.timing_row(33554432, "warm", c.name(), [us], 1, c) for c, us in zip(configs, (5.0, 6.0))]
@@ -164,7 +164,7 @@ g = torch.Generator().manual_seed(0)
 for n_words in (2048, 3 * 2048 + 4, 5 * 512 + 12):  # whole chunks, a partial chunk, more programs than chunks
     words = torch.randint(-1000, 1000, (n_words,), dtype=torch.int32, generator=g)  # no int32 wrap: numpy would raise
     total = int(words.sum(dtype=torch.int64))
-    for config in (floor.TritonConfig(1, 1, 1), floor.TritonConfig(3, 2, 2), floor.TritonConfig(2, 4, 1)):
+    for config in (floor.ReaderConfig(1, 1, 1), floor.ReaderConfig(3, 2, 2), floor.ReaderConfig(2, 4, 1)):
         partials = torch.zeros(config.programs_per_sm * 2, dtype=torch.int32)
         floor.triton_read(words, partials, config)
         floor.check_partials(partials, total, "interpreted")
@@ -218,7 +218,7 @@ def test_the_gpu_reader_fails_the_check_when_it_reads_short(floor):
     pytest.importorskip("triton")
     words = torch.randint(-2 ** 31, 2 ** 31, (1 << 20,), dtype=torch.int32, device="cuda")
     total = int(words.sum(dtype=torch.int64))
-    config = floor.TritonConfig(2, 4, 4)
+    config = floor.ReaderConfig(2, 4, 4)
     partials = torch.zeros(2 * torch.cuda.get_device_properties(0).multi_processor_count, dtype=torch.int32,
                            device="cuda")
     floor.triton_read(words, partials, config)
