@@ -83,7 +83,13 @@ MIN_PAGES_PER_SPLIT = 2
 # ran 5.7-6.3 / 6.8-7.5 / 8.1-8.4. One split pays only below about 7 pages: at 8 its worst case,
 # 3.6 + 8 x 0.38 = 6.6 us, is about a split plan's cost. The split plans this moves (129 .. 2048
 # tokens: 4 .. 64 splits) take the 128k plans' rules (two pages a step, the deep ring up to
-# DEEP_RING_MAX_CTAS split CTAs), unmeasured at those sizes.
+# DEEP_RING_MAX_CTAS split CTAs). Measured after the change, on one lease
+# (records/2026-12-02-h200-fb41107-attn2-short-plan-and-weight-terms.json): max_model_len 2048 on
+# 64 splits ran L 8 / 128 / 512 / 2048 at 4.81 / 5.17 / 5.38 / 6.02 us (tp 8; tp 16 4.34-5.28)
+# against one split's 3.69 / 6.30 / 15.56 / 52.18, every L below SDPA's 5.89 / 6.09 / 8.97 /
+# 10.22. At max_model_len 128 itself one split ran L 8 / 64 / 128 at 3.85 / 4.94 / 6.39 against
+# four splits' 5.92 / 3.69 / 3.89 (tp 8; SDPA 5.95-6.06): 64 would be the better threshold (one
+# split's worst case under SDPA), not yet taken: its GPU tests have not run.
 SHORT_MAX_LEN = 128
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 

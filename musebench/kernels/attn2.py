@@ -68,6 +68,19 @@ the next page's Q K^T issued before this page's softmax on it (it changed bits: 
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
 the heads' chains ran one after the other, each restarting the ring).
 
+Where tp 8's 128k time goes (H200, records/2026-12-02-h200-*: 4426823 trace rows, 93d25a5
+ncu loads-only, 081ea38 stalls and read floor, fb41107 weight terms). The graph period is 28.1 us
+against a plain read of the same 67 MB in 17.1 us. The split CTAs' chains start 4.1-5.0 us after
+the launch's first entry; SMs with four CTAs stream 6.7 pages a microsecond and their last CTA
+ends at 23.4 us (median; 25.6 the last), SMs with three at 5.8 and 20.8 us; the combine then
+takes about 4 us. The page stream alone (`loads_only`) is only 1.9 us shorter than the whole
+kernel (Nsight Compute, one launch: 22.9 against 24.8 us), pages in logical order save 1.1 us
+more, half the P V MMAs (`weight_terms` 1) 0.3 us. Warp stalls are spread: fixed-latency waits
+23 %, issue contention 32 %, the CTA barrier 9 %, scoreboards 11 %; 144 warp instructions a warp a
+page; 14 of 16 warps an SM resident (110 registers, 44 KB of ring a CTA). Neither the tensor
+cores nor HBM bound it: the CTA's own stream does (a ring of six pages ahead a CTA, refilled one
+step at a time behind a CTA barrier), and a step's latency chain with four warps a scheduler.
+
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
 from the partial's vectors, `attn2_layout.partial_vector_dims`), m and l that lane c held in each
@@ -318,7 +331,11 @@ class Attn2Build:
     # experiments only: P's BF16 terms in P V: 2 (every deployment: p_hi + p_lo, P V near FP32) or 1
     # (p_hi = RN(p) alone: half the P V MMAs, P rounded to BF16 as FlashAttention's is; other bits,
     # no CPU model; wgmma only). `scripts/weight-terms-attn2.py` times both and measures their error
-    # against the FP64 reference beside the stock's.
+    # against the FP64 reference beside the stock's. Measured on the H200, not taken (records/
+    # 2026-12-02-h200-fb41107-attn2-short-plan-and-weight-terms.json): tp 8 128k 27.77 against 28.10
+    # us, tp 16 128k 16.54 against 17.78, 8k within 0.2 us; the max error from 3.16 to 331.8 BF16
+    # ULPs at tp 8 128k (still under the stock's 752.2), the mean 0.25 to 0.31. Half the P V
+    # tensor work buys 1 % at tp 8: the tensor cores do not bound the split kernel there.
     weight_terms: int = 2
 
     def __post_init__(self) -> None:
