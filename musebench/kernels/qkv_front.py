@@ -67,6 +67,14 @@ against 21.88-22.77. The stream is bound by HBM, not by the busiest SM (an SM pu
 256 KB from L2 in about 2 us, inside the 4.5 us of the whole read); the finer units add L2 round
 trips and a longer tail than the imbalance costs.
 
+Against the read floor (`stock.read_floor`: a plain read of the weight's bytes, `bench front`'s
+`read floor` columns, same run; records/2026-12-02-h200-fb41107-bench-front.summary.json): cold
+weights N = 1152 / 2304 / 4608 8.25-8.36 / 12.44-12.94 / 22.80-23.75 us against a plain read's
+6.47-7.01 / 10.74-11.03 / 19.20-19.62 (1.2-1.3 x); the stream without the MMAs (`loads_only`,
+Nsight Compute) is 1-2 us shorter than the kernel. The issue's 1.1 x the weight-read roofline
+(4.9 / 9.9 / 19.8 us) is below what a plain read of the weight takes as these benches time it at
+N 1152 and 2304, so no kernel meets it there.
+
 Epilogue (CTA 0, 16 rows x 8 lanes of 8 consecutive columns: the stock's thread program):
 q and k heads are normed and rotated and written back into `out`; a k head also into the cache's
 K of its slot, a v head its raw words into the cache's V; a slot outside [0, pages x 16) writes
