@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S  # the issues' HBM read bandwidth, 4.2 TB/s
-from musebench.cases.qkv_front import COLD_L2_FACTOR, COLD_MAX_BYTES, L2_BYTES, WeightRotation
+from musebench.cases.qkv_front import COLD_L2_FACTOR, COLD_MAX_BYTES, L2_BYTES, WeightRotation, cold_copies_needed
 from musebench.stock.read_floor import (MAX_BYTES, VECTOR_BYTES, WORD_BYTES, ReaderConfig, check_partials,
                                         triton_read, words_total)
 
@@ -107,7 +107,7 @@ def cold_copies(nbytes: int, calls: int) -> int:
     copy read once a replay, calls - 1 other copies after its last read). ValueError, with the
     reason, where those are fewer than COLD_L2_FACTOR L2s of bytes (the reads would hit the L2) or
     the copies exceed COLD_MAX_BYTES."""
-    needed = -(-COLD_L2_FACTOR * L2_BYTES // nbytes) + 1
+    needed = cold_copies_needed(nbytes)
     if calls < needed:
         raise ValueError(f"--calls {calls}: a cold read of {nbytes} B needs --calls >= {needed} (one copy a call, "
                          f"so that {COLD_L2_FACTOR} x the {L2_BYTES >> 20} MiB L2 of other copies lie between two "

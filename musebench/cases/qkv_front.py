@@ -365,13 +365,21 @@ def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approxim
     return Expected(per_rank, f"tap + torch stock epilogue; {lines[0]}")
 
 
+def cold_copies_needed(nbytes: int) -> int:
+    """Calls of a graph (one copy each, a copy read once a replay) a cold rotation over copies of
+    `nbytes` bytes needs so that COLD_L2_FACTOR L2s of other copies lie between two reads of one
+    copy: ceil(COLD_L2_FACTOR x L2_BYTES / nbytes) + 1. The one rule of `cold_copies_for` and of
+    scripts/read-floor.py's cold reads."""
+    return -(-COLD_L2_FACTOR * L2_BYTES // nbytes) + 1
+
+
 def cold_copies_for(tp: int, calls: int) -> int:
     """The weight copies of a cold-weights bench at `tp` with `calls` calls per graph: one per call
     (a copy is read once a replay, `calls` - 1 other copies after its last read). ValueError, with
     the reason, where that is fewer than COLD_L2_FACTOR L2s of weight (too few calls to evict a
     copy: the option would time warm launches) or more than COLD_MAX_BYTES of copies."""
     size = 1152 * kv_heads_for(tp) * HIDDEN * 2
-    needed = -(-COLD_L2_FACTOR * L2_BYTES // size) + 1
+    needed = cold_copies_needed(size)
     if calls < needed:
         raise ValueError(f"--cold-weights reads one weight copy per call of the graph: at tp {tp} (a weight of "
                          f"{size / 1e6:.1f} MB) it needs --calls >= {needed} so that {COLD_L2_FACTOR} x the "
