@@ -239,6 +239,13 @@ class SplitIssue:
       (two splits a CTA: the deeper ring and the held split's 18 KB cost a CTA an SM) 61.5 against
       53.1 at 128k. So the deployments defer where a CTA runs one split (`deployment_issue`), with
       the deep ring at `attn2_layout.DEFERRED_DEEP_RING_STAGES`.
+    - `prefetch_pages` (an experiment, in no deployment and not in "all"): each ring step also
+      asks L2 for the CTA's pages L2_PREFETCH_PAGES beyond its copies (`cp.async.bulk.prefetch.L2`,
+      one 4 KB request a page from one thread; the prologue for the first ones), so that a page's
+      cp.async later finds it in L2: the page stream gets L2_PREFETCH_PAGES more pages in flight a
+      CTA without shared memory, registers or occupancy. A hint: no value changes. Why: at tp 8,
+      128k the split CTA's own stream bounds the kernel (this module's docstring), not HBM or the
+      tensor cores. Not yet run on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -249,19 +256,21 @@ class SplitIssue:
     lean_addressing: bool = True
     ldmatrix_keys: bool = True
     defer_values: bool = False
+    prefetch_pages: bool = False
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False)
+        return SplitIssue(False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "defer": "defer_values"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (`SplitIssue()`: every switch but `defer_values`), "none", or short
-        names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys", "defer".
+        """"all" (`SplitIssue()`: every switch but `defer_values` and `prefetch_pages`), "none", or
+        short names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys",
+        "defer", "prefetch".
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
@@ -357,6 +366,9 @@ class Attn2Build:
 
 
 WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
+# `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
+# one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
+L2_PREFETCH_PAGES = 8
 
 
 # The split kernel's tensor-core path per target (`Attn2Build.tensor_ops` overrides it): on sm_90a
@@ -388,11 +400,12 @@ class _Attn2Kernel:
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
-                 loads_only: bool = False, weight_terms: int = 2) -> None:
+                 loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
         self.weight_terms = weight_terms
+        self.prefetch_pages = prefetch_pages  # `SplitIssue.prefetch_pages`
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
         self.loads_only = loads_only  # `Attn2Build.loads_only`: the page stream without the arithmetic
@@ -449,6 +462,16 @@ class _Attn2Kernel:
             min_blocks_per_mp=self.ctas_per_sm,
             preferred_smem_carveout=100,
         )
+
+    @cute.jit
+    def page_prefetch(self, cache_base: Int64, table_smem: Int32, index: Int32, kv_head: Int32,
+                      cache_pages: Int32) -> None:
+        """`SplitIssue.prefetch_pages`: ask L2 for the split's page `index` (this KV head's 4 KB of
+        it), by the calling thread alone; a table entry outside the cache asks for nothing."""
+        physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
+        if (physical >= Int32(0)) & (physical < cache_pages):
+            ptx.cp_async_bulk_prefetch_l2_global(
+                cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
 
     @cute.jit
     def page_load(self, smem_stage: Int32, cache_base: Int64, table_smem: Int32, index: Int32, page: Int32,
@@ -889,6 +912,13 @@ class _Attn2Kernel:
                 self.page_load(ring_base + st * lay.PAGE_BYTES, cache_base, table_smem, index, page, kv_head, seq_len,
                                cache_pages, tidx)
             cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.prefetch_pages):
+            # the pages the first steps' prefetches skip: lookahead .. lookahead + L2_PREFETCH_PAGES - 1,
+            # one a thread
+            far = Int32(self.lookahead) + tidx
+            if (tidx < L2_PREFETCH_PAGES) & (far < total):
+                index, _ = self.stream_page(far, starts, counts)
+                self.page_prefetch(cache_base, table_smem, index, kv_head, cache_pages)
 
     @cute.jit
     def ring_advance(self, i: Int32, pages: cutlass.Constexpr, load_offset, load_start: Int32, ring_base: Int32,
@@ -917,6 +947,16 @@ class _Attn2Kernel:
                 self.page_load(ring_base + (ahead % self.stages) * lay.PAGE_BYTES, cache_base, table_smem,
                                index, page, kv_head, seq_len, cache_pages, tidx)
             cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.prefetch_pages):
+            # the pages L2_PREFETCH_PAGES beyond this step's copies, thread k the step's k-th (a table
+            # index past a split's range asks for a page the CTA may not read: a harmless hint)
+            far = i + self.lookahead + L2_PREFETCH_PAGES + tidx
+            if (tidx < pages) & (far < total):
+                if cutlass.const_expr(streams is None):
+                    index = far if cutlass.const_expr(load_offset is None) else far + load_offset
+                else:
+                    index, _ = self.stream_page(far, streams[0], streams[1])
+                self.page_prefetch(cache_base, table_smem, index, kv_head, cache_pages)
 
     @cute.jit
     def split_chain(self, begin: Int32, end: Int32, chain_start: Int32, load_offset, load_start: Int32,

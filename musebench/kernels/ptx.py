@@ -563,6 +563,21 @@ def mma_sync_aligned_m16n8k16_row_col_f32_bf16_bf16_f32(
 
 
 @dsl_user_op
+def cp_async_bulk_prefetch_l2_global(global_address: Int64, size: int, *, loc=None, ip=None) -> None:
+    """`cp.async.bulk.prefetch.L2.global [src], size`: a hint to bring `size` bytes (a multiple of
+    16, 16-byte aligned) into L2; no data reaches the thread, nothing waits on it (sm_90+)."""
+    _asm(
+        None,
+        [_ir(Int64(global_address), loc, ip)],
+        f"cp.async.bulk.prefetch.L2.global [$0], {int(size)};",
+        "l",
+        side_effects=True,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def cp_async_cg_shared_global_16(shared_address: Int32, global_address: Int64, source_bytes: Int32, *, loc=None,
                                  ip=None) -> None:
     """`cp.async.cg.shared.global [dst], [src], 16, src_size`: copy 16 bytes to shared memory

@@ -339,10 +339,14 @@ def test_split_issue_names():
     assert named("mask+rescale+lean+keys") == named("all")
     assert [f.name for f in dataclasses.fields(attn2.SplitIssue)] == ["mask_edges_only", "skip_unit_rescale",
                                                                        "lean_addressing", "ldmatrix_keys",
-                                                                       "defer_values"]
-    # the experiment is off in "all" (the default) and on only where named
+                                                                       "defer_values", "prefetch_pages"]
+    # the experiments are off in "all" (the default) and on only where named
     assert not named("all").defer_values and not named("none").defer_values
     assert named("mask+rescale+lean+keys+defer") == dataclasses.replace(named("all"), defer_values=True)
+    assert not named("all").prefetch_pages and not named("none").prefetch_pages
+    assert named("mask+rescale+lean+keys+defer+prefetch") == dataclasses.replace(named("all"), defer_values=True,
+                                                                                  prefetch_pages=True)
+    assert attn2.deployment_issue(True, 2, 1).prefetch_pages is False
     assert named("defer") == attn2.SplitIssue(False, False, False, False, True)
     # the measured-and-removed switches are unknown names now
     for bad in ("", "mask+", "Mask", "all+mask", "fast", "key", "ring", "all+ring", "ring+overlap", "all+trim",
@@ -1154,3 +1158,29 @@ def test_one_weight_term_is_refused_off_wgmma_and_outside_its_choices():
         attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_100a", weight_terms=1))
     with pytest.raises(ValueError, match="weight_terms 1 needs tensor_ops 'wgmma'"):
         attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_90a", tensor_ops="sync", weight_terms=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# SplitIssue.prefetch_pages: an experiment, L2 prefetches L2_PREFETCH_PAGES beyond the ring's copies
+
+
+@pytest.mark.parametrize("arch, heads, per_cta, issue", [
+    ("sm_90a", 2, 1, "mask+rescale+lean+keys+defer+prefetch"), ("sm_90a", 1, 1, "mask+rescale+lean+keys+defer+prefetch"),
+    ("sm_90a", 4, 2, "mask+rescale+lean+keys+prefetch"), ("sm_100a", 2, 1, "mask+rescale+lean+keys+prefetch"),
+])
+def test_prefetch_pages_adds_l2_prefetches_and_nothing_else(tmp_path_factory, tmp_path, arch, heads, per_cta, issue):
+    """The prefetching build keeps the deployment's copies and barriers (as many cp.async and
+    bar.sync), adds 4 KB bulk L2 prefetches (one in the prologue, one a ring step of each step
+    kind) and spills nothing; the deployment's own PTX has none."""
+    folder = tmp_path_factory.mktemp("attn2-prefetch")
+    attn2.compile_attn2(heads, 131072, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), splits_per_cta=per_cta,
+                                                           issue=attn2.named_issue(issue)))
+    (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+    probe = split.read_text()
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, 131072, 0)
+    prefetches = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", probe)
+    assert len(prefetches) >= 2 and set(prefetches) == {str(lay.PAGE_BYTES)}
+    assert "cp.async.bulk.prefetch" not in deployed
+    assert probe.count("cp.async.cg.shared.global") == deployed.count("cp.async.cg.shared.global")
+    assert probe.count("bar.sync") == deployed.count("bar.sync")
+    assert_no_spills(assemble(probe, arch, tmp_path))

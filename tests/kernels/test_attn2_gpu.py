@@ -566,3 +566,25 @@ def test_one_weight_term_stays_near_the_deployment(tp, seq_len):
     difference = (one.float() - deployed.float()).abs()
     assert difference.max() <= 2.0**-5 * deployed.float().abs().max(), float(difference.max())
     assert ulp_error(one, deployed.double()).mean <= 1.0
+
+
+@pytest.mark.parametrize("family", ["random", "large"])
+@pytest.mark.parametrize("seq_len, max_model_len, num_kv_heads", [
+    (17, 4096, 2), (2047, 2048, 2), (9000, 131072, 2), (131072, 131072, 2), (70001, 131072, 1), (131072, 131072, 4),
+])
+def test_prefetched_pages_keep_every_bit(family, seq_len, max_model_len, num_kv_heads):
+    """SplitIssue.prefetch_pages (L2 prefetches ahead of the ring's copies, an experiment) gives the
+    deployment's bits: with defer_values where the deployment defers (one split a CTA), without it
+    at 4 KV heads (two splits a CTA), short and long splits."""
+    import dataclasses
+
+    from musebench.kernels import attn2
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the deployment's issue is computed for sm_90a's wgmma here")
+    problem = make_problem(family, seq_len, max_model_len, num_kv_heads=num_kv_heads)
+    splits = cute_ops.attn2_splits(max_model_len, 0, num_kv_heads)
+    deployed_issue = attn2.deployment_issue(True, lay.pages_per_step(0, splits), lay.splits_per_cta(num_kv_heads, splits))
+    baseline = _launch(problem)[0]
+    got = _launch_issue(problem, dataclasses.replace(deployed_issue, prefetch_pages=True))
+    assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), _first_difference(got, baseline)
