@@ -23,7 +23,9 @@ every CTA's whole life (no clock-rate guess). Printed per configuration: the lau
 to the combine's first post-wait instant (its entry's globaltimer plus its wait in cycles), the
 overlap with the previous launch (its last end minus this one's first entry: positive where PDL
 overlaps them), each phase's median and max over CTAs (the split kernel's also over the CTAs with
-pages only: at L 8 one split of 256 has any), and CTAs per SM. `--json` writes every number.
+pages only: at L 8 one split of 256 has any), CTAs per SM, and the last launch's SMs grouped by their
+split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond).
+`--json` writes every number; `--rows` every launch's raw rows (for analyses of their own).
 Exit 2 on a bad option or without a GPU, before any GPU work.
 """
 
@@ -90,6 +92,29 @@ def _per_sm(rows: list[dict]) -> list[int]:
     return [count[r["smid"]] for r in rows]
 
 
+def sm_loads(split: list[dict], pages: list[int], ratio_split: float) -> dict:
+    """One launch's split CTAs grouped by how many of them ran on their SM: per count (as a
+    string), the SMs, the median and the max over them of when an SM's last chain ended (ns after
+    the launch's first split entry), and the median over them of the pages an SM streamed per
+    microsecond of its chains (its CTAs' pages over its first chain start to its last chain end).
+    Where the SM, not the CTA, is the unit that runs out: an SM whose work bounds it streams the
+    same pages/µs whatever its CTAs (records/2026-12-02-h200-4426823-trace-attn2-rows.json)."""
+    first = min(r["globaltimer_entry"] for r in split)
+    per_sm: dict[int, list[tuple[float, float, int]]] = {}
+    for r, n in zip(split, pages):
+        start = r["globaltimer_entry"] - first + (r["clock_prologue"] - r["clock_entry"]) / ratio_split
+        end = r["globaltimer_entry"] - first + (r["clock_chained"] - r["clock_entry"]) / ratio_split
+        per_sm.setdefault(r["smid"], []).append((start, end, n))
+    groups: dict[int, list[tuple[float, float]]] = {}
+    for ctas in per_sm.values():
+        start, end = min(c[0] for c in ctas), max(c[1] for c in ctas)
+        rate = sum(c[2] for c in ctas) / ((end - start) / 1e3) if end > start else 0.0
+        groups.setdefault(len(ctas), []).append((end, rate))
+    return {str(k): dict(sms=len(v), last_chain_end_ns=_stats([e for e, _ in v]),
+                         pages_per_us_median=round(statistics.median(r for _, r in v), 2))
+            for k, v in sorted(groups.items())}
+
+
 def summarize(launches: list[dict]) -> dict:
     """Launches (dicts: `split` and `combine` row lists of trace dicts, `split_pages` each split
     row's page count) -> phases (ns), spans, gaps, overlaps and SM loads. A launch without a
@@ -112,6 +137,9 @@ def summarize(launches: list[dict]) -> dict:
             for load in _per_sm(x[kernel]):
                 loads[load] = loads.get(load, 0) + 1
         table["ctas_by_ctas_on_the_sm"] = {str(k): v // len(launches) for k, v in sorted(loads.items())}
+        if kernel == "split":  # the last launch's SMs by their load (`sm_loads`)
+            table["sms_by_ctas_on_the_sm"] = sm_loads(launches[-1]["split"], launches[-1]["split_pages"],
+                                                      ratios["split"])
         table["ctas"] = len(launches[0][kernel])
         out[kernel] = table
     spans, split_spans, combine_spans, gaps, combine_after_split = [], [], [], [], []
@@ -172,6 +200,11 @@ def render(tp: int, length: int, table: dict) -> str:
         loads = ", ".join(f"{v} CTAs {k} an SM" for k, v in t["ctas_by_ctas_on_the_sm"].items())
         rate = table["cycles_per_ns"][kernel]
         lines.append(f"  {kernel} ({t['ctas']} CTAs; {loads}; {rate:.3f} cycles/ns): {text} µs")
+        if "sms_by_ctas_on_the_sm" in t:
+            lines.append("  SMs by their split CTAs (last launch): " + "; ".join(
+                f"{k} an SM: {g['sms']} SMs, last chain end {_us(g['last_chain_end_ns'].get('median_ns'))} (max "
+                f"{_us(g['last_chain_end_ns'].get('max_ns'))}) µs, {g['pages_per_us_median']} pages/µs"
+                for k, g in t["sms_by_ctas_on_the_sm"].items()))
     return "\n".join(lines)
 
 
