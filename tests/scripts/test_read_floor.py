@@ -5,7 +5,6 @@ Triton reader in Triton's CPU interpreter where Triton imports, and on a GPU a t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import pathlib
@@ -15,25 +14,23 @@ import sys
 import pytest
 import torch
 
+from tests.scripts.conftest import run_script as run_script_file
+from tests.scripts.conftest import script_module
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "read-floor.py"
 
 
 @pytest.fixture(scope="module")
 def floor():
-    """The script as a module (loaded by path: its name has a dash)."""
-    spec = importlib.util.spec_from_file_location("read_floor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["read_floor"] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("read_floor", None)
+    """The script as a module (`conftest.script_module`)."""
+    with script_module("read-floor.py", "read_floor") as module:
+        yield module
 
 
 def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`python3 read-floor.py args` from the repository root with this checkout on PYTHONPATH."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **env}, timeout=600)
+    """`python3 read-floor.py args` (`conftest.run_script`)."""
+    return run_script_file("read-floor.py", args, **env)
 
 
 def _plan(floor, *args: str):

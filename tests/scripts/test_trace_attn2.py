@@ -4,25 +4,16 @@ numbers are known, and its option refusals (exit 2 before any GPU work)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "trace-attn2.py"
+from tests.scripts.conftest import run_script, script_module
 
 
 @pytest.fixture(scope="module")
 def trace():
-    """The script as a module (loaded by path: its name has a dash)."""
-    spec = importlib.util.spec_from_file_location("trace_attn2", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script as a module (`conftest.script_module`)."""
+    with script_module("trace-attn2.py", "trace_attn2") as module:
+        yield module
 
 
 def split_row(sm: int, entry: int, chain_start: int, chain_end: int, end: int) -> dict:
@@ -67,15 +58,10 @@ def test_the_summary_of_two_launches(trace):
     assert "2 an SM: 1 SMs, last chain end 6.00 (max 6.00) µs, 1.6 pages/µs" in text
 
 
-def run_script(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-
-
 @pytest.mark.parametrize("args, reason", [
     (["--tp", "3"], "--tp"), (["--lengths", "4"], "--lengths"), (["--calls", "2"], "--calls"),
     (["--rows", "/nonexistent/rows.json"], "--rows"), (["--json", "/nonexistent/t.json"], "--json"),
 ])
 def test_bad_options_exit_2_with_the_reason(args, reason):
-    done = run_script(args)
+    done = run_script("trace-attn2.py", args, timeout=300)
     assert done.returncode == 2 and reason in done.stderr
