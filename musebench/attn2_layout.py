@@ -237,7 +237,9 @@ def check_pages_per_step(per_step: object) -> None:
 # tp 8 L 8k / 32k / 128k 13.74 / 15.64 / 33.78 us against 13.62 / 14.61 / 29.76; tp 16 10.09 /
 # 14.16 / 30.39 against 10.32 / 13.36 / 26.33. Not taken: the window's plans (2048: 64 splits),
 # where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN:
-# 8 pages at most), unmeasured. A row's bits follow the value, so it depends only on the plan (max_model_len, window,
+# 8 pages at most), unmeasured. The small split plans (129 .. 2048 tokens, 2 to 4 pages a split)
+# take two pages a step without an A/B against one (like the window's plans, they have few pages a
+# split). A row's bits follow the value, so it depends only on the plan (max_model_len, window,
 # splits), never on tp or the splits a CTA runs: tp 4 and 2 (two splits a CTA) take it too.
 # Deployed (records/2026-12-01-h200-50ccdea-*): bench attn tp 8 128k 29.97 us (34.40 with one page
 # a step), tp 16 27.08 (30.47); tp 4 8k / 128k 16.37 / 53.16 against 16.17 / 61.86, tp 2 28.78 /

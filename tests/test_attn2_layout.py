@@ -81,7 +81,7 @@ def test_split_table_entries_cover_every_page_a_split_visits():
                 assert len(lay.split_pages(split, splits, first_page, end_page)) <= entries
     assert lay.split_table_entries(131072, 0, 256) == 32
     assert lay.split_table_entries(131072, 0, 512) == 16  # per split: a CTA of two splits holds 32
-    # one split (SHORT_MAX_LEN: 8 pages at most); the small split plans: 2 or 3 pages a split
+    # one split (SHORT_MAX_LEN: 8 pages at most); the small split plans: 2 to 4 pages a split
     assert [lay.split_table_entries(n, 0, lay.splits(n, 0, 2)) for n in (128, 129, 240, 256, 2048)] == [8, 3, 4, 2, 2]
 
 
@@ -238,8 +238,9 @@ def test_ring_stages_rule():
     assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
     assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
     assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
-    # the small split plans (max_model_len 129 .. 2048: 4 .. 64 splits) have few CTAs: the deep ring,
-    # up to 8 KV heads at 64 splits (512 CTAs); one split (max_model_len <= 128) keeps PIPELINE_STAGES
+    # the small split plans (max_model_len 129 .. 2048: 4 .. 64 splits) have few CTAs: the deep ring
+    # up to 4 KV heads at 64 splits (256 CTAs; 8 heads' 512 keep PIPELINE_STAGES); one split
+    # (max_model_len <= 128) keeps PIPELINE_STAGES
     for heads in (1, 2, 4):
         assert lay.ring_stages(0, heads, lay.splits(2048, 0, heads)) == deep
     assert lay.ring_stages(0, 8, lay.splits(2048, 0, 8)) == plain
@@ -256,18 +257,25 @@ def test_ring_stages_rule():
             lay.ring_stages(**args)
 
 
-def test_short_max_len_is_eight_pages():
-    """One split up to SHORT_MAX_LEN (128 tokens, 8 pages: where one CTA's serial pages cost about
-    what a split plan does), a split plan from the next token on, at every tp."""
-    assert lay.SHORT_MAX_LEN == 8 * lay.PAGE_TOKENS == 128
+def _check_short_plans() -> None:
+    """The plans themselves: one split up to 128 tokens (8 pages), a split plan from the next
+    token on, at every tp."""
     for heads in (1, 2, 4, 8, 16):
         assert [lay.splits(n, 0, heads) for n in (8, 16, 17, 127, 128)] == [1] * 5
         assert [lay.splits(n, 0, heads) for n in (129, 256, 2047, 2048)] == [4, 8, 64, 64]
 
 
+def test_short_max_len_is_eight_pages():
+    """One split up to SHORT_MAX_LEN (128 tokens, 8 pages: where one CTA's serial pages cost about
+    what a split plan does), a split plan from the next token on, at every tp."""
+    assert lay.SHORT_MAX_LEN == 8 * lay.PAGE_TOKENS == 128
+    _check_short_plans()
+
+
 def test_short_max_len_check_can_fail(monkeypatch):
     """Fault injection: the old threshold (2048 tokens) puts max_model_len 2048 back on one split,
-    which the plan checks above refuse (64 splits expected)."""
+    and the check above refuses it."""
     monkeypatch.setattr(lay, "SHORT_MAX_LEN", 2048)
-    assert lay.splits(2048, 0, 2) == 1 and lay.splits(256, 0, 2) == 1
-    assert lay.splits(2049, 0, 2) == 64
+    with pytest.raises(AssertionError):
+        _check_short_plans()
+    assert lay.splits(2048, 0, 2) == 1 and lay.splits(256, 0, 2) == 1 and lay.splits(2049, 0, 2) == 64

@@ -197,6 +197,12 @@ TRACE_ROW_BYTES = TRACE_WORDS * 8
 assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
+WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
+# `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
+# one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
+L2_PREFETCH_PAGES = 8
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -363,12 +369,6 @@ class Attn2Build:
                  f"ring_stages must be one of {RING_STAGES_CHOICES} or None, got {self.ring_stages!r}")
         _require(self.tensor_ops in (None, *TENSOR_OPS_CHOICES),
                  f"tensor_ops must be one of {TENSOR_OPS_CHOICES} or None, got {self.tensor_ops!r}")
-
-
-WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
-# `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
-# one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
-L2_PREFETCH_PAGES = 8
 
 
 # The split kernel's tensor-core path per target (`Attn2Build.tensor_ops` overrides it): on sm_90a
