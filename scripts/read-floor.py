@@ -8,14 +8,17 @@ says whether a goal is reachable and how far each kernel is from the hardware.
 Byte counts (`--bytes`, plain ints, multiples of 16): 18874368, 37748736, 75497472 (qkv_front's
 weight at N 1152 / 2304 / 4608 x 8192 x 2 B) and 33554432, 67108864 (attn2's K + V at 128k with
 one and two KV heads). States (`--states`):
-- cold: every call of the graph reads its own copy of the bytes (`cold_copies` = --calls copies,
-  the rotation of `bench front --cold-weights`): between two reads of a copy lie --calls - 1 other
-  copies, at least COLD_L2_FACTOR x the 50 MiB L2 of traffic (fewer calls exit 2);
+- cold: every call of the graph reads its own copy of the bytes (--calls copies, the rotation of
+  `bench front --cold-weights`): between two reads of a copy lie --calls - 1 other copies, at
+  least COLD_L2_FACTOR x the 50 MiB L2 of traffic (fewer calls exit 2: `check_cold_calls`);
 - warm: every call reads the same buffer (L2-resident where it fits).
 
-Readers, each launch checked after its replays (a reader that skips bytes fails the run, exit 1):
-- triton: `musebench.stock.read_floor`'s persistent streaming read (`triton_read`):
-  `programs_per_sm` x SMs programs stride the buffer's int32 words in chunks of loads_in_flight x
+Readers, each checked after its replays: its partials (sums) are zeroed after the warm-up and
+capture, before the first replay, so the check reads what the last replay's launches wrote, one
+launch a copy; a reader that skips bytes, or whose captured launches write nothing, fails the run
+(exit 1):
+- triton: `musebench.stock.read_floor`'s persistent streaming read (`FloorRead.over` the copies,
+  `triton_read`): `programs_per_sm` x SMs programs (`reader_programs`) stride the buffer's int32 words in chunks of loads_in_flight x
   num_warps x 32 x 4 words (each thread issues loads_in_flight 16-byte loads a chunk, all in
   flight before their adds), add them into an int32 vector and write one wrapped int32 sum per
   program; the wrapped sum of a copy's partials must equal the copy's int32 words summed mod 2^32
@@ -52,9 +55,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from musebench.cases.attn2 import ROOFLINE_BYTES_PER_S  # the issues' HBM read bandwidth, 4.2 TB/s
-from musebench.cases.qkv_front import COLD_L2_FACTOR, COLD_MAX_BYTES, L2_BYTES, WeightRotation, cold_copies_needed
-from musebench.stock.read_floor import (MAX_BYTES, VECTOR_BYTES, WORD_BYTES, ReaderConfig, check_partials,
-                                        triton_read, words_total)
+from musebench.cases.qkv_front import COLD_L2_FACTOR, L2_BYTES, WeightRotation, check_cold_calls
+from musebench.stock.read_floor import (WORD_BYTES, FloorRead, ReaderConfig, check_nbytes, check_partials,
+                                        words_total)
 
 DEFAULT_BYTES = (18874368, 37748736, 75497472, 33554432, 67108864)
 STATES = ("cold", "warm")
@@ -102,30 +105,14 @@ def parse_states(text: str) -> tuple[str, ...]:
     return states
 
 
-def cold_copies(nbytes: int, calls: int) -> int:
-    """The copies a cold state rotates through with `calls` calls a graph: one per call (each
-    copy read once a replay, calls - 1 other copies after its last read). ValueError, with the
-    reason, where those are fewer than COLD_L2_FACTOR L2s of bytes (the reads would hit the L2) or
-    the copies exceed COLD_MAX_BYTES."""
-    needed = cold_copies_needed(nbytes)
-    if calls < needed:
-        raise ValueError(f"--calls {calls}: a cold read of {nbytes} B needs --calls >= {needed} (one copy a call, "
-                         f"so that {COLD_L2_FACTOR} x the {L2_BYTES >> 20} MiB L2 of other copies lie between two "
-                         f"reads of one copy)")
-    if calls * nbytes > COLD_MAX_BYTES:
-        raise ValueError(f"--calls {calls}: cold copies of {nbytes} B would hold {calls * nbytes / 1e9:.1f} GB "
-                         f"(at most {COLD_MAX_BYTES >> 30} GiB); use fewer --calls or smaller --bytes")
-    return calls
-
-
 def check_options(args: argparse.Namespace) -> Plan:
     """Every option checked (ValueError with the reason) before anything touches a GPU."""
     sizes = parse_ints(args.bytes, "--bytes")
     for nbytes in sizes:
-        if nbytes % VECTOR_BYTES:
-            raise ValueError(f"--bytes: {nbytes} is not a multiple of {VECTOR_BYTES} (the readers' 16-byte loads)")
-        if nbytes > MAX_BYTES:
-            raise ValueError(f"--bytes: {nbytes} is above {MAX_BYTES} (the reader's int32 word offsets)")
+        try:
+            check_nbytes(nbytes)
+        except ValueError as e:
+            raise ValueError(f"--bytes: {e}") from None
     states = parse_states(args.states)
     per_sm = parse_ints(args.programs_per_sm, "--programs-per-sm")
     if max(per_sm) > MAX_PROGRAMS_PER_SM:
@@ -140,7 +127,7 @@ def check_options(args: argparse.Namespace) -> Plan:
         raise ValueError(f"--calls and --replays must be >= 1, got {args.calls} and {args.replays}")
     if "cold" in states:
         for nbytes in sizes:
-            cold_copies(nbytes, args.calls)
+            check_cold_calls(nbytes, args.calls, f"--states cold reads one copy per call of the graph, --bytes {nbytes}")
     if args.json is not None:
         folder = pathlib.Path(args.json).resolve().parent
         if not folder.is_dir():
@@ -159,13 +146,14 @@ def roofline_us(nbytes: int) -> float:
     return nbytes / ROOFLINE_BYTES_PER_S * 1e6
 
 
-def timing_row(nbytes: int, state: str, reader: str, samples_us: list[float], copies: int,
+def timing_row(nbytes: int, state: str, name: str, samples_us: list[float], copies: int,
                config: ReaderConfig | None = None) -> dict[str, Any]:
     """One (bytes, state, reader) row from its replays' µs per launch: median, min, max, the
-    median's GB/s and its ratio to the roofline (above 1: slower than 4.2 TB/s)."""
+    median's GB/s and its ratio to the roofline (above 1: slower than 4.2 TB/s). `name` is the
+    reader's display name; `config` the Triton reader's (None: the torch reader)."""
     median = statistics.median(samples_us)
-    row: dict[str, Any] = dict(bytes=nbytes, state=state, reader="triton" if config else "torch",
-                               name=reader, copies=copies, us_median=round(median, 3),
+    row: dict[str, Any] = dict(bytes=nbytes, state=state, reader="triton" if config is not None else "torch",
+                               name=name, copies=copies, us_median=round(median, 3),
                                us_min=round(min(samples_us), 3), us_max=round(max(samples_us), 3),
                                gb_per_s=round(gb_per_s(nbytes, median), 1), roofline_us=round(roofline_us(nbytes), 3),
                                ratio_to_roofline=round(median / roofline_us(nbytes), 3), best=False)
@@ -201,9 +189,11 @@ def line(row: dict[str, Any]) -> str:
             f"{row['ratio_to_roofline']:.3f} x roofline {row['roofline_us']:.2f} µs")
 
 
-def read_size(nbytes: int, plan: Plan, sms: int, stream: Any, generator: Any) -> list[dict[str, Any]]:
+def read_size(nbytes: int, plan: Plan, stream: Any, generator: Any) -> list[dict[str, Any]]:
     """Time and check every state and reader of `plan` on `nbytes`: random int32 copies (cold:
-    --calls of them, one a call; warm: the first) live on the GPU until this returns."""
+    --calls of them, one a call; warm: the first) live on the GPU until this returns. Each reader's
+    results (partials, sums) are zeroed before its first replay (`before_replays`) and checked
+    after its replays: every copy's, as the last replay's launches wrote them."""
     import torch
 
     from musebench.harness.measure import BenchOptions, graph_median_us
@@ -217,29 +207,23 @@ def read_size(nbytes: int, plan: Plan, sms: int, stream: Any, generator: Any) ->
     for state in plan.states:
         used = len(copies) if state == "cold" else 1
         for config in plan.configs:
-            partials = torch.zeros(used, config.programs_per_sm * sms, dtype=torch.int32, device=stream.device)
-            pick = WeightRotation(list(range(used))).next  # the copy index, as bench front's cold rotation
-
-            def call(config=config, partials=partials, pick=pick) -> None:
-                j = pick()
-                triton_read(copies[j], partials[j], config)
-
+            floor = FloorRead.over(copies[:used], totals[:used], config)  # call j reads copy j mod used
             samples: list[float] = []
-            graph_median_us(call, stream, options, samples=samples)
+            graph_median_us(floor, stream, options, before_replays=floor.partials.zero_, samples=samples)
             torch.cuda.synchronize()
-            for j in range(used):  # the replays' last writes: every copy's partials
-                check_partials(partials[j], totals[j], f"{config.name()}, {nbytes} B {state}, copy {j}")
+            for j in range(used):  # the last replay's writes: every copy's partials
+                check_partials(floor.partials[j], totals[j], f"{config.name()}, {nbytes} B {state}, copy {j}")
             rows.append(timing_row(nbytes, state, config.name(), samples, used, config))
             print(line(rows[-1]), flush=True)
         sums = torch.zeros(used, dtype=torch.int64, device=stream.device)
-        pick = WeightRotation(list(range(used))).next
+        pick = WeightRotation(list(range(used))).next  # the copy index, as bench front's cold rotation
 
         def torch_call(sums=sums, pick=pick) -> None:
             j = pick()
             torch.sum(copies[j], 0, dtype=torch.int64, out=sums[j])
 
         samples = []
-        graph_median_us(torch_call, stream, options, samples=samples)
+        graph_median_us(torch_call, stream, options, before_replays=sums.zero_, samples=samples)
         torch.cuda.synchronize()
         for j in range(used):
             if int(sums[j]) != totals[j]:
@@ -268,7 +252,7 @@ def measure(plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     generator = torch.Generator(device=device).manual_seed(0)
     rows: list[dict[str, Any]] = []
     for nbytes in plan.sizes:
-        rows += read_size(nbytes, plan, sms, stream, generator)
+        rows += read_size(nbytes, plan, stream, generator)
         torch.cuda.empty_cache()  # the copies are gone: the next size's fit
     return rows, facts
 
@@ -311,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     for row in mark_best(rows):
         print(f"best: {line(row)}")
-    if plan.json_path:
+    if plan.json_path is not None:
         with open(plan.json_path, "w") as f:
             json.dump(record(rows, plan, facts), f, indent=1)
 

@@ -82,8 +82,8 @@ def gpu_with_dsl(monkeypatch):
 @pytest.fixture
 def emulated_read_floor(monkeypatch):
     """`stock.read_floor.triton_read` replaced by `tests._read_floor.emulated_triton_read` (the
-    reader's partials in torch: the families' `read floor` paths build and check on CPU); yields
-    the list of the words every read read (in order)."""
+    reader's partials in torch: the families' `read floor` paths build and check on CPU); returns
+    the list of the words every read read (in order), for the test to inspect or clear."""
     from musebench.stock import read_floor
     from tests._read_floor import emulated_triton_read
 

@@ -36,12 +36,12 @@ import torch
 from musebench import attn2_layout as lay
 from musebench import config
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
+from musebench.stock.read_floor import READ_FLOOR  # the baseline: a read of bytes_moved(case), one buffer
 
 name = "attn2"
 faults = ("flip", "silent")
 PARTS: tuple[str, ...] = ()
 VIRTUAL_STOCK = PROCESS_STOCK = "torch SDPA flash"
-READ_FLOOR = "read floor"  # the bench's baseline: a plain read of bytes_moved(case), the same buffer every call
 OUT = "out"
 TPS = (2, 4, 8, 16)  # 8, 4, 2, 1 KV heads a rank
 GUARD_ROWS = 8  # poisoned rows of `out` before and after the launch's: one request's worth each side
@@ -283,6 +283,5 @@ def baselines(case: Attn2Case, inputs: Any, rank: int, runner: Attn2Runner, comm
     heads = p.num_kv_heads
     q = p.q.view(lay.QUERY_LEN, heads, lay.HEADS_PER_KV_HEAD, lay.HEAD_DIM).permute(1, 2, 0, 3)
     q = q.reshape(1, heads, lay.ROWS_PER_KV_HEAD, lay.HEAD_DIM).contiguous()
-    floor = read_floor.FloorRead(bytes_moved(case), p.kv_cache.device)
-    floor.check(f"{READ_FLOOR} of {case.label()}")
+    floor = read_floor.checked_floor(bytes_moved(case), p.kv_cache.device, f"{READ_FLOOR} of {case.label()}")
     return {VIRTUAL_STOCK: Baseline(sdpa_call(q, keys, values)), READ_FLOOR: Baseline(floor)}

@@ -58,6 +58,7 @@ import torch
 from musebench import config
 from musebench.harness import checks
 from musebench.harness.case import Expected, MailboxSpec, RunOptions
+from musebench.stock.read_floor import READ_FLOOR  # a plain read of the weight's bytes, the same buffer every call
 
 name = "qkv_front"
 faults = ("flip", "silent")
@@ -69,13 +70,15 @@ MATMUL = "torch matmul"  # cuBLAS alone, the unfused path's first kernel
 ROOFLINE_TB_PER_S = 4.2  # H200 HBM3e: the weight-read roofline's bandwidth
 COLD = "cold weights"  # the bench's baseline: the deployment's launch, every call reading another weight copy
 COLD_MATMUL = "torch matmul, cold weights"  # cuBLAS alone, every call reading the next of COLD's copies
-READ_FLOOR = "read floor"  # a plain read of the weight's bytes, the same buffer every call
-COLD_READ_FLOOR = "read floor, cold weights"  # a plain read of the next of cold_copies buffers of the weight's bytes
+COLD_READ_FLOOR = f"{READ_FLOOR}, cold weights"  # a plain read of the next of cold_copies buffers of the weight's bytes
 # The cold cells' ratios: the cold launch over each (cold against cold), not the one-weight tail's.
 BASELINE_RATIO_OF = {COLD_MATMUL: COLD, COLD_READ_FLOOR: COLD}
 L2_BYTES = 50 * 1024 * 1024  # H200 L2 (the weights of N 1152 and 2304 fit)
 COLD_L2_FACTOR = 4  # a cold call's copy was last read at least this many L2s of weight ago
-COLD_MAX_BYTES = 16 * 1024 ** 3  # weight copies a cold bench may hold on the GPU
+# The cold copies a cold run may hold on the GPU: a cold-weights bench holds two sets of --calls
+# (the weight copies and `read floor, cold weights`'s buffers, 2 x calls x weight), read-floor.py's
+# cold reads one (calls x bytes); `check_cold_calls` counts them.
+COLD_MAX_BYTES = 16 * 1024 ** 3
 OUT, TAP, CACHE = "out", "tap", "kv_cache"
 INPUT_FAMILIES = ("random", "adversarial")
 TP_KV_HEADS = {4: 4, 8: 2, 16: 1}  # tp -> KV heads per rank (Muse Spark: 16 KV heads)
@@ -368,25 +371,36 @@ def expected(case: FrontCase, inputs: FrontInputs, options: RunOptions, approxim
 def cold_copies_needed(nbytes: int) -> int:
     """Calls of a graph (one copy each, a copy read once a replay) a cold rotation over copies of
     `nbytes` bytes needs so that COLD_L2_FACTOR L2s of other copies lie between two reads of one
-    copy: ceil(COLD_L2_FACTOR x L2_BYTES / nbytes) + 1. The one rule of `cold_copies_for` and of
-    scripts/read-floor.py's cold reads."""
+    copy: ceil(COLD_L2_FACTOR x L2_BYTES / nbytes) + 1. The one rule of `check_cold_calls`."""
     return -(-COLD_L2_FACTOR * L2_BYTES // nbytes) + 1
+
+
+def check_cold_calls(nbytes: int, calls: int, what: str, copy_sets: int = 1) -> None:
+    """The one refusal of a cold rotation (one copy of `nbytes` bytes per call of a graph of
+    `calls` calls, in `copy_sets` sets held at once): ValueError, its message starting with the
+    caller's context `what`, where calls < cold_copies_needed(nbytes) (fewer than COLD_L2_FACTOR
+    L2s of other copies between two reads of one copy: the run would time warm reads) or where
+    copy_sets x calls x nbytes exceeds COLD_MAX_BYTES. Called by `cold_copies_for` and by
+    scripts/read-floor.py's option check."""
+    needed = cold_copies_needed(nbytes)
+    if calls < needed:
+        raise ValueError(f"{what}: a copy of {nbytes / 1e6:.1f} MB a call needs --calls >= {needed} so that "
+                         f"{COLD_L2_FACTOR} x the {L2_BYTES >> 20} MiB L2 of other copies lie between two reads of "
+                         f"one copy, got --calls {calls}")
+    held = copy_sets * calls * nbytes
+    if held > COLD_MAX_BYTES:
+        raise ValueError(f"{what}: --calls {calls} would hold {held / 1e9:.1f} GB of copies ({copy_sets} x "
+                         f"{calls} x {nbytes / 1e6:.1f} MB; at most {COLD_MAX_BYTES >> 30} GiB); use fewer --calls")
 
 
 def cold_copies_for(tp: int, calls: int) -> int:
     """The weight copies of a cold-weights bench at `tp` with `calls` calls per graph: one per call
     (a copy is read once a replay, `calls` - 1 other copies after its last read). ValueError, with
-    the reason, where that is fewer than COLD_L2_FACTOR L2s of weight (too few calls to evict a
-    copy: the option would time warm launches) or more than COLD_MAX_BYTES of copies."""
-    size = 1152 * kv_heads_for(tp) * HIDDEN * 2
-    needed = cold_copies_needed(size)
-    if calls < needed:
-        raise ValueError(f"--cold-weights reads one weight copy per call of the graph: at tp {tp} (a weight of "
-                         f"{size / 1e6:.1f} MB) it needs --calls >= {needed} so that {COLD_L2_FACTOR} x the "
-                         f"{L2_BYTES >> 20} MiB L2 of other copies lie between two reads of one copy, got --calls {calls}")
-    if calls * size > COLD_MAX_BYTES:
-        raise ValueError(f"--cold-weights at tp {tp} with --calls {calls} would hold {calls * size / 1e9:.1f} GB of "
-                         f"weight copies (at most {COLD_MAX_BYTES >> 30} GiB); use fewer --calls")
+    the reason (`check_cold_calls`), where that is fewer than COLD_L2_FACTOR L2s of weight (too few
+    calls to evict a copy: the option would time warm launches) or where the two sets it holds
+    (the weight copies and `read floor, cold weights`'s buffers) exceed COLD_MAX_BYTES."""
+    check_cold_calls(1152 * kv_heads_for(tp) * HIDDEN * 2, calls,
+                     f"--cold-weights reads one weight copy per call of the graph at tp {tp}", copy_sets=2)
     return calls
 
 
@@ -474,16 +488,15 @@ def baselines(case: FrontCase, inputs: FrontInputs, rank: int, runner: FrontRunn
     paths = {VIRTUAL_STOCK: Baseline(unfused), MATMUL: Baseline(matmul)}
     if case.bench and takes_pdl(runner.launch):
         paths[NO_PDL] = Baseline(lambda: runner.launch_with(tap=False, pdl=False))
-    floor = read_floor.FloorRead(bytes_moved(case), runner.weight.device)
-    floor.check(f"{READ_FLOOR} of {case.label()}")
-    paths[READ_FLOOR] = Baseline(floor)
+    paths[READ_FLOOR] = Baseline(read_floor.checked_floor(bytes_moved(case), runner.weight.device,
+                                                          f"{READ_FLOOR} of {case.label()}"))
     if case.bench and case.cold_copies:
         cold = cold_launch(runner, case.cold_copies)
         paths[COLD] = Baseline(cold)
         paths[COLD_MATMUL] = Baseline(cold_matmul(runner.x, cold.copies, qkv))
-        cold_floor = read_floor.FloorRead(bytes_moved(case), runner.weight.device, count=case.cold_copies)
-        cold_floor.check(f"{COLD_READ_FLOOR} of {case.label()}")
-        paths[COLD_READ_FLOOR] = Baseline(cold_floor)
+        paths[COLD_READ_FLOOR] = Baseline(read_floor.checked_floor(bytes_moved(case), runner.weight.device,
+                                                                   f"{COLD_READ_FLOOR} of {case.label()}",
+                                                                   count=case.cold_copies))
     return paths
 
 

@@ -3,8 +3,9 @@ musebench, the least a kernel that must read those bytes can cost as the benches
 
 Who calls it: `musebench bench attn` and `bench front` time `FloorRead` beside the kernel, over the
 kernel's own byte count (`cases.attn2.baselines`' and `cases.qkv_front.baselines`' `read floor`
-columns: kernel / floor is a same-run ratio); `scripts/read-floor.py` sweeps `ReaderConfig`s with
-`triton_read` and checks each with `check_partials`.
+columns, READ_FLOOR: kernel / floor is a same-run ratio; built by `checked_floor`);
+`scripts/read-floor.py` sweeps `ReaderConfig`s, each a `FloorRead.over` its copies, and checks
+each with `check_partials`.
 
 The reader (`triton_read`): `programs` persistent programs stride the buffer's int32 words in
 chunks of `ReaderConfig.chunk_words` (loads_in_flight x num_warps x 32 threads x 4 words: every
@@ -45,6 +46,7 @@ WORDS_PER_VECTOR = VECTOR_BYTES // WORD_BYTES
 THREADS_PER_WARP = 32
 MAX_BYTES = 1 << 32  # int32 word offsets inside the reader stay below 2^31
 WRAP = 1 << 32
+READ_FLOOR = "read floor"  # the benches' column of a FloorRead (attn2's and qkv_front's baselines)
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,8 @@ class FloorRead:
     call; count 1: the same buffer every call, L2-resident across a graph's calls where it fits),
     into partials of its own (int32 [count, programs]). Allocates nothing per call
     (graph-capturable once `check` has compiled it). The buffers are separate allocations,
-    random int32 words (from `generator`, or seed 0), so a skipped word changes the sum."""
+    random int32 words (from `generator`, or seed 0), so a skipped word changes the sum
+    (`FloorRead.over`: the caller's buffers instead)."""
 
     def __init__(self, nbytes: int, device: torch.device, count: int = 1, config: ReaderConfig = FLOOR_CONFIG,
                  generator: torch.Generator | None = None) -> None:
@@ -152,11 +155,36 @@ class FloorRead:
         device = torch.device(device)
         if generator is None:
             generator = torch.Generator(device=device).manual_seed(0)
-        self.nbytes, self.config = nbytes, config
-        self.buffers = [torch.randint(-2 ** 31, 2 ** 31, (nbytes // WORD_BYTES,), dtype=torch.int32, device=device,
-                                      generator=generator) for _ in range(count)]
-        self.totals = [words_total(words) for words in self.buffers]
-        self.partials = torch.zeros(count, reader_programs(device, config), dtype=torch.int32, device=device)
+        buffers = [torch.randint(-2 ** 31, 2 ** 31, (nbytes // WORD_BYTES,), dtype=torch.int32, device=device,
+                                 generator=generator) for _ in range(count)]
+        self._hold(buffers, [words_total(words) for words in buffers], config)
+
+    @classmethod
+    def over(cls, buffers: list[torch.Tensor], totals: list[int], config: ReaderConfig = FLOOR_CONFIG) -> FloorRead:
+        """A floor over the caller's buffers (int32, 1-D, contiguous, the same byte count, one
+        device; call j reads buffer j mod len(buffers)) whose exact word sums are `totals`
+        (`words_total`), with partials of its own: scripts/read-floor.py times many configurations
+        over one set of copies. ValueError with the reason where the buffers break that contract."""
+        if not buffers or len(totals) != len(buffers):
+            raise ValueError(f"the read floor reads at least one buffer and knows each one's total, got "
+                             f"{len(buffers)} buffers and {len(totals)} totals")
+        first = buffers[0]
+        for words in buffers:
+            if (words.dtype != torch.int32 or words.dim() != 1 or not words.is_contiguous()
+                    or words.numel() != first.numel() or words.device != first.device):
+                raise ValueError(f"the read floor reads contiguous 1-D int32 buffers of one size on one device, got "
+                                 f"{words.dtype} {tuple(words.shape)} on {words.device} beside {tuple(first.shape)} "
+                                 f"on {first.device}")
+        check_nbytes(first.numel() * WORD_BYTES)
+        floor = cls.__new__(cls)
+        floor._hold(list(buffers), list(totals), config)
+        return floor
+
+    def _hold(self, buffers: list[torch.Tensor], totals: list[int], config: ReaderConfig) -> None:
+        self.nbytes, self.config = buffers[0].numel() * WORD_BYTES, config
+        self.buffers, self.totals = buffers, totals
+        self.partials = torch.zeros(len(buffers), reader_programs(buffers[0].device, config), dtype=torch.int32,
+                                    device=buffers[0].device)
         self.turn = 0
 
     def __call__(self) -> None:
@@ -178,5 +206,15 @@ class FloorRead:
         self.turn = 0
 
 
-__all__ = ["FLOOR_CONFIG", "FloorRead", "ReaderConfig", "check_nbytes", "check_partials", "reader_programs",
-           "triton_read", "words_total", "wrapped"]
+def checked_floor(nbytes: int, device: torch.device, what: str, count: int = 1) -> FloorRead:
+    """A bench's floor: `FloorRead(nbytes, device, count)` (FLOOR_CONFIG), checked once eagerly
+    (`FloorRead.check(what)`: compiles the reader before any capture; RuntimeError naming `what`
+    where it skipped a byte), returned ready to time. Called by cases.attn2 and cases.qkv_front's
+    `baselines`."""
+    floor = FloorRead(nbytes, device, count=count)
+    floor.check(what)
+    return floor
+
+
+__all__ = ["FLOOR_CONFIG", "READ_FLOOR", "FloorRead", "ReaderConfig", "check_nbytes", "check_partials",
+           "checked_floor", "reader_programs", "triton_read", "words_total", "wrapped"]

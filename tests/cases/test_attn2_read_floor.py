@@ -1,13 +1,13 @@
 """attn2's `read floor` bench column (cases/attn2.py `baselines`): on CPU, a plain read of
 bytes_moved(case) bytes from one buffer every call beside SDPA, its ratio the kernel's over it,
 its sum checked before timing (a reader that skipped 16 bytes fails the case); on a GPU a bench
-attn row carries it with a positive time and a short read fails the row. (Apart from
+attn row carries it with a positive time (its buffer on the KV cache's device) and a short read
+fails the row. (Apart from
 tests/cases/test_attn2.py, which covers the rest of the family.)"""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from musebench.cases import attn2 as fam
 from musebench.cases.attn2_inputs import for_rank
@@ -58,14 +58,23 @@ def _bench_job(**kw):
 
 
 @pytest.mark.gpu
-def test_bench_attn_times_the_read_floor_beside_the_kernel():
+def test_bench_attn_times_the_read_floor_beside_the_kernel(monkeypatch):
     """On a GPU: a bench attn row passes and carries `read floor` with a positive time, its ratio
-    the kernel's µs over it."""
+    the kernel's µs over it; the floor's buffer lies on the KV cache's device."""
     from musebench.harness.jobs import run_job
 
     pytest.importorskip("triton")
+    real, seen = fam.baselines, []
+
+    def spied(case, inputs, rank, runner, comms):
+        paths = real(case, inputs, rank, runner, comms)
+        seen.append((paths[fam.READ_FLOOR].call, runner.problem.kv_cache.device))
+        return paths
+
+    monkeypatch.setattr(fam, "baselines", spied)
     (row,) = run_job(_bench_job())
     assert row.passed, row.error
+    assert seen and all(floor.buffers[0].device == device and device.type == "cuda" for floor, device in seen)
     assert row.baselines_us[fam.READ_FLOOR] > 0
     assert row.baseline_ratios[fam.READ_FLOOR] == pytest.approx(row.tail_us / row.baselines_us[fam.READ_FLOOR])
 
@@ -83,9 +92,3 @@ def test_bench_attn_refuses_a_read_floor_with_a_wrong_sum(monkeypatch):
     (row,) = run_job(_bench_job())
     assert not row.passed and "read floor" in row.error and "did not read every byte" in row.error
     assert fam.READ_FLOOR not in row.baselines_us
-
-
-def test_the_floor_buffer_is_allocated_on_the_kv_caches_device(emulated_read_floor):
-    case = fam.Attn2Case(tp=16, tokens=40, max_model_len=512)
-    floor = _paths(case)[fam.READ_FLOOR].call
-    assert floor.buffers[0].device == torch.device("cpu") and floor.partials.dtype == torch.int32

@@ -352,6 +352,22 @@ def test_cold_weights_copies_keep_every_copy_out_of_l2_or_are_refused():
         front.cold_copies_for(4, 1000)
 
 
+def test_the_cold_bytes_cap_counts_the_weight_copies_and_the_cold_floors_buffers():
+    """A cold-weights bench holds two sets of copies (the weight's and `read floor, cold weights`'s
+    buffers): at tp 4 (75.5 MB) the most calls whose two sets fit COLD_MAX_BYTES pass, one more is
+    refused, though one set of it would fit."""
+    size = front.bytes_moved(front.FrontCase(tp=4, tokens=1))
+    most = front.COLD_MAX_BYTES // (2 * size)
+    assert (most + 1) * size <= front.COLD_MAX_BYTES < 2 * (most + 1) * size  # one set would fit
+    assert front.cold_copies_for(4, most) == most
+    with pytest.raises(ValueError, match=rf"^--cold-weights .* at tp 4: --calls {most + 1} would hold .* \(2 x "
+                                         rf"{most + 1} x 75.5 MB; at most 16 GiB\)"):
+        front.cold_copies_for(4, most + 1)
+    front.check_cold_calls(size, most + 1, "one set")  # the script's single set: within the cap
+    with pytest.raises(ValueError, match=r"^one set: --calls 1000 would hold"):
+        front.check_cold_calls(size, 1000, "one set")
+
+
 def test_cold_weights_need_a_bench_job_and_enough_calls():
     from musebench.harness import jobs
     from musebench.harness.measure import BenchOptions
@@ -424,16 +440,19 @@ def test_the_cold_weights_baseline_is_there_only_with_copies(monkeypatch, emulat
         assert front.NO_PDL not in paths  # the stand-in takes no enable_pdl
 
 
+@pytest.fixture
+def cold_front_baselines(monkeypatch, emulated_read_floor):
+    """`_cold_front_baselines` with the read floor's reader emulated."""
+    return lambda copies=4: _cold_front_baselines(monkeypatch, copies)
+
+
 def _cold_front_baselines(monkeypatch, copies=4):
-    """A cold bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed, the read
-    floor's reader emulated), and a log of the weights every torch.matmul call reads and the
-    buffer it writes."""
+    """A cold bench case's baselines on CPU (the fake launch, the Triton epilogue stubbed; the
+    caller emulates the read floor's reader), and a log of the weights every torch.matmul call
+    reads and the buffer it writes."""
     import musebench.stock.triton_qkv_epilogue as triton_stock
-    from musebench.stock import read_floor
-    from tests._read_floor import emulated_triton_read
 
     monkeypatch.setattr(triton_stock, "triton_qkv_epilogue", lambda *a, **k: None)
-    monkeypatch.setattr(read_floor, "triton_read", emulated_triton_read)
     case = small_case(tokens=2, bench=True, cold_copies=copies)
     inputs = front.make_inputs(case)
     runner = front.FrontRunner(_fake_launch(False), case, **front._device_copies(case, inputs, 0, torch.device("cpu")))
@@ -465,25 +484,25 @@ def _assert_cold_matmul_rotates(paths, matmuls, copies):
     assert len({id(out) for _, out in matmuls}) == 1, "another out buffer per call"
 
 
-def test_the_cold_matmul_reads_the_cold_launchs_copies_in_turn(monkeypatch):
-    paths, matmuls = _cold_front_baselines(monkeypatch)
+def test_the_cold_matmul_reads_the_cold_launchs_copies_in_turn(cold_front_baselines):
+    paths, matmuls = cold_front_baselines()
     _assert_cold_matmul_rotates(paths, matmuls, 4)
     assert matmuls[0][1] is not paths[front.COLD].call.copies[0]  # it writes a qkv buffer, not a weight
 
 
-def test_a_cold_matmul_stuck_on_one_copy_is_caught(monkeypatch):
+def test_a_cold_matmul_stuck_on_one_copy_is_caught(monkeypatch, cold_front_baselines):
     """Fault injection: a rotation that always hands out copy 0 fails the check above."""
     monkeypatch.setattr(front.WeightRotation, "next", lambda self: self.copies[0])
-    paths, matmuls = _cold_front_baselines(monkeypatch)
+    paths, matmuls = cold_front_baselines()
     with pytest.raises(AssertionError, match="not every cold copy"):
         _assert_cold_matmul_rotates(paths, matmuls, 4)
 
 
-def test_a_cold_matmul_making_a_view_per_call_is_caught(monkeypatch):
+def test_a_cold_matmul_making_a_view_per_call_is_caught(cold_front_baselines):
     """Fault injection: a call that transposes its copy at every call fails the check above."""
     from musebench.cases.tail import Baseline
 
-    paths, matmuls = _cold_front_baselines(monkeypatch)
+    paths, matmuls = cold_front_baselines()
     copies = paths[front.COLD].call.copies
     rotation, x, qkv = front.WeightRotation(copies), torch.zeros(2, front.HIDDEN, dtype=torch.bfloat16), \
         torch.empty(2, 1152, dtype=torch.bfloat16)
@@ -507,7 +526,9 @@ def test_the_cold_ratios_pair_cold_with_cold():
     row = CaseResult(kernel="qkv_front", backend="cute", mode="rope", tp=16, tokens=1, weight_dtype="bf16",
                      norm="qk", inputs="random", seed=0, launcher="virtual", transport="local", stock="torch",
                      tail_us=8.0, baselines_us={front.READ_FLOOR: 4.0, front.COLD: 10.0, front.COLD_READ_FLOOR: 6.25})
-    row.baseline_ratio_of = {name: over for name, over in front.BASELINE_RATIO_OF.items() if name in row.baselines_us}
+    from musebench.harness.driver import ratios_of
+
+    row.baseline_ratio_of = ratios_of(front, row.baselines_us)
     assert row.baseline_ratios == {front.READ_FLOOR: 2.0, front.COLD: 0.8, front.COLD_READ_FLOOR: 1.6}
     assert "but read floor, cold weights: cold weights / it" in baseline_legend([row])
 

@@ -1,15 +1,14 @@
 """scripts/read-floor.py: its option checks (every refusal before the GPU, exit 2 with the reason),
 the cold rotation's copy count, the GB/s and roofline arithmetic, the best-row choice, the JSON
-document, the sum check that proves a reader read every byte (and fails when one did not), the
-Triton reader in Triton's CPU interpreter where Triton imports, and on a GPU a tiny run end to end."""
+document, the check after the replays (on CPU, a stand-in timer: it fails when the captured
+launches wrote nothing, though the warm-up did), and on a GPU a tiny run end to end. The reader
+and its sum check are tested in tests/stock/test_read_floor.py."""
 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -57,8 +56,9 @@ def test_the_defaults_plan_the_issues_byte_counts_both_states_and_the_sweep(floo
     (["--bytes", "0"], "0 is not a positive int"),
     (["--bytes", ","], "at least one value"),
     (["--bytes", "18874368,18874368"], "each value once"),
-    (["--bytes", "18874370"], "not a multiple of 16"),
-    (["--bytes", str((1 << 32) + 16), "--states", "warm"], "int32 word offsets"),
+    (["--bytes", "18874370"], "--bytes: the read floor reads a positive multiple of 16 bytes (16-byte loads), got 18874370"),
+    (["--bytes", str((1 << 32) + 16), "--states", "warm"],
+     "--bytes: the read floor reads at most 4294967296 bytes (int32 word offsets)"),
     (["--states", "hot"], "--states"),
     (["--states", "cold,cold"], "--states"),
     (["--programs-per-sm", "64"], "at most 32"),
@@ -89,14 +89,17 @@ def test_the_script_exits_2_on_a_bad_option_before_naming_the_missing_gpu():
     assert missing.returncode == 2 and missing.stderr.strip() == "read-floor.py: needs a CUDA GPU; none is visible"
 
 
-def test_cold_copies_put_four_l2s_of_other_copies_between_two_reads(floor):
+def test_cold_reads_put_four_l2s_of_other_copies_between_two_reads(floor):
+    """--states cold needs one copy a call with at least 4 L2s of other copies between two reads of
+    one (`check_cold_calls`): refused at the fewest calls less one, planned at the fewest."""
     l2 = floor.L2_BYTES
     for nbytes, needed in ((18874368, 13), (37748736, 7), (75497472, 4), (33554432, 8), (67108864, 5)):
-        assert floor.cold_copies(nbytes, 20) == 20  # one copy a call: each read once a replay
-        assert floor.cold_copies(nbytes, needed) == needed
+        assert _plan(floor, "--bytes", str(nbytes), "--calls", "20").calls == 20  # one copy a call
+        assert _plan(floor, "--bytes", str(nbytes), "--calls", str(needed)).calls == needed
         assert (needed - 1) * nbytes >= 4 * l2 > (needed - 2) * nbytes  # the fewest calls that evict
-        with pytest.raises(ValueError, match=f"needs --calls >= {needed}"):
-            floor.cold_copies(nbytes, needed - 1)
+        with pytest.raises(ValueError, match=f"^--states cold .*--bytes {nbytes}: .*needs --calls >= {needed} .*"
+                                             f"got --calls {needed - 1}$"):
+            _plan(floor, "--bytes", str(nbytes), "--calls", str(needed - 1))
 
 
 def test_gb_per_s_and_the_roofline_ratio(floor):
@@ -138,54 +141,46 @@ def test_the_json_document_holds_every_number_and_the_machine(floor, monkeypatch
             "roofline_us", "ratio_to_roofline", "best"} <= set(rows[1])
 
 
-def test_the_sum_check_fails_a_reader_that_skipped_or_changed_a_word(floor):
-    words = torch.randint(-2 ** 31, 2 ** 31, (1000,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
-    total = int(words.sum(dtype=torch.int64))
-    partials = torch.stack([words[i::4].sum(dtype=torch.int64) for i in range(4)])  # what 4 programs would sum
-    wrapped = ((partials + 2 ** 31) % 2 ** 32 - 2 ** 31).to(torch.int32)  # their int32 arithmetic
-    floor.check_partials(wrapped, total, "exact")
-    skipped = torch.stack([words[:-1][i::4].sum(dtype=torch.int64) for i in range(4)]).to(torch.int32)
-    with pytest.raises(RuntimeError, match="did not read every byte"):
-        floor.check_partials(skipped, total, "one word short")
-    with pytest.raises(RuntimeError, match="did not read every byte"):
-        floor.check_partials(torch.zeros(4, dtype=torch.int32), total, "never written")
+def _read_size_on_cpu(floor, monkeypatch, silent: str | None = None):
+    """`read_size` over 4096 B warm on CPU, one Triton configuration (the reader emulated by the
+    caller's fixture) and torch, with a stand-in for `graph_median_us`: the eager warm-up call,
+    then `before_replays`, then the replays' calls, none for the `silent` reader ("triton",
+    "torch"): its captured launches write nothing."""
+    from musebench.harness import measure
+
+    def timer(call, stream, options, before_replays=None, samples=None):
+        reader = "triton" if isinstance(call, floor.FloorRead) else "torch"
+        call()  # the warm-up: writes the results the captured launches must write again
+        before_replays()
+        for _ in range(0 if reader == silent else options.replays * options.calls):
+            call()
+        samples.extend([1.0] * options.replays)
+        return 1.0
+
+    monkeypatch.setattr(measure, "graph_median_us", timer)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    plan = _plan(floor, "--bytes", "4096", "--states", "warm", "--calls", "3", "--replays", "2",
+                 "--programs-per-sm", "2", "--loads-in-flight", "1", "--num-warps", "1")
+    stream = type("CpuStream", (), {"device": torch.device("cpu")})()
+    return floor.read_size(4096, plan, stream, torch.Generator().manual_seed(0))
 
 
-INTERPRETED = """
-import sys, torch
-sys.path.insert(0, {repo!r})
-import importlib.util
-spec = importlib.util.spec_from_file_location("read_floor", {script!r})
-floor = importlib.util.module_from_spec(spec); sys.modules["read_floor"] = floor; spec.loader.exec_module(floor)
-g = torch.Generator().manual_seed(0)
-for n_words in (2048, 3 * 2048 + 4, 5 * 512 + 12):  # whole chunks, a partial chunk, more programs than chunks
-    words = torch.randint(-1000, 1000, (n_words,), dtype=torch.int32, generator=g)  # no int32 wrap: numpy would raise
-    total = int(words.sum(dtype=torch.int64))
-    for config in (floor.ReaderConfig(1, 1, 1), floor.ReaderConfig(3, 2, 2), floor.ReaderConfig(2, 4, 1)):
-        partials = torch.zeros(config.programs_per_sm * 2, dtype=torch.int32)
-        floor.triton_read(words, partials, config)
-        floor.check_partials(partials, total, "interpreted")
-        short = torch.zeros_like(partials)
-        floor.triton_read(words[:-4], short, config)
-        try:
-            floor.check_partials(short, total, "short")
-        except RuntimeError:
-            continue
-        sys.exit("a reader four words short passed the check")
-print("interpreted reader ok")
-"""
+def test_the_check_after_the_replays_reads_what_the_replays_wrote(floor, monkeypatch, emulated_read_floor):
+    rows = _read_size_on_cpu(floor, monkeypatch)
+    assert [(r["state"], r["reader"]) for r in rows] == [("warm", "triton"), ("warm", "torch")]
+    assert len(emulated_read_floor) == 1 + 2 * 3  # the warm-up, then 2 replays of 3 calls
 
 
-def test_the_triton_reader_reads_every_word_in_the_interpreter():
-    """The Triton reader on CPU tensors (TRITON_INTERPRET=1): its partials add to the buffer's sum
-    for whole and partial chunks and grids wider than the chunks; a read four words short fails."""
-    pytest.importorskip("triton")
-    done = subprocess.run([sys.executable, "-c", INTERPRETED.format(repo=str(REPO), script=str(SCRIPT))],
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
-    if "only 0-dimensional arrays can be converted" in done.stderr:
-        pytest.skip("Triton's interpreter cannot bound a loop by program_id under this numpy (>= 2.3)")
-    assert done.returncode == 0 and "interpreted reader ok" in done.stdout, done.stdout + done.stderr
+@pytest.mark.parametrize("silent, reason", [
+    ("triton", r"^triton 2/SM x 1 warps x 1 loads, 4096 B warm, copy 0: .* did not read every byte once"),
+    ("torch", r"^torch.sum\(int32 view, dtype=torch.int64\), 4096 B warm, copy 0: 0 != "),
+])
+def test_a_reader_whose_captured_launches_write_nothing_fails(floor, monkeypatch, emulated_read_floor, silent,
+                                                              reason):
+    """Fault injection: the warm-up wrote the right results, the replays nothing: the results
+    zeroed before the replays (`before_replays`) make the check after them fail."""
+    with pytest.raises(RuntimeError, match=reason):
+        _read_size_on_cpu(floor, monkeypatch, silent)
 
 
 @pytest.mark.gpu
@@ -206,21 +201,3 @@ def test_a_tiny_read_floor_runs_end_to_end(tmp_path):
     assert all(0 < r["us_min"] <= r["us_median"] <= r["us_max"] for r in rows)
     assert len(document["best"]) == 2 and document["sm_count"] > 0 and document["triton"]
     assert done.stdout.count("best: ") == 2
-
-
-@pytest.mark.gpu
-def test_the_gpu_reader_fails_the_check_when_it_reads_short(floor):
-    """The compiled reader's partials add to the buffer's sum; over the buffer less its last 16
-    bytes, the check fails: the check can see a skipped vector."""
-    pytest.importorskip("triton")
-    words = torch.randint(-2 ** 31, 2 ** 31, (1 << 20,), dtype=torch.int32, device="cuda")
-    total = int(words.sum(dtype=torch.int64))
-    config = floor.ReaderConfig(2, 4, 4)
-    partials = torch.zeros(2 * torch.cuda.get_device_properties(0).multi_processor_count, dtype=torch.int32,
-                           device="cuda")
-    floor.triton_read(words, partials, config)
-    floor.check_partials(partials, total, "whole")
-    partials.zero_()
-    floor.triton_read(words[:-4], partials, config)
-    with pytest.raises(RuntimeError, match="did not read every byte"):
-        floor.check_partials(partials, total, "16 bytes short")
