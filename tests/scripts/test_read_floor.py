@@ -7,29 +7,27 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.scripts.conftest import run_script as run_script_file
-from tests.scripts.conftest import script_module
+from tests._scripts import REPO, SCRIPTS, script_module
+from tests._scripts import run_script as run_script_file
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "read-floor.py"
+SCRIPT = SCRIPTS / "read-floor.py"
 
 
 @pytest.fixture(scope="module")
 def floor():
-    """The script as a module (`conftest.script_module`)."""
+    """The script as a module (`tests._scripts.script_module`)."""
     with script_module("read-floor.py", "read_floor") as module:
         yield module
 
 
 def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`python3 read-floor.py args` (`conftest.run_script`)."""
+    """`python3 scripts/read-floor.py args` (`tests._scripts.run_script`)."""
     return run_script_file("read-floor.py", args, **env)
 
 
