@@ -468,3 +468,35 @@ def test_trace_attn2_summary_with_sm_loads_and_idle_between_launches(trace_attn2
     assert table["overlap_with_previous_ns"] == dict(median=-1000, max=-1000)  # 1 us idle between the launches
     text = trace_attn2.render(8, 131072, dict(table, tp=8, seq_len=131072))
     assert "2 an SM: 1 SMs, last chain end 6.00 (max 6.00) µs, 1.6 pages/µs" in text
+
+
+WEIGHT_TERMS = "weight-terms-attn2.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--tp", "3"], "--tp: '3' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "8,8"], "--tp: '8,8' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "x"], "--tp: 'x' is not a comma list of 16, 8, 4, 2"),
+    (["--lengths", "7"], "--lengths: '7' is not a comma list of lengths in [8, 131072], each once"),
+    (["--lengths", "131073"], "--lengths: '131073' is not a comma list of lengths in [8, 131072]"),
+    (["--lengths", ","], "--lengths: ',' is not a comma list of lengths in [8, 131072]"),
+    (["--families", "noise"], "--families: 'noise': a comma list of distinct random, large, equal, tiny"),
+    (["--families", "random,random"], "--families: 'random,random': a comma list of distinct random, large"),
+    (["--calls", "0"], "--calls and --replays must be >= 1"),
+    (["--replays", "0"], "--calls and --replays must be >= 1"),
+    (["--json", "/nonexistent-folder/w.json"], "--json: the folder of '/nonexistent-folder/w.json' does not exist"),
+])
+def test_weight_terms_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
+    """weight-terms-attn2.py: an option it cannot run exits 2 with the reason, naming the values it
+    takes, before the GPU is touched (a tp outside `cases.attn2.TPS`, a length outside [8, 131072],
+    an unknown input family, a value twice, no calls or replays, a --json folder that does not exist)."""
+    assert_refused(run_script(WEIGHT_TERMS, args), reason)
+
+
+def test_weight_terms_attn2_without_a_gpu_refuses_after_its_options():
+    """With valid options and no CUDA GPU, weight-terms-attn2.py exits 2 naming what it needs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the comparison would run")
+    assert_refused(run_script(WEIGHT_TERMS, ["--tp", "8", "--lengths", "8192"]), "needs a CUDA GPU")
