@@ -500,3 +500,16 @@ def test_weight_terms_attn2_without_a_gpu_refuses_after_its_options():
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the comparison would run")
     assert_refused(run_script(WEIGHT_TERMS, ["--tp", "8", "--lengths", "8192"]), "needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("filename", [SWEEP_ATTN2, ATTN2_SASS])
+def test_the_issue_help_names_every_split_issue_switch(filename):
+    """sweep-attn2.py's and attn2-sass.py's --issue help name every short name `SplitIssue.named`
+    takes (`SplitIssue.SHORT_NAMES`), so none is left for the reader to guess."""
+    pytest.importorskip("cutlass")
+    from musebench.kernels.attn2 import SplitIssue
+
+    done = run_script(filename, ["--help"])
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps the help
+    assert all(f" {name} " in text for name in SplitIssue.SHORT_NAMES), text
