@@ -8,10 +8,12 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
     python3 scripts/sweep-attn2.py --splits 64,128,256 --lengths 512,8192,32768,131072 --tp 8,16
 
-`--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all", "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`),
-or mask / rescale / lean / keys / defer joined by "+"; a setting may end in @wgmma or @sync) against each
-other on the same plan; they must not change a bit, so each point also counts the elements that differ from the first --issue
-setting of its plan (`bits_differing_from_first_issue`), and the run exits 1 if any does.
+`--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all",
+"none", "auto" (the deployment's, `kernels.attn2.deployment_issue`), or the short names of
+`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch, joined by "+"; a setting
+may end in @wgmma or @sync) against each other on the same plan; they must not change a bit, so
+each point also counts the elements that differ from the first --issue setting of its plan
+(`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
 `--splits-per-cta 1,2,auto` times the split kernel with one or two sibling splits a CTA
 (`Attn2Build.splits_per_cta`; "auto": the deployment's, `attn2_layout.splits_per_cta`) on the same
@@ -105,9 +107,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--issue", default="all",
-                        help="comma list of SplitIssue settings: auto (the deployment's), all, none, or mask / rescale / "
-                             "lean / keys / defer joined by +; a setting may end in @wgmma or @sync (Attn2Build.tensor_ops; default the "
-                             "target's)")
+                        help="comma list of SplitIssue settings: auto (the deployment's), all, none, or "
+                             f"{' / '.join(attn2.SplitIssue.SHORT_NAMES)} joined by +; a setting may end in @wgmma "
+                             "or @sync (Attn2Build.tensor_ops; default the target's)")
     parser.add_argument("--splits-per-cta", default="auto", help="comma list of 1, 2, auto (the deployment's)")
     parser.add_argument("--pages-per-step", default="auto",
                         help="comma list of 1, 2, auto (the deployment's: 2 for split plans without a window)")

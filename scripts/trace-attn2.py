@@ -2,13 +2,15 @@
 `Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
 
     python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--calls 20] [--json PATH]
+        [--rows PATH] [--loads-only]
 
-Why: the bench gives one number a call (tp 8, CUDA graphs: L 8 6.94 µs, 128k 29.36 µs) and Nsight
-Compute the split kernel alone (128k: 23.8 µs), without the PDL overlap of the graph. The trace
-says, per CTA, where the rest goes: the split kernel's PDL wait, its prologue (Q fragments, the
-page-table prefetch, the ring's first copies issued), its page chain(s) and its partial write; the
-combine's PDL wait (the split grid's end), its partial loads with its group's subtree, the tree
-above the groups (shuffles, shared memory) and the epilogue; and when the grids start and end.
+Why: the bench (`musebench bench attn`, CUDA graphs) gives one number a call, and Nsight Compute
+the split kernel alone (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), without the PDL
+overlap of the graph. The trace says, per CTA, where the rest goes: the split kernel's PDL wait,
+its prologue (Q fragments, the page-table prefetch, the ring's first copies issued), its page
+chain(s) and its partial write; the combine's PDL wait (the split grid's end), its partial loads
+with its group's subtree, the tree above the groups (shuffles, shared memory) and the epilogue;
+and when the grids start and end.
 
 Per (tp, L) (the bench's inputs: `cases.attn2_inputs`, random family, one request, rank 0's KV
 heads, max_model_len 131072): `--calls` traced launches, each with its own workspace (the partials,
@@ -25,7 +27,8 @@ overlap with the previous launch (its last end minus this one's first entry: pos
 overlaps them), each phase's median and max over CTAs (the split kernel's also over the CTAs with
 pages only: at L 8 one split of 256 has any), CTAs per SM, and the last launch's SMs grouped by their
 split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond).
-`--json` writes every number; `--rows` every launch's raw rows (for analyses of their own).
+`--json` writes every number; `--rows` every launch's raw rows (for analyses of their own);
+`--loads-only` traces the split kernel's page stream alone (`Attn2Build.loads_only`).
 Exit 2 on a bad option or without a GPU, before any GPU work.
 """
 
@@ -118,7 +121,7 @@ def sm_loads(split: list[dict], pages: list[int], ratio_split: float) -> dict:
 def summarize(launches: list[dict]) -> dict:
     """Launches (dicts: `split` and `combine` row lists of trace dicts, `split_pages` each split
     row's page count) -> phases (ns), spans, gaps, overlaps and SM loads. A launch without a
-    combine (one split) has `combine` []."""
+    combine (one split) has `combine` []. The launches are read, not changed."""
     out: dict = {}
     every = {k: [r for x in launches for r in x[k]] for k in ("split", "combine")}
     ratios = {k: ratio(rows, k) for k, rows in every.items() if rows}
@@ -143,12 +146,14 @@ def summarize(launches: list[dict]) -> dict:
         table["ctas"] = len(launches[0][kernel])
         out[kernel] = table
     spans, split_spans, combine_spans, gaps, combine_after_split = [], [], [], [], []
+    first_entries, last_ends = [], []  # per launch: its first split entry, its last end (either kernel)
     for x in launches:
         split, combine = x["split"], x["combine"]
         first = min(r["globaltimer_entry"] for r in split)
         split_end = max(r["globaltimer_end"] for r in split)
         last = max(r["globaltimer_end"] for r in split + combine)
-        x["first_entry"], x["last_end"] = first, last
+        first_entries.append(first)
+        last_ends.append(last)
         spans.append(last - first)
         split_spans.append(split_end - first)
         if combine:
@@ -167,8 +172,8 @@ def summarize(launches: list[dict]) -> dict:
     out["combine_span_ns"] = med(combine_spans)
     out["combine_first_entry_after_split_first_entry_ns"] = med(combine_after_split)
     out["gap_split_end_to_combine_waited_ns"] = med(gaps)
-    out["overlap_with_previous_ns"] = med([p["last_end"] - c["first_entry"] for p, c in zip(launches, launches[1:])])
-    out["launch_period_ns"] = med([c["first_entry"] - p["first_entry"] for p, c in zip(launches, launches[1:])])
+    out["overlap_with_previous_ns"] = med([end - entry for end, entry in zip(last_ends, first_entries[1:])])
+    out["launch_period_ns"] = med([b - a for a, b in zip(first_entries, first_entries[1:])])
     return out
 
 
@@ -280,7 +285,7 @@ def main() -> None:
                     combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
                     if combine_rows is not None else [],
                     split_pages=pages))
-            if args.rows:  # before summarize, which adds its own keys to each launch
+            if args.rows:
                 ctas = splits // per_cta
                 raw.append(dict(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                                 loads_only=args.loads_only, launches=[dict(

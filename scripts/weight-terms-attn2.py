@@ -15,8 +15,9 @@ Per (tp, L, family; max_model_len 131072, no window, rank 0's KV heads): CUDA-gr
 deployment (weight_terms 2) and of weight_terms 1 (`harness.measure.graph_median_us`, the benches'
 timing), and each one's error against the FP64 reference (`stock.attn2.attn2_reference`) beside the
 stock's (`stock.attn2.stock_attn2`: SDPA flash, then the Triton gate's arithmetic), with the issue's
-verdict (`UlpError.within`). One line per point; `--json` writes them. Exit 2 on a bad option or
-without a GPU, before any GPU work.
+verdict (`cases.attn2.accuracy_verdict`, the case's own: no NaN or inf where the reference is
+finite, and max and mean error `UlpError.within` the stock's). One line per point; `--json` writes
+them. Exit 2 on a bad option (naming the values it takes) or without a GPU, before any GPU work.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import json
 import os
 import sys
 
-TPS = (16, 8, 4, 2)
-MAX_MODEL_LEN = 131072
+MAX_MODEL_LEN = 131072  # the bench's deployment (`bench attn --max-model-len`)
 
 
 def _refuse(message: str) -> None:
@@ -35,13 +35,15 @@ def _refuse(message: str) -> None:
     sys.exit(2)
 
 
-def _ints(text: str, what: str, allowed) -> list[int]:
+def _csv(text: str, allowed, names: str, what: str) -> tuple[int, ...]:
+    """Comma-separated ints, each `allowed(v)`, each once; exit 2 otherwise, the message naming
+    `names` (the values `allowed` takes)."""
     try:
-        values = [int(v) for v in text.split(",") if v]
+        values = tuple(int(v) for v in text.split(",") if v)
     except ValueError:
-        values = []
+        values = ()
     if not values or not all(allowed(v) for v in values) or len(set(values)) != len(values):
-        _refuse(f"{what}: {text!r} is not a comma list of distinct allowed values")
+        _refuse(f"{what}: {text!r} is not a comma list of {names}, each once")
     return values
 
 
@@ -54,9 +56,11 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    tps = _ints(args.tp, "--tp", lambda v: v in TPS)
-    lengths = _ints(args.lengths, "--lengths", lambda v: 8 <= v <= MAX_MODEL_LEN)
+    from musebench.cases.attn2 import TPS, accuracy_verdict
     from musebench.cases.attn2_inputs import INPUT_FAMILIES
+
+    tps = _csv(args.tp, lambda v: v in TPS, ", ".join(str(tp) for tp in sorted(TPS, reverse=True)), "--tp")
+    lengths = _csv(args.lengths, lambda v: 8 <= v <= MAX_MODEL_LEN, f"lengths in [8, {MAX_MODEL_LEN}]", "--lengths")
 
     families = [f for f in args.families.split(",") if f]
     if not families or any(f not in INPUT_FAMILIES for f in families) or len(set(families)) != len(families):
@@ -89,7 +93,8 @@ def main() -> None:
                 workspace = torch.empty(max(16, lay.workspace_bytes(1, p.num_kv_heads, splits)), dtype=torch.uint8,
                                         device=device)
                 _, exact = attn2_reference(p)
-                stock_error = ulp_error(stock_attn2(p), exact)
+                stock = stock_attn2(p)
+                stock_error = ulp_error(stock, exact)
                 row = dict(tp=tp, L=length, family=family,
                            stock_max_ulp=round(stock_error.max, 4), stock_mean_ulp=round(stock_error.mean, 6))
                 for terms in (2, 1):
@@ -102,10 +107,11 @@ def main() -> None:
                     us = graph_median_us(call, stream, bench)
                     torch.cuda.synchronize()
                     error = ulp_error(out, exact)
+                    _, within_stock = accuracy_verdict(out, stock, exact)
                     row.update({f"terms{terms}_us": round(us, 2), f"terms{terms}_max_ulp": round(error.max, 4),
                                 f"terms{terms}_mean_ulp": round(error.mean, 6),
                                 f"terms{terms}_nonfinite": error.nonfinite,
-                                f"terms{terms}_within_stock": bool(error.nonfinite == 0 and error.within(stock_error))})
+                                f"terms{terms}_within_stock": within_stock})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import pathlib
+import copy
 import runpy
 
 import pytest
 
 from tests._processes import free_port_pair
+from tests._scripts import REPO, run_script, script_module
 
-SCRIPTS = sorted((pathlib.Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+SCRIPTS = sorted((REPO / "scripts").glob("*.py"))
 
 
 def test_there_are_scripts_to_check():
@@ -22,7 +23,6 @@ def test_a_script_loads_without_a_gpu(path):
     assert callable(namespace.get("main")), f"{path.name} has no main()"
 
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
 SBATCH = REPO / "scripts" / "gb200-nightly.sbatch"
 SMALL_NIGHTLY = """\
 [defaults]
@@ -160,18 +160,7 @@ def test_the_nightly_dry_run_without_a_python_says_what_it_needs(tmp_path):
     assert done.returncode == 0 and "setup, every node: srun --ntasks-per-node=1 --label bash -c" in done.stdout
 
 
-SWEEP_ATTN2 = REPO / "scripts" / "sweep-attn2.py"
-
-
-def run_script(path: pathlib.Path, args: list[str]):
-    """`python3 path args` from the repository root with this checkout on PYTHONPATH (this
-    machine has no GPU: a script reaching its GPU work would end otherwise)."""
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+SWEEP_ATTN2 = "sweep-attn2.py"
 
 
 def assert_refused(result, reason: str) -> None:
@@ -203,15 +192,14 @@ def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason
 
 
 def test_sweep_attn2_without_a_gpu_refuses_after_its_options():
-    """With valid options and no CUDA GPU, sweep-attn2.py exits 2 naming what it needs (no traceback);
-    a bad option is still refused first, with its own reason."""
+    """With valid options and no CUDA GPU, sweep-attn2.py exits 2 naming what it needs (a bad option
+    is refused before that, with its own reason: the parametrized refusals above)."""
     pytest.importorskip("cutlass")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the sweep would run")
     assert_refused(run_script(SWEEP_ATTN2, ["--tp", "8", "--lengths", "8192", "--issue", "auto"]), "needs a CUDA GPU")
-    assert_refused(run_script(SWEEP_ATTN2, ["--ring-stages", "7"]), "ring_stages must be one of")
 
 
 def test_profile_attn2_takes_loads_only_and_names_the_gpu_it_needs():
@@ -222,7 +210,7 @@ def test_profile_attn2_takes_loads_only_and_names_the_gpu_it_needs():
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the profile would run")
-    script = REPO / "scripts" / "profile-attn2.py"
+    script = "profile-attn2.py"
     done = run_script(script, ["--loads-only", "--lengths", "131072"])
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr and "Traceback" not in done.stderr
     bad = run_script(script, ["--loads-only", "--issue", "fast"])
@@ -234,20 +222,18 @@ def test_profile_attn2_sequential_pages_keep_the_values():
     pages, and the CPU model of the kernel gives the same bits as with the shuffled table (a window and
     spare entries included); a check that sees a changed page."""
     import dataclasses
-    import importlib.util
 
     import torch
 
     from musebench.cases.attn2_inputs import make_problem
     from musebench.cpu.attn2 import attn2_model
 
-    spec = importlib.util.spec_from_file_location("profile_attn2", REPO / "scripts" / "profile-attn2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     used = (300 + 15) // 16  # the request's pages
+    with script_module("profile-attn2.py", "profile_attn2") as module:
+        in_logical_order = module.in_logical_order
     for window in (0, 100):
         problem = make_problem("random", 300, 4096, window=window, num_kv_heads=1)
-        ordered = module.in_logical_order(problem)
+        ordered = in_logical_order(problem)
         assert ordered.page_table[0, :used].tolist() == list(range(used))
         want = attn2_model(ordered, num_splits=4)
         assert torch.equal(attn2_model(problem, num_splits=4).view(torch.int16), want.view(torch.int16))
@@ -258,14 +244,15 @@ def test_profile_attn2_sequential_pages_keep_the_values():
 
 
 def test_profile_qkv_front_plans_the_loads_only_probe_and_names_the_gpu_it_needs():
-    """profile-qkv-front.py --loads-only: the same plan as without it (--list, no GPU needed), and
-    without a CUDA GPU one line naming what it needs, exit 2, before any GPU work."""
+    """profile-qkv-front.py --loads-only: the option parses (with --list, which prints the plan and
+    returns before the option is read, so this shows only that argparse takes it: the plan is the
+    same by construction), and without a CUDA GPU one line naming what it needs, exit 2, before
+    any GPU work."""
     import torch
 
-    script = REPO / "scripts" / "profile-qkv-front.py"
-    plain = run_script(script, ["--list", "--l2", "cold"])
+    script = "profile-qkv-front.py"
     probe = run_script(script, ["--list", "--l2", "cold", "--loads-only"])
-    assert plain.returncode == probe.returncode == 0 and probe.stdout == plain.stdout and "N 2304 T 1 cold" in probe.stdout
+    assert probe.returncode == 0 and "N 2304 T 1 cold" in probe.stdout, probe.stderr
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the profile would run")
     assert_refused(run_script(script, ["--loads-only", "--n", "2304", "--tokens", "1", "--l2", "cold"]),
@@ -277,7 +264,8 @@ def test_sweep_attn2_pages_per_step_values():
     without a window, 1 with one or with one split); 1 and 2 as written, whatever the plan (2 with
     two splits a CTA runs)."""
     pytest.importorskip("cutlass")
-    per_step = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_pages_per_step"]
+    with script_module(SWEEP_ATTN2, "sweep_attn2") as sweep:
+        per_step = sweep._pages_per_step
     assert per_step("auto", 0, 256) == 2 and per_step("auto", 0, 64) == 2
     assert per_step("auto", 2048, 64) == 1 and per_step("auto", 0, 1) == 1
     assert per_step("1", 0, 256) == 1 and per_step("2", 2048, 64) == 2
@@ -290,14 +278,15 @@ def test_sweep_attn2_pages_per_step_values():
 def test_sweep_attn2_splits_per_cta_values():
     """auto is the deployment's (`attn2_layout.splits_per_cta`: two a CTA from 1024 leaves); 1 and 2 as written."""
     pytest.importorskip("cutlass")
-    per_cta = runpy.run_path(str(SWEEP_ATTN2), run_name="musebench_script_check")["_splits_per_cta"]
+    with script_module(SWEEP_ATTN2, "sweep_attn2") as sweep:
+        per_cta = sweep._splits_per_cta
     assert [per_cta("auto", heads, 256) for heads in (1, 2, 4, 8)] == [1, 1, 2, 2]
     assert per_cta("2", 2, 256) == 2 and per_cta("1", 2, 1) == 1
     with pytest.raises(ValueError, match="does not divide"):
         per_cta("2", 2, 1)
 
 
-TRACE_FRONT = REPO / "scripts" / "trace-qkv-front.py"
+TRACE_FRONT = "trace-qkv-front.py"
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -313,32 +302,42 @@ def test_trace_qkv_front_refuses_bad_options_before_any_gpu_work(args, reason):
     assert_refused(run_script(TRACE_FRONT, args), reason)
 
 
-def _trace_row(smid: int, entry_ns: int, phases_cycles: tuple[int, int, int, int]) -> dict:
-    """A CTA's trace at 2 cycles a ns: entry at `entry_ns`, then the four phases' cycles."""
+# A traced kernel's row fields, as the scripts read them: the SM, the entry and end %globaltimer (ns),
+# then the five %clock64 instants that bound the CTA's four phases.
+QKV_FRONT_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_streamed",
+                    "clock_reduced", "clock_end")
+ATTN2_SPLIT_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_prologue",
+                      "clock_chained", "clock_written")
+ATTN2_COMBINE_FIELDS = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_loaded",
+                        "clock_merged", "clock_end")
+
+
+def _trace_row(fields: tuple[str, ...], smid: int, entry_ns: int, phases_cycles: tuple[int, int, int, int]) -> dict:
+    """A CTA's trace row named by `fields` (the SM, entry and end ns, five clocks) at 2 cycles a ns:
+    entry at `entry_ns` (clock 1000), then its four phases' cycles; its end is its entry plus its
+    cycles / 2."""
     clocks = [1000]
     for cycles in phases_cycles:
         clocks.append(clocks[-1] + cycles)
     life_ns = (clocks[-1] - clocks[0]) // 2
-    return dict(smid=smid, globaltimer_entry=entry_ns, globaltimer_end=entry_ns + life_ns, clock_entry=clocks[0],
-                clock_waited=clocks[1], clock_streamed=clocks[2], clock_reduced=clocks[3], clock_end=clocks[4])
+    return dict(zip(fields, [smid, entry_ns, entry_ns + life_ns, *clocks], strict=True))
 
 
 def test_trace_qkv_front_phases_and_sm_loads():
     """The trace's arithmetic on made-up rows: phases in ns at the measured cycles-per-ns ratio, the
     stream split by how many of the launch's CTAs shared the SM, spans, skew and overlap."""
     pytest.importorskip("cutlass")
-    script = runpy.run_path(str(TRACE_FRONT), run_name="musebench_script_check")
-    fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_streamed",
-              "clock_reduced", "clock_end")
+    f = QKV_FRONT_FIELDS
     # launch A: SM 0 holds two CTAs (streams of 8000 cycles = 4 µs), SM 1 one (4000 cycles = 2 µs)
-    a = [_trace_row(0, 0, (200, 8000, 1000, 600)), _trace_row(0, 100, (200, 8000, 1000, 600)),
-         _trace_row(1, 50, (200, 4000, 1000, 600))]
+    a = [_trace_row(f, 0, 0, (200, 8000, 1000, 600)), _trace_row(f, 0, 100, (200, 8000, 1000, 600)),
+         _trace_row(f, 1, 50, (200, 4000, 1000, 600))]
     # launch B starts 4000 ns after A's first entry, before A's last end (5000 ns): 1000 ns overlap
-    b = [_trace_row(2, 4000, (400, 4000, 1000, 600)), _trace_row(3, 4000, (400, 4000, 1000, 600))]
-    launches = [script["summarize"](rows, fields) for rows in (a, b)]
+    b = [_trace_row(f, 2, 4000, (400, 4000, 1000, 600)), _trace_row(f, 3, 4000, (400, 4000, 1000, 600))]
+    with script_module(TRACE_FRONT, "trace_qkv_front") as script:
+        launches = [script.summarize(rows, f) for rows in (a, b)]
+        table = script.phase_table(launches)
     assert launches[0]["sm_load"] == [2, 2, 1] and launches[0]["entry_skew_ns"] == 100
     assert launches[0]["cycles_per_ns"] == pytest.approx(2.0, rel=1e-3)
-    table = script["phase_table"](launches)
     assert table["stream_by_ctas_on_the_sm"] == {"1": dict(ctas=3, median_ns=2000, max_ns=2000),
                                                  "2": dict(ctas=2, median_ns=4000, max_ns=4000)}
     assert table["pdl_wait"] == dict(median_ns=100, max_ns=200) and table["finish"]["median_ns"] == 300
@@ -346,7 +345,7 @@ def test_trace_qkv_front_phases_and_sm_loads():
     assert table["overlap_with_previous_ns"] == {"median": a[1]["globaltimer_end"] - 4000}
 
 
-ATTN2_SASS = REPO / "scripts" / "attn2-sass.py"
+ATTN2_SASS = "attn2-sass.py"
 
 
 @pytest.mark.parametrize("args, reason", [
@@ -361,22 +360,31 @@ def test_attn2_sass_refuses_bad_pages_per_step_before_compiling(args, reason):
     assert_refused(run_script(ATTN2_SASS, args), reason)
 
 
-TRACE_ATTN2 = REPO / "scripts" / "trace-attn2.py"
+TRACE_ATTN2 = "trace-attn2.py"
+
+
+@pytest.fixture(scope="module")
+def trace_attn2():
+    """scripts/trace-attn2.py as a module (`tests._scripts.script_module`); it needs no GPU to load."""
+    with script_module(TRACE_ATTN2, "trace_attn2") as module:
+        yield module
 
 
 @pytest.mark.parametrize("args, reason", [
-    (["--tp", "3"], "--tp: '3' is not a comma list of 16, 8, 4, 2"),
-    (["--tp", "8,8"], "each once"),
-    (["--tp", "x"], "--tp"),
+    (["--tp", "3"], "--tp: '3' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "8,8"], "--tp: '8,8' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "x"], "--tp: 'x' is not a comma list of 16, 8, 4, 2"),
+    (["--lengths", "4"], "--lengths: '4' is not a comma list of lengths in [8, 131072], each once"),
     (["--lengths", "7"], "--lengths: '7' is not a comma list of lengths in [8, 131072]"),
-    (["--lengths", "131073"], "--lengths"),
-    (["--calls", "2"], "needs >= 3"),
-    (["--json", "/nonexistent-folder/trace.json"], "does not exist"),
+    (["--lengths", "131073"], "--lengths: '131073' is not a comma list of lengths in [8, 131072]"),
+    (["--calls", "2"], "--calls: 2 leaves fewer than two launches after the first (needs >= 3)"),
+    (["--json", "/nonexistent-folder/trace.json"], "--json: the folder of '/nonexistent-folder/trace.json' does not exist"),
+    (["--rows", "/nonexistent-folder/rows.json"], "--rows: the folder of '/nonexistent-folder/rows.json' does not exist"),
 ])
 def test_trace_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
     """trace-attn2.py: an option it cannot run exits 2 with the reason before the GPU is touched
     (a tp outside 16 / 8 / 4 / 2, a length outside [8, 131072], a value twice, fewer than three
-    calls, a --json folder that does not exist)."""
+    calls, a --json or --rows folder that does not exist)."""
     assert_refused(run_script(TRACE_ATTN2, args), reason)
 
 
@@ -389,37 +397,22 @@ def test_trace_attn2_without_a_gpu_refuses_after_its_options():
     assert_refused(run_script(TRACE_ATTN2, ["--tp", "8", "--lengths", "8"]), "needs a CUDA GPU")
 
 
-def _attn2_row(fields: tuple[str, ...], smid: int, entry_ns: int, phases_cycles: tuple[int, ...]) -> dict:
-    """A CTA's trace row at 2 cycles a ns: entry at `entry_ns`, then its four phases' cycles."""
-    clocks = [1000]
-    for cycles in phases_cycles:
-        clocks.append(clocks[-1] + cycles)
-    life_ns = (clocks[-1] - clocks[0]) // 2
-    return dict(zip(fields, [smid, entry_ns, entry_ns + life_ns, *clocks]))
-
-
-def test_trace_attn2_phases_gaps_and_sm_loads():
+def test_trace_attn2_phases_gaps_and_sm_loads(trace_attn2):
     """The trace's arithmetic on made-up rows: phases in ns at each kernel's cycles-per-ns ratio
     (over every CTA and over the CTAs with pages), the gap from the split grid's end to the
     combine's first post-wait instant, spans, overlap with the previous launch and CTAs per SM."""
-    script = runpy.run_path(str(TRACE_ATTN2), run_name="musebench_script_check")
-    split_fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_prologue",
-                    "clock_chained", "clock_written")
-    combine_fields = ("smid", "globaltimer_entry", "globaltimer_end", "clock_entry", "clock_waited", "clock_loaded",
-                      "clock_merged", "clock_end")
-
     def launch(at: int) -> dict:
         # two split CTAs on SM 0 (one with pages: a 4 µs chain), one on SM 1 without pages
-        split = [_attn2_row(split_fields, 0, at, (200, 400, 8000, 400)),
-                 _attn2_row(split_fields, 0, at + 100, (200, 400, 0, 0)),
-                 _attn2_row(split_fields, 1, at + 50, (200, 400, 0, 0))]
+        split = [_trace_row(ATTN2_SPLIT_FIELDS, 0, at, (200, 400, 8000, 400)),
+                 _trace_row(ATTN2_SPLIT_FIELDS, 0, at + 100, (200, 400, 0, 0)),
+                 _trace_row(ATTN2_SPLIT_FIELDS, 1, at + 50, (200, 400, 0, 0))]
         # the split grid ends at at + 4500; the combine CTAs enter at at + 1000 and wait 4000 ns
-        combine = [_attn2_row(combine_fields, 2, at + 1000, (8000, 600, 400, 200)),
-                   _attn2_row(combine_fields, 3, at + 1200, (8000, 600, 400, 200))]
+        combine = [_trace_row(ATTN2_COMBINE_FIELDS, 2, at + 1000, (8000, 600, 400, 200)),
+                   _trace_row(ATTN2_COMBINE_FIELDS, 3, at + 1200, (8000, 600, 400, 200))]
         return dict(split=split, combine=combine, split_pages=[3, 0, 0])
 
     launches = [launch(0), launch(5000)]
-    table = script["summarize"](launches)
+    table = trace_attn2.summarize(launches)
     assert table["cycles_per_ns"] == {"split": 2.0, "combine": 2.0}
     assert table["split"]["chain"] == dict(median_ns=0, max_ns=4000)
     assert table["split"]["with_pages"]["ctas"] == 1 and table["split"]["with_pages"]["chain"]["median_ns"] == 4000
@@ -433,4 +426,90 @@ def test_trace_attn2_phases_gaps_and_sm_loads():
     assert table["combine_first_entry_after_split_first_entry_ns"]["median"] == 1000
     assert table["launch_period_ns"] == {"median": 5000, "max": 5000}
     assert table["overlap_with_previous_ns"]["median"] == 5800 - 5000
-    assert "tp 8 L 8" in script["render"](8, 8, table)
+    assert "tp 8 L 8" in trace_attn2.render(8, 8, table)
+
+
+def _loaded_launch(at: int) -> dict:
+    """A launch at 2 cycles a ns, times in ns after `at`: SM 0 holds two split CTAs (4 pages each;
+    chains 1000 .. 5000 and 1200 .. 6000), SM 1 one (2 pages; chain 1000 .. 3000); every split CTA
+    enters at 0, waits 100 and writes its partial in 100; one combine CTA enters at 5500, is past
+    its wait at 6600 and ends at 7000."""
+    split = [_trace_row(ATTN2_SPLIT_FIELDS, 0, at, (200, 1800, 8000, 200)),
+             _trace_row(ATTN2_SPLIT_FIELDS, 0, at, (200, 2200, 9600, 200)),
+             _trace_row(ATTN2_SPLIT_FIELDS, 1, at, (200, 1800, 4000, 200))]
+    combine = [_trace_row(ATTN2_COMBINE_FIELDS, 2, at + 5500, (2200, 200, 200, 400))]
+    return dict(split=split, combine=combine, split_pages=[4, 4, 2])
+
+
+def test_trace_attn2_sms_by_their_load(trace_attn2):
+    """`sm_loads`: per CTAs-an-SM count, the SMs, when their last chain ends, and their pages a µs
+    over first chain start to last chain end (SM 1: 2 pages in 2 µs; SM 0: 8 pages in 5 µs)."""
+    got = trace_attn2.sm_loads(_loaded_launch(0)["split"], [4, 4, 2], 2.0)
+    assert got == {"1": dict(sms=1, last_chain_end_ns=dict(median_ns=3000, max_ns=3000), pages_per_us_median=1.0),
+                   "2": dict(sms=1, last_chain_end_ns=dict(median_ns=6000, max_ns=6000), pages_per_us_median=1.6)}
+
+
+def test_trace_attn2_summary_with_sm_loads_and_idle_between_launches(trace_attn2):
+    """Two launches 8 µs apart, the first ending at 7 µs: a negative overlap (1 µs idle), the SM
+    groups of the last launch in the table and in the printed line; `summarize` leaves its
+    launches as they were."""
+    launches = [_loaded_launch(0), _loaded_launch(8000)]
+    before = copy.deepcopy(launches)
+    table = trace_attn2.summarize(launches)
+    assert launches == before
+    assert table["cycles_per_ns"] == {"split": 2.0, "combine": 2.0}
+    assert table["split"]["chain"] == dict(median_ns=4000, max_ns=4800)
+    assert table["split"]["ctas_by_ctas_on_the_sm"] == {"1": 1, "2": 2}
+    assert table["split"]["sms_by_ctas_on_the_sm"]["2"]["pages_per_us_median"] == 1.6
+    assert table["split_span_ns"] == dict(median=6100, max=6100)
+    assert table["launch_span_ns"] == dict(median=7000, max=7000)
+    assert table["gap_split_end_to_combine_waited_ns"] == dict(median=500, max=500)
+    assert table["launch_period_ns"] == dict(median=8000, max=8000)
+    assert table["overlap_with_previous_ns"] == dict(median=-1000, max=-1000)  # 1 us idle between the launches
+    text = trace_attn2.render(8, 131072, dict(table, tp=8, seq_len=131072))
+    assert "2 an SM: 1 SMs, last chain end 6.00 (max 6.00) µs, 1.6 pages/µs" in text
+
+
+WEIGHT_TERMS = "weight-terms-attn2.py"
+
+
+@pytest.mark.parametrize("args, reason", [
+    (["--tp", "3"], "--tp: '3' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "8,8"], "--tp: '8,8' is not a comma list of 16, 8, 4, 2, each once"),
+    (["--tp", "x"], "--tp: 'x' is not a comma list of 16, 8, 4, 2"),
+    (["--lengths", "7"], "--lengths: '7' is not a comma list of lengths in [8, 131072], each once"),
+    (["--lengths", "131073"], "--lengths: '131073' is not a comma list of lengths in [8, 131072]"),
+    (["--lengths", ","], "--lengths: ',' is not a comma list of lengths in [8, 131072]"),
+    (["--families", "noise"], "--families: 'noise': a comma list of distinct random, large, equal, tiny"),
+    (["--families", "random,random"], "--families: 'random,random': a comma list of distinct random, large"),
+    (["--calls", "0"], "--calls and --replays must be >= 1"),
+    (["--replays", "0"], "--calls and --replays must be >= 1"),
+    (["--json", "/nonexistent-folder/w.json"], "--json: the folder of '/nonexistent-folder/w.json' does not exist"),
+])
+def test_weight_terms_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
+    """weight-terms-attn2.py: an option it cannot run exits 2 with the reason, naming the values it
+    takes, before the GPU is touched (a tp outside `cases.attn2.TPS`, a length outside [8, 131072],
+    an unknown input family, a value twice, no calls or replays, a --json folder that does not exist)."""
+    assert_refused(run_script(WEIGHT_TERMS, args), reason)
+
+
+def test_weight_terms_attn2_without_a_gpu_refuses_after_its_options():
+    """With valid options and no CUDA GPU, weight-terms-attn2.py exits 2 naming what it needs."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the comparison would run")
+    assert_refused(run_script(WEIGHT_TERMS, ["--tp", "8", "--lengths", "8192"]), "needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("filename", [SWEEP_ATTN2, ATTN2_SASS])
+def test_the_issue_help_names_every_split_issue_switch(filename):
+    """sweep-attn2.py's and attn2-sass.py's --issue help name every short name `SplitIssue.named`
+    takes (`SplitIssue.SHORT_NAMES`), so none is left for the reader to guess."""
+    pytest.importorskip("cutlass")
+    from musebench.kernels.attn2 import SplitIssue
+
+    done = run_script(filename, ["--help"])
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())  # argparse wraps the help
+    assert all(f" {name} " in text for name in SplitIssue.SHORT_NAMES), text

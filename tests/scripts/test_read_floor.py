@@ -7,28 +7,23 @@ and its sum check are tested in tests/stock/test_read_floor.py."""
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 
 import pytest
 import torch
 
-from tests.scripts.conftest import run_script as run_script_file
-from tests.scripts.conftest import script_module
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "read-floor.py"
-
+from tests._scripts import script_module
+from tests._scripts import run_script as run_script_file
 
 @pytest.fixture(scope="module")
 def floor():
-    """The script as a module (`conftest.script_module`)."""
+    """The script as a module (`tests._scripts.script_module`)."""
     with script_module("read-floor.py", "read_floor") as module:
         yield module
 
 
 def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    """`python3 read-floor.py args` (`conftest.run_script`)."""
+    """`python3 scripts/read-floor.py args` (`tests._scripts.run_script`)."""
     return run_script_file("read-floor.py", args, **env)
 
 
