@@ -1,8 +1,8 @@
 """Where an attn2 launch spends its time, CTA by CTA: the traced build (`kernels.attn2`,
 `Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
 
-    python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--calls 20] [--json PATH]
-        [--rows PATH] [--loads-only]
+    python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--max-model-len 131072]
+        [--calls 20] [--json PATH] [--rows PATH] [--loads-only]
 
 Why: the bench (`musebench bench attn`, CUDA graphs) gives one number a call, and Nsight Compute
 the split kernel alone (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), without the PDL
@@ -13,7 +13,8 @@ with its group's subtree, the tree above the groups (shuffles, shared memory) an
 and when the grids start and end.
 
 Per (tp, L) (the bench's inputs: `cases.attn2_inputs`, random family, one request, rank 0's KV
-heads, max_model_len 131072): `--calls` traced launches, each with its own workspace (the partials,
+heads, max_model_len 131072 unless `--max-model-len` names another plan, without a window):
+`--calls` traced launches, each with its own workspace (the partials,
 then every CTA's trace row: `attn2.traced_workspace_bytes`), captured in one graph on a side stream
 after an eager warm-up (which compiles), replayed twice; the second replay's rows are read. Launch
 0 is left out (its predecessor is the previous replay's last launch, or nothing).
@@ -46,7 +47,7 @@ COMBINE_PHASES = (("pdl_wait", "clock_entry", "clock_waited"), ("loads", "clock_
                   ("tree", "clock_loaded", "clock_merged"), ("epilogue", "clock_merged", "clock_end"))
 LIFE = {"split": ("clock_entry", "clock_written"), "combine": ("clock_entry", "clock_end")}
 TPS = (16, 8, 4, 2)
-MAX_MODEL_LEN = 131072  # the bench's deployment (`bench attn --max-model-len`)
+MAX_MODEL_LEN = 131072  # the bench's deployment (`bench attn --max-model-len`), the default plan
 
 
 def _refuse(message: str) -> None:
@@ -72,6 +73,11 @@ def _tp(v: int) -> bool:
 
 def _length(v: int) -> bool:
     """lengths in [8, 131072]"""
+    return 8 <= v <= MAX_MODEL_LEN
+
+
+def _max_model_len(v: int) -> bool:
+    """max_model_len in [8, 131072]"""
     return 8 <= v <= MAX_MODEL_LEN
 
 
@@ -217,6 +223,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", default="8,16", help="16, 8, 4, 2 (1, 2, 4, 8 KV heads)")
     parser.add_argument("--lengths", default="8,8192,131072", help="request lengths L, 8 .. 131072")
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                        help="the deployment whose plan is traced (its split count: attn2_layout.splits); every "
+                             "length must fit in it")
     parser.add_argument("--calls", type=int, default=20, help="traced launches in the graph (>= 3)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--rows", default=None,
@@ -227,6 +236,10 @@ def main() -> None:
     args = parser.parse_args()
     tps = _csv(args.tp, _tp, "--tp")
     lengths = _csv(args.lengths, _length, "--lengths")
+    if not _max_model_len(args.max_model_len):
+        _refuse(f"--max-model-len: {args.max_model_len} is not a {_max_model_len.__doc__}")
+    if max(lengths) > args.max_model_len:
+        _refuse(f"--lengths: {max(lengths)} is past --max-model-len {args.max_model_len}")
     if args.calls < 3:
         _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
     for flag, path in (("--json", args.json), ("--rows", args.rows)):
@@ -247,7 +260,7 @@ def main() -> None:
     report, raw = [], []
     for tp in tps:
         for length in lengths:
-            p = for_rank(make_problem("random", length, MAX_MODEL_LEN), 0, tp).to(device)
+            p = for_rank(make_problem("random", length, args.max_model_len), 0, tp).to(device)
             heads = p.num_kv_heads
             splits = lay.splits(p.max_model_len, p.window, heads)
             per_cta = lay.splits_per_cta(heads, splits)
@@ -287,13 +300,13 @@ def main() -> None:
                     split_pages=pages))
             if args.rows:
                 ctas = splits // per_cta
-                raw.append(dict(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+                raw.append(dict(tp=tp, seq_len=length, max_model_len=args.max_model_len, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                                 loads_only=args.loads_only, launches=[dict(
                                     split=[dict(r, kv_head=i // ctas, first_split=(i % ctas) * per_cta, pages=n)
                                            for i, (r, n) in enumerate(zip(x["split"], x["split_pages"]))],
                                     combine=x["combine"]) for x in per_launch]))
             table = summarize(per_launch)
-            table.update(tp=tp, seq_len=length, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+            table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                          launches=len(per_launch), loads_only=args.loads_only)
             report.append(table)
             print(render(tp, length, table), flush=True)
