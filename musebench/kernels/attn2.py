@@ -1553,8 +1553,15 @@ class _Attn2CombineKernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_merged"] = ptx.read_clock64_u64()  # the tree above the groups (warp 0: its root)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
-            row_epilogue(mine[:lay.LANE_DIMS], mine[lay.LANE_DIMS + 1], gate_words, out, row, head, c, self.num_kv_heads, self.eps,
-                         cutlass.select_(group == 0, Int32(1), Int32(0)), min(32, self.threads))
+            # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
+            # quads' values never reach a stored bit. They run the epilogue on ones instead of their
+            # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
+            # slow path (`division.quotients_rn`), and the warp would wait for it (2 us at 4 splits).
+            root = group == 0
+            values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
+            lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
+            row_epilogue(values, lsum, gate_words, out, row, head, c, self.num_kv_heads, self.eps,
+                         cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
         if cutlass.const_expr(self.trace):
             clocks["clock_end"] = ptx.read_clock64_u64()
             clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
