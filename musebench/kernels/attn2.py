@@ -1137,8 +1137,10 @@ class _Attn2Kernel:
 
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
-        for j in cutlass.range_constexpr(self.splits_per_cta):
-            self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j], tidx)
+        if total > 0:  # a CTA without pages (most of them at small L) reads no entry: its table is never read
+            for j in cutlass.range_constexpr(self.splits_per_cta):
+                self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j],
+                                    tidx)
         if cutlass.const_expr(self.wgmma):
             for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
                 one = Uint32(gmma.BF16_ONES_WORD)
