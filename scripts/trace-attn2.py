@@ -2,7 +2,7 @@
 `Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
 
     python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--max-model-len 131072]
-        [--calls 20] [--json PATH] [--rows PATH] [--loads-only]
+        [--splits N] [--calls 20] [--json PATH] [--rows PATH] [--loads-only]
 
 Why: the bench (`musebench bench attn`, CUDA graphs) gives one number a call, and Nsight Compute
 the split kernel alone (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), without the PDL
@@ -226,6 +226,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
                         help="the deployment whose plan is traced (its split count: attn2_layout.splits); every "
                              "length must fit in it")
+    parser.add_argument("--splits", type=int, default=None,
+                        help="force the plan's split count (a power of two, 2 .. 256; default the deployment's, "
+                             "attn2_layout.splits)")
     parser.add_argument("--calls", type=int, default=20, help="traced launches in the graph (>= 3)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--rows", default=None,
@@ -240,6 +243,8 @@ def main() -> None:
         _refuse(f"--max-model-len: {args.max_model_len} is not a {_max_model_len.__doc__}")
     if max(lengths) > args.max_model_len:
         _refuse(f"--lengths: {max(lengths)} is past --max-model-len {args.max_model_len}")
+    if args.splits is not None and not (2 <= args.splits <= 256 and args.splits & (args.splits - 1) == 0):
+        _refuse(f"--splits: {args.splits} is not a power of two in [2, 256]")
     if args.calls < 3:
         _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
     for flag, path in (("--json", args.json), ("--rows", args.rows)):
@@ -262,7 +267,7 @@ def main() -> None:
         for length in lengths:
             p = for_rank(make_problem("random", length, args.max_model_len), 0, tp).to(device)
             heads = p.num_kv_heads
-            splits = lay.splits(p.max_model_len, p.window, heads)
+            splits = args.splits or lay.splits(p.max_model_len, p.window, heads)
             per_cta = lay.splits_per_cta(heads, splits)
             need = attn2.traced_workspace_bytes(1, heads, splits, per_cta)
             workspaces = [torch.zeros(need, dtype=torch.uint8, device=device) for _ in range(args.calls)]
@@ -271,7 +276,7 @@ def main() -> None:
             def launches() -> None:
                 for workspace in workspaces:
                     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
-                                 max_model_len=p.max_model_len, window=p.window, trace=True,
+                                 max_model_len=p.max_model_len, window=p.window, trace=True, num_splits=splits,
                                  loads_only=args.loads_only)
 
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -306,7 +311,8 @@ def main() -> None:
                                            for i, (r, n) in enumerate(zip(x["split"], x["split_pages"]))],
                                     combine=x["combine"]) for x in per_launch]))
             table = summarize(per_launch)
-            table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+            table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, forced_splits=args.splits is not None,
+                         kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                          launches=len(per_launch), loads_only=args.loads_only)
             report.append(table)
             print(render(tp, length, table), flush=True)
