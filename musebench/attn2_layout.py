@@ -335,6 +335,7 @@ def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: 
     _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
     if not is_power_of_two(num_splits):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    check_cluster_merge(cluster_merge, num_splits)  # before the one-split plan's 0: nothing to merge there
     if num_splits == 1:
         return 0
     if per_cta is None:
