@@ -68,6 +68,20 @@ the next page's Q K^T issued before this page's softmax on it (it changed bits: 
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
 the heads' chains ran one after the other, each restarting the ring).
 
+Cluster merge (`Attn2Build.cluster_merge` k = 2 or 4, an experiment; every deployment builds k = 1,
+whose PTX is the same as without the knob). Why: at tp 8 128k the split kernel writes 512 partials
+of 18 KB and the combine's loads took 1.9 us and its tree 0.94 of a 27.4 us period (tp 16: 1.34 +
+1.12 of 17.1). With one split a CTA and a plan of at least 2 k splits, the split kernel launches
+with clusters (1, k, 1), so splits k p' .. k p' + k - 1 share one; after the chain their leaves meet
+in rank 0's ring through distributed shared memory in the combine's tree order
+(`_Attn2Kernel.merge_cluster`: pairs, then pairs of pairs), and rank 0 writes the level-log2(k)
+node as partial p' (none where no split of the cluster has pages: the combine makes the empty leaf,
+and the merge of empty leaves is that leaf). The combine reads num_splits / k partials and runs
+the rest of the same tree: the deployment's bits. PDL: the release stays where it was, after the
+chain and before the exchange (a dependent's wait still waits for the whole grid). Not with two
+splits a CTA, nor with the traced build (refused); `loads_only` runs it (on empty nodes).
+Unmeasured.
+
 Where tp 8's 128k time goes (H200, records/2026-12-02-h200-*: 4426823 trace rows, 93d25a5
 ncu loads-only, 081ea38 stalls and read floor, fb41107 weight terms). The graph period is 28.1 us
 against a plain read of the same 67 MB in 17.1 us. The split CTAs' chains start 4.1-5.0 us after

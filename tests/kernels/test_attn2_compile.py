@@ -23,7 +23,11 @@ give every lane its mma B fragments through an emulated
 ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions).
 The traced build (`Attn2Build.trace`): its clocks read by every thread, its rows stored by thread 0
 only after the kernel's own stores, no spill (the check fails on edited PTX); no deployment reads a
-clock; the traced workspace's layout and the refusals of a non-bool trace."""
+clock; the traced workspace's layout and the refusals of a non-bool trace. The cluster merge
+(`Attn2Build.cluster_merge` 2, 4 at tp 8 and 16): the DSMEM exchange between cluster barriers after
+the chain and the partial after it (`_cluster_merge_failures`, which fails on other or edited PTX),
+no spill, the ring large enough, the combine's fewer loads; no deployment carries a cluster
+instruction or a cluster_merge key; the refusals before compile and launch."""
 
 from __future__ import annotations
 
