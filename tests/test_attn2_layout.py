@@ -279,3 +279,42 @@ def test_short_max_len_check_can_fail(monkeypatch):
     with pytest.raises(AssertionError):
         _check_short_plans()
     assert lay.splits(2048, 0, 2) == 1 and lay.splits(256, 0, 2) == 1 and lay.splits(2049, 0, 2) == 64
+
+
+# `cluster_merge` (an experiment): k sibling split CTAs of one split each merged in a cluster, one
+# partial a cluster
+
+
+def test_workspace_is_one_partial_per_cluster_with_cluster_merge():
+    assert lay.workspace_bytes(1, 2, 256, per_cta=1, cluster_merge=2) == 2 * 128 * lay.PARTIAL_BYTES  # tp 8
+    assert lay.workspace_bytes(1, 1, 256, cluster_merge=4) == 64 * lay.PARTIAL_BYTES  # tp 16: one split a CTA
+    assert lay.workspace_bytes(3, 2, 8, per_cta=1, cluster_merge=4) == 3 * 2 * 2 * lay.PARTIAL_BYTES  # the least plan
+    assert lay.workspace_bytes(1, 2, 256, per_cta=1, cluster_merge=1) == lay.workspace_bytes(1, 2, 256, per_cta=1)
+
+
+@pytest.mark.parametrize("cluster_merge", [0, 3, 8, True, 2.0, "2", None])
+def test_cluster_merge_outside_the_choices_is_refused(cluster_merge):
+    with pytest.raises(ValueError, match=r"cluster_merge must be one of \(1, 2, 4\)"):
+        lay.check_cluster_merge(cluster_merge)
+    with pytest.raises(ValueError, match="cluster_merge must be one of"):
+        lay.workspace_bytes(1, 1, 256, per_cta=1, cluster_merge=cluster_merge)
+
+
+@pytest.mark.parametrize("args, per_cta, cluster_merge, match", [
+    ((1, 4, 256), None, 2, "needs one split a CTA"),  # tp 4: the layout pairs splits a CTA
+    ((1, 2, 256), 2, 2, "needs one split a CTA"),
+    ((1, 2, 256), 2, 4, "needs one split a CTA"),
+    ((1, 2, 2), 1, 2, "at least 4 splits"),
+    ((1, 2, 4), 1, 4, "at least 8 splits"),
+    ((1, 2, 1), 1, 2, "at least 4 splits"),  # one split: refused, not 0 bytes
+    ((1, 2, 1), None, 4, "at least 8 splits"),
+])
+def test_cluster_merge_refuses_what_a_plan_cannot_run(args, per_cta, cluster_merge, match):
+    with pytest.raises(ValueError, match=match):
+        lay.workspace_bytes(*args, per_cta=per_cta, cluster_merge=cluster_merge)
+
+
+def test_cluster_merge_accepts_its_least_plans():
+    for cluster_merge in lay.CLUSTER_MERGE_CHOICES:
+        lay.check_cluster_merge(cluster_merge, 2 * cluster_merge, 1)
+    lay.check_cluster_merge(1, 1, 2)  # off: any plan, any splits a CTA

@@ -480,6 +480,15 @@ def st_shared_cluster_u32(address: Int32, value: Uint32, *, loc=None, ip=None) -
     )
 
 
+@dsl_user_op
+def st_shared_cluster_v4_u32(address: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None,
+                             ip=None) -> None:
+    """`st.shared::cluster.v4.u32`: 16 bytes (16-byte aligned) into a cluster peer's shared memory
+    (address from `mapa`; attn2's cluster merge)."""
+    _asm(None, [_ir(Int32(address), loc, ip)] + [_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3)],
+         "st.shared::cluster.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
+
+
 ATOMIC_ADD_ORDERS = ("acq_rel", "release")
 
 

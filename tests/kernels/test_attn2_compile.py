@@ -23,7 +23,11 @@ give every lane its mma B fragments through an emulated
 ldmatrix (.trans for V), bank-conflict free (and both checks fail on wrong address functions).
 The traced build (`Attn2Build.trace`): its clocks read by every thread, its rows stored by thread 0
 only after the kernel's own stores, no spill (the check fails on edited PTX); no deployment reads a
-clock; the traced workspace's layout and the refusals of a non-bool trace."""
+clock; the traced workspace's layout and the refusals of a non-bool trace. The cluster merge
+(`Attn2Build.cluster_merge` 2, 4 at tp 8 and 16): the DSMEM exchange between cluster barriers after
+the chain and the partial after it (`_cluster_merge_failures`, which fails on other or edited PTX),
+no spill, the ring large enough, the combine's fewer loads; no deployment carries a cluster
+instruction or a cluster_merge key; the refusals before compile and launch."""
 
 from __future__ import annotations
 
@@ -1184,3 +1188,220 @@ def test_prefetch_pages_adds_l2_prefetches_and_nothing_else(tmp_path_factory, tm
     assert probe.count("cp.async.cg.shared.global") == deployed.count("cp.async.cg.shared.global")
     assert probe.count("bar.sync") == deployed.count("bar.sync")
     assert_no_spills(assemble(probe, arch, tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attn2Build.cluster_merge (an experiment): k sibling split CTAs (one split each) launched as a
+# cluster merge their leaves through distributed shared memory; rank 0 writes one partial.
+
+CLUSTER_BUILDS = [(2, 2), (2, 4), (1, 2), (1, 4)]  # (KV heads: tp 8, 16 at 128k; cluster_merge)
+_CLUSTER_PTX: dict[tuple, tuple[str, str]] = {}
+
+
+def _cluster_ptx(tmp_path_factory, arch, heads, cluster_merge, max_model_len=131072, **build):
+    """(split kernel PTX, combine PTX) of the deployment's build with `cluster_merge`, once a module."""
+    key = (arch, heads, cluster_merge, max_model_len, tuple(sorted(build.items())))
+    if key not in _CLUSTER_PTX:
+        folder = tmp_path_factory.mktemp("attn2_cluster")
+        attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder),
+                                                                      cluster_merge=cluster_merge, **build))
+        split = sorted(folder.glob("*_Attn2Kernel_*.ptx"))
+        combine = sorted(folder.glob("*_Attn2CombineKernel_*.ptx"))
+        assert split and combine
+        _CLUSTER_PTX[key] = (split[-1].read_text(), combine[-1].read_text())
+    return _CLUSTER_PTX[key]
+
+
+def _positions(ptx: str, pattern: str) -> list[int]:
+    return [m.start() for m in re.finditer(pattern, ptx)]
+
+
+def _cluster_merge_failures(ptx: str, cluster_merge: int) -> list[str]:
+    """What the split kernel's PTX lacks for `cluster_merge` k (empty: nothing). log2 k rounds: one
+    cluster barrier (arrive, wait) before the first round and one after each round's stores, the
+    first after the chain (the last tensor-core step, the copies waited for: cp.async.wait_group 0,
+    and PDL's release); a round's stores are one mapa and nine st.shared::cluster.v4 a thread
+    (PENDING_VALUES words), between its two barriers; the merges (merge_into's two weights for
+    each of two rows a round, ex2.approx.f32 without ftz) after the last MMA; the partial (nine
+    st.global.v4) only after the last barrier. With k = 1: none of the cluster instructions (the
+    merge weights are not counted: the held split's and the one-split epilogue's sigmoid use them)."""
+    rounds = cluster_merge.bit_length() - 1
+    arrives = _positions(ptx, r"barrier\.cluster\.arrive")
+    waits = _positions(ptx, r"barrier\.cluster\.wait")
+    stores = _positions(ptx, r"st\.shared::cluster")
+    vector_stores = _positions(ptx, r"st\.shared::cluster\.v4\.u32")
+    mapas = _positions(ptx, r"mapa\.shared::cluster")
+    failures = []
+    barriers = rounds + 1 if rounds else 0
+    if len(arrives) != barriers or len(waits) != barriers:
+        failures.append(f"{len(arrives)} cluster arrives, {len(waits)} waits ({barriers} each)")
+    if len(stores) != len(vector_stores) or len(stores) != rounds * lay.PENDING_VALUES // 4:
+        failures.append(f"{len(stores)} DSMEM stores, {len(vector_stores)} of 16 bytes "
+                        f"({rounds * lay.PENDING_VALUES // 4} of 16 bytes)")
+    if len(mapas) != rounds:
+        failures.append(f"{len(mapas)} mapa ({rounds}: one a round)")
+    if not rounds or failures:  # (k 1: the merge weights are the held split's or the epilogue's sigmoid)
+        return failures
+    weights = _positions(ptx, MERGE_WEIGHT)
+    if len(weights) != 2 * 2 * rounds:
+        return [f"{len(weights)} merge weights (2 rows x 2 children a round: {4 * rounds})"]
+    steps = _positions(ptx, MMA_STEP)
+    chain_end = max(steps + _positions(ptx, r"cp\.async\.wait_group\s+0;") + _positions(ptx, "launch_dependents"))
+    if min(arrives) < chain_end:
+        failures.append("the first cluster barrier before the chain's end (last MMA, copies, PDL release)")
+    for s in range(rounds):
+        inside = [x for x in stores if waits[s] < x < arrives[s + 1]]
+        if len(inside) != lay.PENDING_VALUES // 4:
+            failures.append(f"round {s}: {len(inside)} DSMEM stores between its barriers")
+    if min(weights) < max(steps) or max(weights) < waits[-1]:
+        failures.append("the merges not after the chain, or none after the last barrier")
+    partial = _positions(ptx, r"st\.global\.v4\.u32")
+    if len(partial) != lay.PARTIAL_O_VECTORS + 1 or min(partial) < waits[-1]:
+        failures.append(f"{len(partial)} partial stores, the first before the last cluster barrier")
+    return failures
+
+
+def _combine_partial_loads(splits: int, cluster_merge: int) -> int:
+    """The combine's 16-byte loads: four vectors of O a partial of its group (the m, l words apart)."""
+    partials = splits // cluster_merge
+    return 4 * partials // lay.combine_groups(partials)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, cluster_merge", CLUSTER_BUILDS)
+def test_cluster_merge_builds_compile_without_spills(tmp_path_factory, tmp_path, arch, heads, cluster_merge):
+    """cluster_merge 2 and 4 at tp 8 and 16 (128k, 256 splits), both targets: the cluster exchange
+    (`_cluster_merge_failures`), PDL as the deployments', no local memory, ptxas assembles both
+    kernels without spills within the register cap; the combine loads 1 / k of the partials."""
+    ptx, combine = _cluster_ptx(tmp_path_factory, arch, heads, cluster_merge)
+    assert _cluster_merge_failures(ptx, cluster_merge) == []
+    assert ".local" not in ptx and ".local" not in combine
+    assert _reads_after_wait(ptx, r"ld\.global|cp\.async")
+    assert f".minnctapersm {lay.split_ctas_per_sm(arch)}" in ptx
+    assert "atom." not in ptx and "mbarrier" not in ptx
+    assert _reads_after_wait(combine, PARTIAL_LOADS)
+    assert len(_positions(combine, PARTIAL_LOADS)) == _combine_partial_loads(256, cluster_merge)
+    report = assemble(ptx, arch, tmp_path, "attn2_cluster")
+    assert_no_spills(report)
+    assert "Performance Loss" not in report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm(arch)), report
+    assert_no_spills(assemble(combine, arch, tmp_path, "attn2_cluster_combine"))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
+def test_deployments_carry_no_cluster_exchange(tmp_path_factory, arch, heads, max_model_len, window):
+    """No deployment merges in a cluster: its PTX has no cluster barrier, mapa or DSMEM store, and
+    its combine loads every partial (cluster_merge 1 is the build without the knob)."""
+    ptx, combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    assert _cluster_merge_failures(ptx, 1) == []
+    assert "cluster" not in ptx and (combine is None or "cluster" not in combine)
+
+
+def test_the_cluster_merge_check_fails_on_other_ptx(tmp_path_factory):
+    """Fault injection for `_cluster_merge_failures`: it holds for each build and fails on the
+    other's PTX (k 2 checked as 4 and as 1, k 4 as 2, the deployment's as 2), on a cluster barrier
+    dropped, on a DSMEM store dropped, on the first barrier moved before the chain's end, and on a
+    merge weight taken with ftz (edited PTX)."""
+    two, _ = _cluster_ptx(tmp_path_factory, "sm_90a", 2, 2)
+    four, _ = _cluster_ptx(tmp_path_factory, "sm_90a", 2, 4)
+    deployment, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0)
+    assert _cluster_merge_failures(two, 2) == [] and _cluster_merge_failures(four, 4) == []
+    assert _cluster_merge_failures(two, 4) and _cluster_merge_failures(two, 1) and _cluster_merge_failures(four, 2)
+    assert _cluster_merge_failures(deployment, 2)
+    assert _cluster_merge_failures(two.replace("\tbarrier.cluster.wait;\n", "", 1), 2)
+    store = re.search(r"\tst\.shared::cluster\.v4\.u32[^\n]*\n", two)
+    assert _cluster_merge_failures(two[:store.start()] + two[store.end():], 2)
+    first = re.search(r"\tbarrier\.cluster\.arrive;\n\tbarrier\.cluster\.wait;\n", two)
+    chain_end = two.index("griddepcontrol.launch_dependents")
+    line = two.rindex("\n", 0, chain_end) + 1
+    moved = two[:line] + first.group(0) + two[line:first.start()] + two[first.end():]
+    assert _cluster_merge_failures(moved, 2)
+    assert _cluster_merge_failures(two.replace("ex2.approx.f32", "ex2.approx.ftz.f32", 1), 2)
+
+
+def _cluster_split_kernel(heads, cluster_merge, **knobs):
+    variant = attn2._variant(heads, 131072, 0, None, None, cluster_merge)
+    return attn2._Attn2Kernel(**variant, enable_pdl=True, **knobs)
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("knobs", [dict(wgmma=True, pages_per_step=2, defer_values=True, ring_stages=8),
+                                   dict(wgmma=False, pages_per_step=2, ring_stages=8), dict(wgmma=True, ring_stages=4)])
+def test_the_cluster_merge_receives_in_the_ring(heads, knobs):
+    """Rank 0 (and with k 4 rank 2) receives a peer's node a round in its ring, each round its own
+    PENDING_BYTES region: the ring grows only where it is smaller than that (8 stages without
+    defer_values: 32 KB, for k 4's 36; the 4-stage ring for both), and 4 CTAs still fit an H200 SM."""
+    one = _cluster_split_kernel(heads, 1, **knobs)
+    ring = one.stages * lay.PAGE_BYTES
+    for cluster_merge in (2, 4):
+        kernel = _cluster_split_kernel(heads, cluster_merge, **knobs)
+        rounds = cluster_merge.bit_length() - 1
+        assert kernel.ring_bytes() == max(ring, rounds * lay.PENDING_BYTES)
+        assert kernel.smem_bytes() - one.smem_bytes() == max(0, rounds * lay.PENDING_BYTES - ring)
+        assert kernel.smem_bytes() <= SM90_SMEM_FOR_FOUR
+        assert (kernel.ctas, kernel.partials) == (256, 256 // cluster_merge)
+
+
+@pytest.mark.parametrize("cluster_merge", [0, 3, 8, True, 2.0, "2"])
+def test_cluster_merge_outside_the_choices_is_refused_by_the_build(cluster_merge):
+    with pytest.raises(ValueError, match="cluster_merge must be one of"):
+        attn2.Attn2Build(cluster_merge=cluster_merge)
+
+
+@pytest.mark.parametrize("build, match", [(dict(splits_per_cta=2), "one split a CTA"), (dict(trace=True), "trace")])
+def test_cluster_merge_refuses_two_splits_a_cta_and_the_trace(build, match):
+    with pytest.raises(ValueError, match=match):
+        attn2.Attn2Build(cluster_merge=2, **build)
+
+
+@pytest.mark.parametrize("heads, max_model_len, build, match", [
+    (4, 131072, dict(cluster_merge=2), "one split a CTA"),  # tp 4: the layout's two splits a CTA
+    (2, 128, dict(cluster_merge=2), "at least 4 splits"),  # the one-split plan
+    (2, 131072, dict(cluster_merge=4, num_splits=4), "at least 8 splits"),
+    (2, 256, dict(cluster_merge=4, num_splits=2), "at least 8 splits"),
+])
+def test_cluster_merge_refused_before_compile(heads, max_model_len, build, match):
+    """A plan cluster_merge cannot run: refused by compile_attn2 before anything compiles."""
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match=match):
+        attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch="sm_90a", **build))
+    assert len(attn2.compilation.CACHE) == before
+
+
+def test_launch_refuses_cluster_merge_before_anything_launches():
+    """`launch(..., cluster_merge=)`: outside the choices, with the one-split plan, or with two
+    splits a CTA, refused before the tensors are checked for a device (CPU tensors here)."""
+    before = len(attn2.compilation.CACHE)
+    for max_model_len, knobs, match in ((lay.SHORT_MAX_LEN, dict(cluster_merge=2), "at least 4 splits"),
+                                        (8192, dict(cluster_merge=3), "must be one of"),
+                                        (8192, dict(cluster_merge=2, splits_per_cta=2), "one split a CTA"),
+                                        (8192, dict(cluster_merge=2, trace=True), "trace")):
+        with pytest.raises(ValueError, match=match):
+            attn2.launch(**_cpu_launch_args(max_model_len), **knobs)
+    with pytest.raises(ValueError, match="one CUDA device"):  # valid: the device check is next
+        attn2.launch(**_cpu_launch_args(8192), cluster_merge=4)
+    assert len(attn2.compilation.CACHE) == before
+
+
+def test_cluster_merge_is_its_own_variant_and_1_is_the_deployments():
+    """cluster_merge 1 enters no compile key (the deployments' keys and PTX stay as they were);
+    2 and 4 are variants of both kernels."""
+    before = set(attn2.compilation.CACHE.keys())
+    for cluster_merge in (1, 2, 4):
+        attn2.compile_attn2(2, 8192, 0, attn2.Attn2Build(arch="sm_90a", cluster_merge=cluster_merge))
+    new = [(k[0].rsplit(".", 1)[-1], dict(k[3]).get("cluster_merge")) for k in set(attn2.compilation.CACHE.keys()) - before]
+    assert sorted(x for _, x in new if x is not None) == [2, 2, 4, 4]
+    assert {name for name, _ in new} == {"_Attn2Kernel", "_Attn2CombineKernel"}
+    assert not any(dict(k[3]).get("cluster_merge") == 1 for k in attn2.compilation.CACHE.keys())
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_loads_only_keeps_working_with_cluster_merge(tmp_path_factory, arch):
+    """The timing probe with cluster_merge 2: the page stream without its MMAs, the cluster exchange
+    as in the full build (every node the empty leaf: a probe, not attention)."""
+    ptx, _ = _cluster_ptx(tmp_path_factory, arch, 2, 2, loads_only=True)
+    assert re.search(MMA_STEP, ptx) is None and "cp.async.cg.shared.global" in ptx
+    assert len(_positions(ptx, r"st\.shared::cluster\.v4\.u32")) == lay.PENDING_VALUES // 4
+    assert len(_positions(ptx, r"barrier\.cluster\.wait")) == 2

@@ -4,7 +4,8 @@ bits are not emulated), against the FP64 reference beside the stock
 (max and mean ULP each at most the stock's), bitwise determinism across calls and graph replays,
 rank identity across tp, same keys same bits across L, poison never read. The traced build
 (`Attn2Build.trace`): the same bits, every CTA's row written with its clocks in order, in a graph
-too; a workspace without room for the rows refused."""
+too; a workspace without room for the rows refused. The cluster merge (`Attn2Build.cluster_merge`
+2 and 4): the deployment's bits, a partial written exactly for the clusters with pages."""
 
 from __future__ import annotations
 
@@ -588,3 +589,59 @@ def test_prefetched_pages_keep_every_bit(family, seq_len, max_model_len, num_kv_
     baseline = _launch(problem)[0]
     got = _launch_issue(problem, dataclasses.replace(deployed_issue, prefetch_pages=True))
     assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), _first_difference(got, baseline)
+
+
+# Attn2Build.cluster_merge (an experiment): k sibling split CTAs merged in a thread-block cluster
+# (DSMEM), one partial a cluster. L 8 (one live split: rank 0 live, its siblings empty, every other
+# cluster empty and unwritten), 17 (two live splits: with k 4 a live pair merged with an empty pair),
+# 4096 + 3 (every split live, split 0 two pages), 128k; the window at 16 splits forced: its pages
+# start at split 5, so cluster (4, 5) has an empty rank 0 beside a live rank 1 and (12, 13) the
+# reverse. tp 8 and 16 (2 and 1 KV heads).
+CLUSTER_CASES = [(8, 131072, 0, None), (17, 131072, 0, None), (4096 + 3, 131072, 0, None), (131072, 131072, 0, None),
+                 (3017, 8192, 100, 16)]
+
+
+def _written_partials(workspace: torch.Tensor, heads: int, partials: int) -> torch.Tensor:
+    """bool [heads, partials]: which partial slots of request 0 hold anything (the workspace starts
+    zeroed; a written partial's maxima are never all +0.0: a row without keys writes -inf)."""
+    slots = workspace[:heads * partials * lay.PARTIAL_BYTES].view(heads, partials, lay.PARTIAL_BYTES)
+    return slots.ne(0).any(dim=2)
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("num_kv_heads", [2, 1])
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_splits", CLUSTER_CASES)
+def test_cluster_merge_keeps_every_bit(family, num_kv_heads, seq_len, max_model_len, window, num_splits):
+    """cluster_merge 2 and 4 give the deployment's bits (int16 view, mismatches counted), and the
+    cluster's rank 0 writes its partial exactly where one of the cluster's splits has pages (the
+    combine makes the empty leaf of the others), nothing past num_splits / k slots."""
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
+    baseline, _ = _launch(problem, num_splits)
+    splits = num_splits or cute_ops.attn2_splits(max_model_len, window, num_kv_heads)
+    first_page, end_page = lay.visible_keys(seq_len, window)[0] // lay.PAGE_TOKENS, lay.max_pages(seq_len)
+    live = [bool(len(lay.split_pages(s, splits, first_page, end_page))) for s in range(splits)]
+    for cluster_merge in (2, 4):
+        got, workspace = _launch(problem, num_splits, splits_per_cta=1, cluster_merge=cluster_merge)
+        differing = int((got.view(torch.int16) != baseline.view(torch.int16)).sum())
+        assert differing == 0, (cluster_merge, differing, _first_difference(got, baseline))
+        assert not got.isnan().any()
+        partials = splits // cluster_merge
+        want = torch.tensor([any(live[p * cluster_merge:(p + 1) * cluster_merge]) for p in range(partials)])
+        written = _written_partials(workspace, num_kv_heads, partials)
+        assert torch.equal(written, want.expand(num_kv_heads, partials)), (cluster_merge, written, want)
+        assert not workspace[lay.workspace_bytes(1, num_kv_heads, splits, 1, cluster_merge):].any()
+
+
+def test_cluster_merge_comparison_sees_a_change():
+    """The comparison above is not vacuous, and a peer's leaf reaches the output: with logical page
+    1 (split 1's alone: rank 1 of cluster 0) negated in the cache, cluster_merge 2 differs from the
+    deployment on the original cache; every split is live there, so every slot is written."""
+    problem = make_problem("random", 4096 + 3, 131072, num_kv_heads=2)
+    baseline, _ = _launch(problem)
+    changed = problem.to("cuda")
+    physical = int(changed.page_table[0, 1])
+    changed.kv_cache[physical].neg_()
+    got, workspace = _launch(changed, splits_per_cta=1, cluster_merge=2)
+    assert int((got.view(torch.int16) != baseline.view(torch.int16)).sum()) > 0
+    written = _written_partials(workspace, 2, 128)
+    assert written.all()
