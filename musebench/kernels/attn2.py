@@ -269,7 +269,7 @@ class SplitIssue:
       KB (`cp.async.bulk.prefetch.L2`). Why: with PDL the split CTAs are resident 0.5-2 us before
       the wait returns (the QKV front's tail), and after it the prologue costs 1.8 us (tp 8, 128k,
       the H200) in two dependent global round trips (L, then the table, then the ring's first
-      copies) before the first page arrives; the early requests turn both into L2 hits. The
+      copies) before the first page arrives; the early requests are meant to make both L2 hits. The
       contract: the preceding kernel may still write q, seq_lens, the table and the cache, so a
       value read before the wait is a guess, used only as a prefetch address, and none flows into
       anything after the wait: there the kernel reads L and the table again exactly as without
