@@ -10,10 +10,12 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
 `--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all",
 "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`), or the short names of
-`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch, joined by "+"; a setting
-may end in @wgmma or @sync) against each other on the same plan; they must not change a bit, so
-each point also counts the elements that differ from the first --issue setting of its plan
-(`bits_differing_from_first_issue`), and the run exits 1 if any does.
+`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch / early, joined by "+"; a
+setting may end in @wgmma or @sync) against each other on the same plan; they must not change a
+bit, so each point also counts the elements that differ from the first --issue setting of its plan
+(`bits_differing_from_first_issue`), and the run exits 1 if any does. A setting with early
+(`SplitIssue.early_prefetch`: L2 prefetches before the PDL wait) needs PDL: with a 0 in --pdl it
+exits 2 before any launch.
 
 `--splits-per-cta 1,2,auto` times the split kernel with one or two sibling splits a CTA
 (`Attn2Build.splits_per_cta`; "auto": the deployment's, `attn2_layout.splits_per_cta`) on the same
@@ -140,6 +142,13 @@ def main() -> None:
         sys.exit(2)
     if not issues:
         print("--issue: name at least one setting", file=sys.stderr)
+        sys.exit(2)
+    try:
+        for pdl in _csv(args.pdl):
+            for issue, tensor_ops in issues.values():
+                attn2.Attn2Build(enable_pdl=bool(pdl), issue=issue, tensor_ops=tensor_ops)  # early needs PDL
+    except ValueError as e:
+        print(f"--issue with --pdl: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         per_cta_names = _axis_names(args.splits_per_cta)

@@ -183,10 +183,13 @@ def assert_refused(result, reason: str) -> None:
     (["--ring-stages", "7"], "ring_stages must be one of"),
     (["--ring-stages", "x"], "ring_stages must be one of"),
     (["--ring-stages", "8,8"], "each value once"),
+    (["--pdl", "1,0", "--issue", "auto,mask+rescale+lean+keys+defer+early"], "early_prefetch runs ahead of"),
+    (["--pdl", "0", "--issue", "early@sync"], "needs enable_pdl"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
-    with the reason, before the GPU is touched (this machine has none: reaching it would end otherwise)."""
+    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages, and an --issue with
+    early (`SplitIssue.early_prefetch`) beside a --pdl of 0: a value it cannot run exits 2 with the reason,
+    before the GPU is touched (this machine has none: reaching it would end otherwise)."""
     pytest.importorskip("cutlass")
     assert_refused(run_script(SWEEP_ATTN2, args), reason)
 

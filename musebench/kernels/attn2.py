@@ -130,7 +130,10 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work.
+combine's wait sees finished and flushed); each releases its dependents after its main work. The
+one exception is an experiment, `SplitIssue.early_prefetch`: its split kernel reads L and a few
+table entries before the wait as prefetch addresses only, then reads them again after it; no
+value read early reaches anything after the wait.
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
@@ -212,9 +215,14 @@ assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
 WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
+EARLY_WITHOUT_PDL = ("SplitIssue.early_prefetch runs ahead of griddepcontrol.wait: it needs enable_pdl (without PDL "
+                     "the kernel starts after the previous one ends and there is nothing to run ahead of)")
 # `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
 # one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
 L2_PREFETCH_PAGES = 8
+# `SplitIssue.early_prefetch`: the CTA's first pages whose KV blocks it asks L2 for before the PDL
+# wait: the ring prologue's lookahead copies and one two-page step's copies after them
+EARLY_PREFETCH_EXTRA_PAGES = 2
 
 
 def _require(ok: bool, message: str) -> None:
@@ -266,6 +274,25 @@ class SplitIssue:
       CTA without shared memory, registers or occupancy. A hint: no value changes. Why: at tp 8,
       128k the split CTA's own stream bounds the kernel (this module's docstring), not HBM or the
       tensor cores. Not yet run on a GPU.
+    - `early_prefetch` (an experiment, in no deployment and not in "all"; PDL builds only: without
+      `enable_pdl` there is no wait to run ahead of, and `Attn2Build` refuses the pair with
+      ValueError): before `griddepcontrol.wait` the CTA reads L (seq_lens[req]), computes its
+      pages as after the wait (`page_range`, `cta_pages`), asks L2 for the page-table entries of
+      all of them (`prefetch.global.L2`, one a thread) and, for its first lookahead +
+      EARLY_PREFETCH_EXTRA_PAGES pages, reads the entry and asks L2 for that (page, KV head)'s 4
+      KB (`cp.async.bulk.prefetch.L2`). Why: with PDL the split CTAs are resident 0.5-2 us before
+      the wait returns (the QKV front's tail), and after it the prologue costs 1.8 us (tp 8, 128k,
+      the H200) in two dependent global round trips (L, then the table, then the ring's first
+      copies) before the first page arrives; the early requests are meant to make both L2 hits. The
+      contract: the preceding kernel may still write q, seq_lens, the table and the cache, so a
+      value read before the wait is a guess, used only as a prefetch address, and none flows into
+      anything after the wait: there the kernel reads L and the table again exactly as without
+      the switch (the same loads, copies and barriers; `early_prefetch_pages` returns nothing).
+      A guess is harmless because every request is a hint and bounded: table addresses below
+      max_pages of the request's row, a KV block only for an entry in 0 .. cache_pages - 1 (-1 or
+      an entry past the cache asks for nothing), and L2 is the point of coherence, so a stale
+      address costs a wasted request, never a wrong value. The two words read early (`ld.global.cg`)
+      allocate no L1 line that a later weak load could hit stale. Not yet run on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -277,20 +304,22 @@ class SplitIssue:
     ldmatrix_keys: bool = True
     defer_values: bool = False
     prefetch_pages: bool = False
+    early_prefetch: bool = False
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False, False)
+        return SplitIssue(False, False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages",
+                   "early": "early_prefetch"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (`SplitIssue()`: every switch but `defer_values` and `prefetch_pages`), "none", or
-        short names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys",
-        "defer", "prefetch".
+        """"all" (`SplitIssue()`: every switch but `defer_values`, `prefetch_pages` and
+        `early_prefetch`), "none", or short names joined by "+" (those on, the rest off): "mask",
+        "rescale", "lean", "keys", "defer", "prefetch", "early".
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
@@ -384,6 +413,7 @@ class Attn2Build:
                  "CTA (not built; trace the deployment's build)")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
+        _require(self.issue is None or not self.issue.early_prefetch or self.enable_pdl, EARLY_WITHOUT_PDL)
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
@@ -425,12 +455,14 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 cluster_merge: int = 1) -> None:
+                 cluster_merge: int = 1, early_prefetch: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
         self.weight_terms = weight_terms
         self.prefetch_pages = prefetch_pages  # `SplitIssue.prefetch_pages`
+        _require(not early_prefetch or enable_pdl, EARLY_WITHOUT_PDL)
+        self.early_prefetch = early_prefetch  # `SplitIssue.early_prefetch`
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
         self.loads_only = loads_only  # `Attn2Build.loads_only`: the page stream without the arithmetic
@@ -522,6 +554,41 @@ class _Attn2Kernel:
         if (physical >= Int32(0)) & (physical < cache_pages):
             ptx.cp_async_bulk_prefetch_l2_global(
                 cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
+
+    def cache_pages(self, kv_cache: cute.Tensor) -> Int32:
+        """The cache's page count (its extent over one page of every KV head): a physical page
+        outside 0 .. cache_pages - 1 is never read."""
+        return Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
+
+    @cute.jit
+    def early_prefetch_pages(self, page_table: cute.Tensor, seq_lens: cute.Tensor, kv_cache: cute.Tensor,
+                             req: Int32, partial: Int32, kv_head: Int32, tidx: Int32) -> None:
+        """`SplitIssue.early_prefetch`, before griddepcontrol.wait (its docstring is the contract):
+        L2 hints for the CTA's page-table entries (thread t: the CTA's page t of each split) and
+        the KV blocks of its first lookahead + EARLY_PREFETCH_EXTRA_PAGES pages (thread t: the
+        CTA's page t, in `stream_page` order). Every value here is a guess (the preceding kernel may
+        still write L, the table or the cache) and only ever an address of a hint; nothing is
+        returned or stored."""
+        _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window, early=True)
+        starts, counts, total = self.cta_pages(partial, first_page, end_page)
+        table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
+                index = tidx + r * lay.CTA_THREADS
+                page = starts[j] + index * self.num_splits
+                if (index < counts[j]) & (page < self.max_pages):
+                    ptx.prefetch_global_l2(table_base + Int64(page) * WORD_BYTES)
+        cache_pages = self.cache_pages(kv_cache)
+        if tidx < cutlass.min(total, Int32(self.lookahead + EARLY_PREFETCH_EXTRA_PAGES)):
+            _, page = self.stream_page(tidx, starts, counts)
+            if page < self.max_pages:
+                # the entry as an address only (from L2, no L1 line left behind); -1 or past the
+                # cache asks for nothing, as `page_load` reads nothing there
+                physical = Int32(ptx.ld_global_cg_u32(table_base + Int64(page) * WORD_BYTES))
+                if (physical >= Int32(0)) & (physical < cache_pages):
+                    ptx.cp_async_bulk_prefetch_l2_global(
+                        Int64(kv_cache.iterator.toint())
+                        + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
 
     @cute.jit
     def page_load(self, smem_stage: Int32, cache_base: Int64, table_smem: Int32, index: Int32, page: Int32,
@@ -941,6 +1008,23 @@ class _Attn2Kernel:
                 ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
 
     @cute.jit
+    def cta_pages(self, partial: Int32, first_page: Int32, end_page: Int32):
+        """(starts, counts, total) of the CTA's splits (partial x splits_per_cta + j, j ascending:
+        siblings of the merge tree) over the request's pages first_page .. end_page - 1: split j's
+        first page, its page count (its page i is starts[j] + i S), and the CTA's pages in all."""
+        starts = []
+        counts = []
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            split = partial * self.splits_per_cta + j
+            start = first_page + ((split - first_page) & (self.num_splits - 1))
+            starts.append(start)
+            counts.append(cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits)
+        total = counts[0]
+        if cutlass.const_expr(self.splits_per_cta > 1):
+            total = counts[0] + counts[1]
+        return starts, counts, total
+
+    @cute.jit
     def stream_page(self, n: Int32, starts: list, counts: list):
         """(table index, logical page) of the CTA's n-th page: its splits' pages one split after the
         other (split j's page i is starts[j] + i S; its table entries from j x table_entries)."""
@@ -1232,23 +1316,18 @@ class _Attn2Kernel:
                                            byte_alignment=16)
             pending_base = Int32(pending.iterator.toint())
 
+        if cutlass.const_expr(self.early_prefetch):  # hints only: nothing it reads is used below
+            self.early_prefetch_pages(page_table, seq_lens, kv_cache, req, partial, kv_head, tidx)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
 
-        # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree)
+        # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree);
+        # L and the table read again here whether or not the early prefetch read them: the values
+        # come from these reads alone
         seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
-        starts = []
-        counts = []
-        for j in cutlass.range_constexpr(self.splits_per_cta):
-            split = partial * self.splits_per_cta + j
-            start = first_page + ((split - first_page) & (self.num_splits - 1))
-            starts.append(start)
-            counts.append(cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits)
-        total = counts[0]
-        if cutlass.const_expr(self.splits_per_cta > 1):
-            total = counts[0] + counts[1]
+        starts, counts, total = self.cta_pages(partial, first_page, end_page)
 
         a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
 
@@ -1260,7 +1339,7 @@ class _Attn2Kernel:
         o = [Float32(0.0) for _ in range(ACCUMULATORS)]  # o[4 t + j]: n-tile t, fragment element j; t = 8: l
 
         cache_base = Int64(kv_cache.iterator.toint())
-        cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
+        cache_pages = self.cache_pages(kv_cache)
         if total > 0:  # a CTA without pages (most of them at small L) reads no entry: its table is never read
             for j in cutlass.range_constexpr(self.splits_per_cta):
                 self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j],
@@ -1439,10 +1518,16 @@ def partial_slot(workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int3
 
 
 @cute.jit
-def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constexpr, window: cutlass.Constexpr):
+def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constexpr, window: cutlass.Constexpr,
+               early: cutlass.Constexpr = False):
     """(L clamped to [8, max_model_len], first page, end page) of request req: the pages holding
-    keys any of its rows sees."""
-    seq_len = Int32(ptx.ld_global_u32(Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES))
+    keys any of its rows sees. `early` (`SplitIssue.early_prefetch`, before griddepcontrol.wait:
+    a guess for prefetch addresses only): L read from L2 without an L1 line (`ld_global_cg_u32`)."""
+    length_address = Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES
+    if cutlass.const_expr(early):
+        seq_len = Int32(ptx.ld_global_cg_u32(length_address))
+    else:
+        seq_len = Int32(ptx.ld_global_u32(length_address))
     seq_len = cutlass.max(cutlass.min(seq_len, Int32(max_model_len)), Int32(lay.QUERY_LEN))
     first_key = Int32(0)
     if cutlass.const_expr(window > 0):

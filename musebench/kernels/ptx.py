@@ -587,6 +587,14 @@ def cp_async_bulk_prefetch_l2_global(global_address: Int64, size: int, *, loc=No
 
 
 @dsl_user_op
+def prefetch_global_l2(global_address: Int64, *, loc=None, ip=None) -> None:
+    """`prefetch.global.L2 [a]`: a hint to bring the line holding `a` into L2; no data reaches the
+    thread, nothing waits on it, and an address that is never read costs a wasted request."""
+    _asm(None, [_ir(Int64(global_address), loc, ip)], "prefetch.global.L2 [$0];", "l", side_effects=True, loc=loc,
+         ip=ip)
+
+
+@dsl_user_op
 def cp_async_cg_shared_global_16(shared_address: Int32, global_address: Int64, source_bytes: Int32, *, loc=None,
                                  ip=None) -> None:
     """`cp.async.cg.shared.global [dst], [src], 16, src_size`: copy 16 bytes to shared memory
@@ -647,6 +655,15 @@ def st_shared_u32(shared_address: Int32, value: Uint32, *, loc=None, ip=None) ->
 def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     """`ld.global.u32`: one word, weak (data a finished kernel wrote)."""
     return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.u32 $0, [$1];", "=r,l",
+                       side_effects=True, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_cg_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """`ld.global.cg.u32`: one word from L2, never from or into this SM's L1 (a word read before
+    `griddepcontrol.wait`, which the preceding kernel may still rewrite, leaves no L1 line behind
+    for a later weak load to hit)."""
+    return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.cg.u32 $0, [$1];", "=r,l",
                        side_effects=True, loc=loc, ip=ip))
 
 

@@ -27,7 +27,10 @@ clock; the traced workspace's layout and the refusals of a non-bool trace. The c
 (`Attn2Build.cluster_merge` 2, 4 at tp 8 and 16): the DSMEM exchange between cluster barriers after
 the chain and the partial after it (`_cluster_merge_failures`, which fails on other or edited PTX),
 no spill, the ring large enough, the combine's fewer loads; no deployment carries a cluster
-instruction or a cluster_merge key; the refusals before compile and launch."""
+instruction or a cluster_merge key; the refusals before compile and launch. The experiments
+`SplitIssue.prefetch_pages` (L2 prefetches ahead of the ring) and `SplitIssue.early_prefetch`
+(L2 hints before griddepcontrol.wait: only those there, the deployment's instructions from the wait
+on, no early value used after it, no spill; the check fails on edited PTX; refused without PDL)."""
 
 from __future__ import annotations
 
@@ -343,7 +346,8 @@ def test_split_issue_names():
     assert named("mask+rescale+lean+keys") == named("all")
     assert [f.name for f in dataclasses.fields(attn2.SplitIssue)] == ["mask_edges_only", "skip_unit_rescale",
                                                                        "lean_addressing", "ldmatrix_keys",
-                                                                       "defer_values", "prefetch_pages"]
+                                                                       "defer_values", "prefetch_pages",
+                                                                       "early_prefetch"]
     # the experiments are off in "all" (the default) and on only where named
     assert not named("all").defer_values and not named("none").defer_values
     assert named("mask+rescale+lean+keys+defer") == dataclasses.replace(named("all"), defer_values=True)
@@ -351,6 +355,11 @@ def test_split_issue_names():
     assert named("mask+rescale+lean+keys+defer+prefetch") == dataclasses.replace(named("all"), defer_values=True,
                                                                                   prefetch_pages=True)
     assert attn2.deployment_issue(True, 2, 1).prefetch_pages is False
+    assert not named("all").early_prefetch and not named("none").early_prefetch
+    assert named("mask+rescale+lean+keys+defer+early") == dataclasses.replace(named("all"), defer_values=True,
+                                                                               early_prefetch=True)
+    assert not any(attn2.deployment_issue(wgmma, per_step, per_cta).early_prefetch
+                   for wgmma in (True, False) for per_step in (1, 2) for per_cta in (1, 2))
     assert named("defer") == attn2.SplitIssue(False, False, False, False, True)
     # the measured-and-removed switches are unknown names now
     for bad in ("", "mask+", "Mask", "all+mask", "fast", "key", "ring", "all+ring", "ring+overlap", "all+trim",
@@ -1405,3 +1414,154 @@ def test_loads_only_keeps_working_with_cluster_merge(tmp_path_factory, arch):
     assert re.search(MMA_STEP, ptx) is None and "cp.async.cg.shared.global" in ptx
     assert len(_positions(ptx, r"st\.shared::cluster\.v4\.u32")) == lay.PENDING_VALUES // 4
     assert len(_positions(ptx, r"barrier\.cluster\.wait")) == 2
+# SplitIssue.early_prefetch: an experiment, L2 hints before griddepcontrol.wait, values after it
+
+# the instructions the early build may issue before the wait (besides its parameter loads): L and
+# the first pages' table entries as addresses, and the two kinds of L2 hint
+EARLY_BEFORE_WAIT = ("ld.global.cg.u32", "prefetch.global.L2", "cp.async.bulk.prefetch.L2.global")
+# a memory, barrier or tensor-core instruction of the split kernel's PTX (its opcode)
+MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:ld|st|cp|bar|wgmma|fence|prefetch|griddepcontrol|ldmatrix|mma|atom|red)"
+                       r"\.[\w.:]*)", re.M)
+PTX_REGISTER = re.compile(r"%(?:rd|r|p|f|fd|rs|h)\d+")
+# opcodes whose first register is a source, not a destination
+NO_DESTINATION = ("st.", "prefetch.", "cp.", "bar.", "bra", "ret", "red.", "fence.", "griddepcontrol.")
+# (arch, KV heads, max_model_len, window): tp 8 at 128k (deferred P V), tp 16 (the deep ring), tp 4
+# (two splits a CTA), the window, the one-split plan (max_model_len 128); on sm_100a (mma.sync) tp 8
+# and tp 4
+EARLY_BUILDS = [("sm_90a", 2, 131072, 0), ("sm_90a", 1, 131072, 0), ("sm_90a", 4, 131072, 0),
+                ("sm_90a", 2, 131072, 2048), ("sm_90a", 2, 128, 0), ("sm_100a", 2, 131072, 0),
+                ("sm_100a", 4, 131072, 0)]
+
+
+def _early_issue(arch: str, heads: int, max_model_len: int, window: int) -> attn2.SplitIssue:
+    """The deployment's SplitIssue of the build with early_prefetch on besides."""
+    splits = lay.splits(max_model_len, window, heads)
+    return dataclasses.replace(attn2.deployment_issue(arch == "sm_90a", lay.pages_per_step(window, splits),
+                                                      lay.splits_per_cta(heads, splits)), early_prefetch=True)
+
+
+def _early_ptx(tmp_path_factory, arch, heads, max_model_len, window) -> str:
+    """The split kernel's PTX of the deployment's build with early_prefetch on (compiled once per
+    module)."""
+    key = ("early", arch, heads, max_model_len, window)
+    if key not in _PTX:
+        folder = tmp_path_factory.mktemp("attn2-early")
+        attn2.compile_attn2(heads, max_model_len, window, attn2.Attn2Build(
+            arch=arch, ptx_dir=str(folder), issue=_early_issue(arch, heads, max_model_len, window)))
+        (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+        _PTX[key] = (split.read_text(), None)
+    return _PTX[key][0]
+
+
+def _around_wait(ptx: str) -> tuple[list[str], list[str]]:
+    """The kernel body's lines (stripped) before and from its one griddepcontrol.wait."""
+    body = [line.strip() for line in ptx[ptx.index("{", ptx.index(".entry")):].splitlines()]
+    waits = [i for i, line in enumerate(body) if line.startswith("griddepcontrol.wait")]
+    assert len(waits) == 1, f"{len(waits)} griddepcontrol.wait"
+    return body[:waits[0]], body[waits[0]:]
+
+
+def _memory_ops(lines: list[str]) -> list[str]:
+    """The memory, barrier and tensor-core opcodes of `lines` in order, parameter loads left out."""
+    return [op for op in MEMORY_OP.findall("\n".join(lines)) if not op.startswith("ld.param")]
+
+
+def _early_registers(before: list[str]) -> set[str]:
+    """The registers before the wait that hold a word read early (`ld.global.cg.u32`) or anything
+    computed from one (forward through every instruction with a destination, its guard included)."""
+    tainted: set[str] = set()
+    for line in before:
+        guard = re.match(r"@!?(%p\d+)\s+", line)
+        text = line[guard.end():] if guard else line
+        registers = PTX_REGISTER.findall(text)
+        if not registers or text.split()[0].startswith(NO_DESTINATION):
+            continue
+        if (text.startswith("ld.global.cg.u32") or any(r in tainted for r in registers[1:])
+                or (guard is not None and guard.group(1) in tainted)):
+            tainted.add(registers[0])
+    return tainted
+
+
+def _early_prefetch_failures(early: str, deployed: str) -> list[str]:
+    """What the early build's split PTX breaks of `SplitIssue.early_prefetch`'s contract against
+    the deployment's (empty: nothing): before the wait only EARLY_BEFORE_WAIT (each kind present,
+    every bulk prefetch one 4 KB page) where the deployment has none; from the wait on the very
+    memory, barrier and tensor-core instructions of the deployment, in order; and no register
+    holding an early word, or computed from one, read or written after the wait."""
+    failures = []
+    before, after = _around_wait(early)
+    deployed_before, deployed_after = _around_wait(deployed)
+    ops = _memory_ops(before)
+    if _memory_ops(deployed_before):
+        failures.append(f"the deployment issues {_memory_ops(deployed_before)} before the wait")
+    failures += [f"{op} before the wait" for op in sorted(set(ops) - set(EARLY_BEFORE_WAIT))]
+    failures += [f"no {op} before the wait" for op in EARLY_BEFORE_WAIT if op not in ops]
+    sizes = re.findall(r"cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], (\d+);", "\n".join(before))
+    if set(sizes) - {str(lay.PAGE_BYTES)}:
+        failures.append(f"bulk prefetches of {sorted(set(sizes))} bytes (a page: {lay.PAGE_BYTES})")
+    if _memory_ops(after) != _memory_ops(deployed_after):
+        failures.append("the instructions from the wait on differ from the deployment's")
+    tainted = _early_registers(before)
+    leaks = [line for line in after if set(PTX_REGISTER.findall(line)) & tainted]
+    if leaks:
+        failures.append(f"an early value used after the wait: {leaks[0]}")
+    return failures
+
+
+@pytest.mark.parametrize("arch, heads, max_model_len, window", EARLY_BUILDS)
+def test_early_prefetch_runs_ahead_of_the_wait_and_changes_nothing_after_it(tmp_path_factory, tmp_path, arch, heads,
+                                                                           max_model_len, window):
+    """The early build issues its L2 hints before griddepcontrol.wait (L and the first pages'
+    entries read with ld.global.cg, the table entries' prefetch.global.L2, 4 KB bulk prefetches of
+    the first pages), issues from the wait on exactly the deployment's loads, copies, barriers and
+    MMAs, lets no early value reach past the wait (`_early_prefetch_failures`), and spills
+    nothing; one table-entry prefetch site a split of the CTA."""
+    early = _early_ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    assert _early_prefetch_failures(early, deployed) == []
+    assert early.count("prefetch.global.L2") == _splits_per_cta(heads, max_model_len, window)
+    assert_no_spills(assemble(early, arch, tmp_path))
+
+
+def test_the_early_prefetch_check_fails_on_edited_ptx(tmp_path_factory):
+    """`_early_prefetch_failures` can fail: on a weak load moved before the wait, on missing bulk
+    prefetches or another size, on a hint after the wait, on an early word used after the wait,
+    and on a deployment that reads before its wait (the compiled PTX, edited)."""
+    early = _early_ptx(tmp_path_factory, "sm_90a", 2, 131072, 0)
+    deployed, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0)
+    assert _early_prefetch_failures(early, deployed) == []
+    wait = early.index("griddepcontrol.wait")
+    weak = early[:wait] + "ld.global.u32 %r0, [%rd0];\n\t" + early[wait:]
+    assert "ld.global.u32 before the wait" in _early_prefetch_failures(weak, deployed)
+    unhinted = re.sub(r"cp\.async\.bulk\.prefetch\.L2\.global[^\n]*\n", "\n", early)
+    assert _early_prefetch_failures(unhinted, deployed) == ["no cp.async.bulk.prefetch.L2.global before the wait"]
+    wide = early.replace(f"], {lay.PAGE_BYTES};", "], 8192;")
+    assert _early_prefetch_failures(wide, deployed) == ["bulk prefetches of ['8192'] bytes (a page: 4096)"]
+    late = early[:wait] + "griddepcontrol.wait;\n\tprefetch.global.L2 [%rd0];\n\t" + early[wait + 20:]
+    assert late != early
+    assert _early_prefetch_failures(late, deployed) == ["the instructions from the wait on differ from the deployment's"]
+    length = re.search(r"ld\.global\.cg\.u32 (%r\d+),", early).group(1)
+    leak = early[:wait] + f"griddepcontrol.wait;\n\tmov.b32 %r0, {length};\n\t" + early[wait + 20:]
+    assert _early_prefetch_failures(leak, deployed) == [f"an early value used after the wait: mov.b32 %r0, {length};"]
+    deployed_wait = deployed.index("griddepcontrol.wait")
+    reading = deployed[:deployed_wait] + "ld.global.u32 %r0, [%rd0];\n\t" + deployed[deployed_wait:]
+    assert _early_prefetch_failures(early, reading)[0].startswith("the deployment issues ['ld.global.u32']")
+
+
+def test_early_prefetch_needs_pdl():
+    """early_prefetch without PDL is refused (ValueError naming enable_pdl) by the build, the
+    kernel class and the launch, before any compile or launch; with PDL the build takes it, and
+    it is its own compile variant."""
+    early = attn2.SplitIssue.named("early")
+    with pytest.raises(ValueError, match="early_prefetch .* needs enable_pdl"):
+        attn2.Attn2Build(enable_pdl=False, issue=early)
+    with pytest.raises(ValueError, match="needs enable_pdl"):
+        attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch="sm_90a", enable_pdl=False, issue=early))
+    with pytest.raises(ValueError, match="needs enable_pdl"):
+        attn2.launch(None, None, None, None, None, None, None, max_model_len=131072, window=0, enable_pdl=False,
+                     issue=early)
+    with pytest.raises(ValueError, match="needs enable_pdl"):
+        attn2._Attn2Kernel(num_kv_heads=2, num_splits=256, max_pages=8192, max_model_len=131072, window=0, eps=1e-6,
+                           enable_pdl=False, early_prefetch=True)
+    assert attn2.Attn2Build(enable_pdl=True, issue=early).issue.early_prefetch
+    assert attn2.Attn2Build(enable_pdl=False, issue=attn2.SplitIssue()).issue == attn2.SplitIssue()

@@ -5,7 +5,10 @@ bits are not emulated), against the FP64 reference beside the stock
 rank identity across tp, same keys same bits across L, poison never read. The traced build
 (`Attn2Build.trace`): the same bits, every CTA's row written with its clocks in order, in a graph
 too; a workspace without room for the rows refused. The cluster merge (`Attn2Build.cluster_merge`
-2 and 4): the deployment's bits, a partial written exactly for the clusters with pages."""
+2 and 4): the deployment's bits, a partial written exactly for the clusters with pages. The
+experiments `SplitIssue.prefetch_pages` and `SplitIssue.early_prefetch` (L2 hints before the PDL
+wait): the deployment's bits, bad table entries on the first pages skipped, graph replays following
+a table changed between them."""
 
 from __future__ import annotations
 
@@ -645,3 +648,115 @@ def test_cluster_merge_comparison_sees_a_change():
     assert int((got.view(torch.int16) != baseline.view(torch.int16)).sum()) > 0
     written = _written_partials(workspace, 2, 128)
     assert written.all()
+# ---------------------------------------------------------------------------------------------
+# SplitIssue.early_prefetch (an experiment): L2 hints before griddepcontrol.wait, the same bits
+
+
+def _early_issue(num_kv_heads: int, max_model_len: int = 131072):
+    """The deployment's SplitIssue of the plan on this GPU with early_prefetch on besides."""
+    import dataclasses
+
+    from musebench.kernels import attn2
+
+    splits = cute_ops.attn2_splits(max_model_len, 0, num_kv_heads)
+    wgmma = torch.cuda.get_device_capability() == (9, 0)  # the target's tensor-core path (`attn2.TENSOR_OPS`)
+    deployed = attn2.deployment_issue(wgmma, lay.pages_per_step(0, splits), lay.splits_per_cta(num_kv_heads, splits))
+    return dataclasses.replace(deployed, early_prefetch=True)
+
+
+def _with_bad_first_entries(problem):
+    """`problem` with its table's first pages (the first page of splits 0 .. 4 at 256 splits, the
+    pages every early prefetch reads first) naming no page of the cache: -1, the pool size, past
+    it, INT32's extremes; and the same problem whose entries name an appended page of zeros (the
+    kernel reads a bad entry's page as zeros: `test_bad_table_entries_read_as_a_page_of_zeros`)."""
+    import dataclasses
+
+    pool = problem.kv_cache.shape[0]
+    pages = min(5, lay.max_pages(int(problem.seq_lens[0])))
+    broken, zeroed = problem.page_table.clone(), problem.page_table.clone()
+    for page, value in zip(range(pages), [-1, pool, pool + 1000, 2**31 - 1, -(2**31)]):
+        broken[0, page] = value
+        zeroed[0, page] = pool
+    cache = torch.cat([problem.kv_cache, torch.zeros_like(problem.kv_cache[:1])])
+    return dataclasses.replace(problem, page_table=broken), dataclasses.replace(problem, kv_cache=cache,
+                                                                                  page_table=zeroed)
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("seq_len", [8, 17, 4099, 131072])
+def test_early_prefetch_keeps_every_bit(family, tp, seq_len):
+    """SplitIssue.early_prefetch (L2 hints before the PDL wait) gives the deployment's bits at tp 8
+    (2 KV heads a rank) and 16 (1), max_model_len 131072 (256 splits; one page, a few, every
+    split's first pages, the whole request), random and adversarial inputs."""
+    heads = 16 // tp
+    problem = make_problem(family, seq_len, 131072, num_kv_heads=heads)
+    deployed = _launch(problem)[0]
+    got = _launch_issue(problem, _early_issue(heads))
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+
+
+@pytest.mark.parametrize("family", ["random", "large"])
+@pytest.mark.parametrize("tp", [8, 16])
+@pytest.mark.parametrize("seq_len", [17, 4099, 131072])
+def test_early_prefetch_skips_bad_first_entries(family, tp, seq_len):
+    """Table entries outside the cache on the first pages (those the early build prefetches before
+    the wait): no fault, the deployment's bits, which read those pages as zeros."""
+    heads = 16 // tp
+    broken, zeroed = _with_bad_first_entries(make_problem(family, seq_len, 131072, num_kv_heads=heads))
+    got = _launch_issue(broken, _early_issue(heads))
+    deployed = _launch(broken)[0]
+    want = _launch(zeroed)[0]
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), _first_difference(got, want)
+
+
+@pytest.mark.parametrize("tp", [8, 16])
+def test_early_prefetch_replays_follow_a_changed_table(tp):
+    """One graph (compiled before capture): the page table and L copied in from sources, then the
+    early build's launch. Between replays the sources change (two entries naming other splits'
+    pages, bad entries on the first pages, a shorter L), so a replay's early reads and hints may name the
+    previous replay's pages: every replay still gives the bits of the deployment's eager launch
+    on the new table and L. The tables' outputs differ (the comparison is not vacuous)."""
+    import dataclasses
+
+    from musebench.kernels import attn2
+
+    heads = 16 // tp
+    problem = make_problem("random", 100001, 131072, num_kv_heads=heads)
+    aliased = problem.page_table.clone()  # pages 300 and 301 (splits 44 and 45) read pages 0 and 1's keys
+    aliased[0, [300, 301]] = problem.page_table[0, [0, 1]]
+    bad, _ = _with_bad_first_entries(dataclasses.replace(problem, page_table=aliased))
+    settings = {("table", 100001): problem.page_table, ("aliased", 100001): aliased,
+                ("bad", 100001): bad.page_table, ("table", 70001): problem.page_table,
+                ("bad", 70001): bad.page_table}
+    want = {key: _launch(dataclasses.replace(problem, page_table=table,
+                                             seq_lens=torch.tensor([key[1]], dtype=torch.int32)))[0]
+            for key, table in settings.items()}
+    assert len({bytes(w.view(torch.int16).numpy()) for w in want.values()}) == len(want)
+
+    p = problem.to("cuda")
+    issue = _early_issue(heads)
+    splits = cute_ops.attn2_splits(131072, 0, heads)
+    table_source, length_source = p.page_table.clone(), p.seq_lens.clone()
+    workspace = torch.zeros(lay.workspace_bytes(1, heads, splits), dtype=torch.uint8, device="cuda")
+    out = torch.full_like(p.q, float("nan"))
+
+    def call() -> None:
+        p.page_table.copy_(table_source)
+        p.seq_lens.copy_(length_source)
+        attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=131072,
+                     window=0, issue=issue)
+
+    call()  # compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for key in [*settings, *settings]:
+        table_source.copy_(settings[key].cuda())
+        length_source.fill_(key[1])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = out.cpu()
+        assert torch.equal(got.view(torch.int16), want[key].view(torch.int16)), (key, _first_difference(got, want[key]))
