@@ -21,10 +21,7 @@ COMBINE_QUADS lanes (the row's 4 x 16 dims) x groups of consecutive splits (a co
 each, merged in registers), the groups' results then meet level by level through shared memory.
 A split with no page (its partial never written) enters the tree as (0, -inf, 0), which a merge
 passes through exactly, so the combine skips its read. No counter, no atomic, nothing waits on
-anything inside a launch: nothing to bound, nothing to re-arm. (An experiment, `cluster_merge` k:
-the k sibling split CTAs of a thread-block cluster merge their leaves in the tree's order through
-distributed shared memory and write one partial, the tree's level-log2(k) node; the combine reads
-num_splits / k partials. The cluster's barriers are bounded by its CTAs' own chains.)
+anything inside a launch: nothing to bound, nothing to re-arm.
 """
 
 from __future__ import annotations
@@ -226,32 +223,6 @@ def check_splits_per_cta(per_cta: object, num_splits: int | None = None) -> None
         raise ValueError(f"splits_per_cta {per_cta} does not divide the plan's {num_splits} splits")
 
 
-# CLUSTER_MERGE_CHOICES (an experiment, `kernels.attn2.Attn2Build.cluster_merge`): sibling split
-# CTAs (one split each) launched as one thread-block cluster, (1, k, 1) over the grid's (KV head,
-# split, request), whose leaves the cluster merges in the tree's order before writing one partial:
-# k = 1 is every deployment (no cluster), 2 a pair (level 1), 4 a quad (level 2, two rounds of
-# DSMEM stores of PENDING_BYTES each). The bits are the deployment's: the same tree, the same merge.
-CLUSTER_MERGE_CHOICES = (1, 2, 4)
-
-
-def check_cluster_merge(cluster_merge: object, num_splits: int | None = None, per_cta: int | None = None) -> None:
-    """Refuse (ValueError) a cluster-merge value a launch cannot run: not an int of
-    CLUSTER_MERGE_CHOICES (a bool or a float included); above 1, with two splits a CTA (`per_cta`
-    2: the CTA already merges a pair through its held split; the cluster merge takes one split a
-    CTA), or with a plan of fewer than 2 k splits (`num_splits`: nothing left for the combine to
-    merge). The one check behind `Attn2Build`, the kernels, `workspace_bytes` and the scripts."""
-    if type(cluster_merge) is not int or cluster_merge not in CLUSTER_MERGE_CHOICES:
-        raise ValueError(f"cluster_merge must be one of {CLUSTER_MERGE_CHOICES}, got {cluster_merge!r}")
-    if cluster_merge == 1:
-        return
-    if per_cta is not None and per_cta != 1:
-        raise ValueError(f"cluster_merge {cluster_merge} needs one split a CTA (splits_per_cta 1), got splits_per_cta "
-                         f"{per_cta}: a CTA of two splits already merges its pair")
-    if num_splits is not None and num_splits < 2 * cluster_merge:
-        raise ValueError(f"cluster_merge {cluster_merge} needs a split plan of at least {2 * cluster_merge} splits "
-                         f"(the combine merges num_splits / cluster_merge >= 2 partials), got {num_splits}")
-
-
 def check_pages_per_step(per_step: object) -> None:
     """Refuse (ValueError) a pages-per-step value a build cannot run: not an int of
     PAGES_PER_STEP_CHOICES (a bool or a float included). Either value runs with one or two splits
@@ -325,24 +296,20 @@ def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | 
     return PIPELINE_STAGES
 
 
-def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None,
-                    cluster_merge: int = 1) -> int:
+def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
     """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
-    running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`), or with
-    `cluster_merge` k > 1 one per cluster of k split CTAs; 0 with one split (nothing to merge).
-    Nothing in it needs zeroing: a partial is read only by the combine of the launch that wrote
-    it."""
+    running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split
+    (nothing to merge). Nothing in it needs zeroing: a partial is read only by the combine of the
+    launch that wrote it."""
     _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
     if not is_power_of_two(num_splits):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    check_cluster_merge(cluster_merge, num_splits)  # before the one-split plan's 0: nothing to merge there
     if num_splits == 1:
         return 0
     if per_cta is None:
         per_cta = splits_per_cta(num_kv_heads, num_splits)
     check_splits_per_cta(per_cta, num_splits)
-    check_cluster_merge(cluster_merge, num_splits, per_cta)
-    return num_reqs * num_kv_heads * (num_splits // (per_cta * cluster_merge)) * PARTIAL_BYTES
+    return num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
 
 
 def split_table_entries(max_model_len: int, window: int, num_splits: int) -> int:

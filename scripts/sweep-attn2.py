@@ -10,12 +10,10 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
 `--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all",
 "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`), or the short names of
-`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch / early, joined by "+"; a
-setting may end in @wgmma or @sync) against each other on the same plan; they must not change a
-bit, so each point also counts the elements that differ from the first --issue setting of its plan
-(`bits_differing_from_first_issue`), and the run exits 1 if any does. A setting with early
-(`SplitIssue.early_prefetch`: L2 prefetches before the PDL wait) needs PDL: with a 0 in --pdl it
-exits 2 before any launch.
+`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch, joined by "+"; a setting
+may end in @wgmma or @sync) against each other on the same plan; they must not change a bit, so
+each point also counts the elements that differ from the first --issue setting of its plan
+(`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
 `--splits-per-cta 1,2,auto` times the split kernel with one or two sibling splits a CTA
 (`Attn2Build.splits_per_cta`; "auto": the deployment's, `attn2_layout.splits_per_cta`) on the same
@@ -39,16 +37,6 @@ default: the deployment's) on the same plan; the ring moves no arithmetic, so ea
 must equal the first --issue setting's at the first --ring-stages value (counted in
 `bits_differing_from_first_issue`, the run exits 1 otherwise). A value outside
 `attn2.RING_STAGES_CHOICES` or auto exits 2 before any launch.
-
-`--cluster-merge 1,2,4` times the split kernel whose sibling split CTAs (one split each) merge their
-leaves in a thread-block cluster of 2 or 4 before writing one partial (`Attn2Build.cluster_merge`;
-1, the default, is every deployment: no cluster) on the same plan; the bits must not depend on it,
-so each point counts the elements that differ from the first --cluster-merge value's
-(`bits_differing_from_first_cluster_merge`), and the run exits 1 if any does. A value outside
-`attn2_layout.CLUSTER_MERGE_CHOICES`, above 1 with two splits a CTA (--splits-per-cta, or auto at
-tp 4 and 2) or with a plan of fewer than 2 k splits, exits 2 before any launch.
-
-    python3 scripts/sweep-attn2.py --splits 256 --tp 8,16 --lengths 8,32768,131072 --cluster-merge 1,2,4
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -127,9 +115,6 @@ def main() -> None:
                         help="comma list of 1, 2, auto (the deployment's: 2 for split plans without a window)")
     parser.add_argument("--ring-stages", default="auto",
                         help="comma list of ring depths (attn2.RING_STAGES_CHOICES) or auto (the deployment's)")
-    parser.add_argument("--cluster-merge", default="1",
-                        help="comma list of sibling split CTAs merged in a cluster: "
-                             f"{', '.join(map(str, lay.CLUSTER_MERGE_CHOICES))} (1: the deployments')")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -142,13 +127,6 @@ def main() -> None:
         sys.exit(2)
     if not issues:
         print("--issue: name at least one setting", file=sys.stderr)
-        sys.exit(2)
-    try:
-        for pdl in _csv(args.pdl):
-            for issue, tensor_ops in issues.values():
-                attn2.Attn2Build(enable_pdl=bool(pdl), issue=issue, tensor_ops=tensor_ops)  # early needs PDL
-    except ValueError as e:
-        print(f"--issue with --pdl: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         per_cta_names = _axis_names(args.splits_per_cta)
@@ -178,22 +156,6 @@ def main() -> None:
     except ValueError as e:
         print(f"--ring-stages: {e}", file=sys.stderr)
         sys.exit(2)
-    try:
-        merges = [int(n) if n.isdigit() else n for n in _axis_names(args.cluster_merge)]
-        for merge in merges:
-            lay.check_cluster_merge(merge)
-        for tp in _csv(args.tp):
-            for splits in _csv(args.splits):
-                for name in per_cta_names:
-                    per_cta = _splits_per_cta(name, config.NUM_KV_HEADS // tp, splits)
-                    for merge in merges:
-                        try:
-                            lay.check_cluster_merge(merge, splits, per_cta)
-                        except ValueError as e:
-                            raise ValueError(f"at --tp {tp} --splits {splits} --splits-per-cta {name}: {e}") from None
-    except ValueError as e:
-        print(f"--cluster-merge: {e}", file=sys.stderr)
-        sys.exit(2)
     if not torch.cuda.is_available():  # after every option's check: those refusals come first
         print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)
         sys.exit(2)
@@ -201,8 +163,7 @@ def main() -> None:
     stream = torch.cuda.Stream(device)
     bench = BenchOptions(calls=args.calls, replays=args.replays)
     rows = []
-    # (L, splits, pdl, issue, ring, splits_per_cta name, pages_per_step name, cluster_merge): KV head 0, first --tp
-    first_tp: dict = {}
+    first_tp: dict = {}  # (L, splits, pdl, issue, ring, splits_per_cta name, pages_per_step name): KV head 0, first --tp
     for tp in _csv(args.tp):
         for length in _csv(args.lengths):
             p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
@@ -217,46 +178,39 @@ def main() -> None:
             reference = None
             for splits in _csv(args.splits):
                 for pdl in _csv(args.pdl):
-                    # per (splits_per_cta name, pages_per_step name, cluster_merge): the first --issue's output
-                    first_issue: dict = {}
-                    # per (--issue, ring, pages_per_step name, cluster_merge): the first --splits-per-cta value's
-                    first_per_cta: dict = {}
-                    # per (--issue, ring, splits_per_cta name, cluster_merge): the output with 1 page a step
-                    one_page: dict = {}
-                    # per (--issue, ring, splits_per_cta name, pages_per_step name): the first --cluster-merge value's
-                    first_merge: dict = {}
+                    first_issue: dict = {}  # per (splits_per_cta name, pages_per_step name): the first --issue's output
+                    first_per_cta: dict = {}  # per (--issue, ring, pages_per_step name): the first --splits-per-cta value's
+                    one_page: dict = {}  # per (--issue, ring, splits_per_cta name): the output with 1 page a step
                     per_steps = sorted(((_pages_per_step(n, args.window, splits), n)
                                         for n in per_step_names))
                     for (issue_name, issue), (ring_name, ring) in ((i, r) for i in issues.items()
                                                                    for r in rings.items()):
-                        for per_cta_name, (per_step, per_step_name), merge in (
-                                (n, k, c) for n in per_cta_names for k in per_steps for c in merges):
+                        for per_cta_name, (per_step, per_step_name) in ((n, k) for n in per_cta_names
+                                                                         for k in per_steps):
                             per_cta = _splits_per_cta(per_cta_name, heads, splits)
-                            workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta, merge)),
+                            workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta)),
                                                     dtype=torch.uint8, device=device)
                             out = torch.full_like(p.q, float("nan"))
 
                             def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue,
-                                     per_cta=per_cta, per_step=per_step, ring=ring, merge=merge) -> None:
+                                     per_cta=per_cta, per_step=per_step, ring=ring) -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
-                                             splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
-                                             cluster_merge=merge)
+                                             splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
                             finite = bool(torch.isfinite(out.float()).all())
                             if reference is None:
                                 reference = out.clone()
-                            first_issue.setdefault((per_cta_name, per_step_name, merge), out.clone())
-                            first_per_cta.setdefault((issue_name, ring_name, per_step_name, merge), out.clone())
-                            first_merge.setdefault((issue_name, ring_name, per_cta_name, per_step_name), out.clone())
+                            first_issue.setdefault((per_cta_name, per_step_name), out.clone())
+                            first_per_cta.setdefault((issue_name, ring_name, per_step_name), out.clone())
                             if per_step == 1:
-                                one_page[(issue_name, ring_name, per_cta_name, merge)] = out.clone()
+                                one_page[(issue_name, ring_name, per_cta_name)] = out.clone()
                             # KV head 0 (rank 0's first head at every tp): its 8 query heads' columns
                             head0 = out[:, :lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM].clone()
-                            tp_key = (length, splits, pdl, issue_name, ring_name, per_cta_name, per_step_name, merge)
+                            tp_key = (length, splits, pdl, issue_name, ring_name, per_cta_name, per_step_name)
                             first_tp.setdefault(tp_key, head0)
 
                             def differing(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -265,21 +219,18 @@ def main() -> None:
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
-                                       cluster_merge=merge, ctas=heads * splits // per_cta,
-                                       partials=heads * splits // (per_cta * merge),
+                                       ctas=heads * splits // per_cta,
                                        us=round(us, 2), sdpa_us=round(sdpa_us, 2), ratio_to_sdpa=round(us / sdpa_us, 3),
                                        gbps=round(kv_bytes / us / 1e3, 1),
                                        roofline_us=round(kv_bytes / ROOFLINE_BYTES_PER_S * 1e6, 2), finite=finite,
                                        bits_differing_from_first_plan=differing(out, reference),
-                                       bits_differing_from_first_issue=differing(
-                                           out, first_issue[(per_cta_name, per_step_name, merge)]),
+                                       bits_differing_from_first_issue=differing(out, first_issue[(per_cta_name,
+                                                                                                   per_step_name)]),
                                        bits_differing_from_first_splits_per_cta=differing(
-                                           out, first_per_cta[(issue_name, ring_name, per_step_name, merge)]),
-                                       bits_differing_from_first_cluster_merge=differing(
-                                           out, first_merge[(issue_name, ring_name, per_cta_name, per_step_name)]),
+                                           out, first_per_cta[(issue_name, ring_name, per_step_name)]),
                                        bits_differing_from_pages_per_step_1=(
-                                           differing(out, one_page[(issue_name, ring_name, per_cta_name, merge)])
-                                           if (issue_name, ring_name, per_cta_name, merge) in one_page else None),
+                                           differing(out, one_page[(issue_name, ring_name, per_cta_name)])
+                                           if (issue_name, ring_name, per_cta_name) in one_page else None),
                                        head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]))
                             rows.append(row)
                             print(json.dumps(row), flush=True)
@@ -288,11 +239,11 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["ring_stages"], r["splits_per_cta"], r["pages_per_step"],
-                            r["cluster_merge"]), []).append(r["ratio_to_sdpa"])
-    for (splits, pdl, issue_name, ring_name, per_cta_name, per_step, merge), ratios in sorted(by_plan.items()):
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["ring_stages"], r["splits_per_cta"], r["pages_per_step"]),
+                           []).append(r["ratio_to_sdpa"])
+    for (splits, pdl, issue_name, ring_name, per_cta_name, per_step), ratios in sorted(by_plan.items()):
         print(f"splits {splits} pdl {pdl} issue {issue_name} ring {ring_name} splits_per_cta {per_cta_name} "
-              f"pages_per_step {per_step} cluster_merge {merge}: "
+              f"pages_per_step {per_step}: "
               f"median attn2/SDPA "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}")
     changed = [r for r in rows if r["bits_differing_from_first_issue"]]
@@ -301,7 +252,6 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(1)
     for key, what in (("bits_differing_from_first_splits_per_cta", "a splits_per_cta value"),
-                      ("bits_differing_from_first_cluster_merge", "a cluster_merge value"),
                       ("head0_bits_differing_from_first_tp", "another tp (KV head 0, the same plan)")):
         changed = [r for r in rows if r[key]]
         if changed:

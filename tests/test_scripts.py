@@ -183,33 +183,12 @@ def assert_refused(result, reason: str) -> None:
     (["--ring-stages", "7"], "ring_stages must be one of"),
     (["--ring-stages", "x"], "ring_stages must be one of"),
     (["--ring-stages", "8,8"], "each value once"),
-    (["--pdl", "1,0", "--issue", "auto,mask+rescale+lean+keys+defer+early"], "early_prefetch runs ahead of"),
-    (["--pdl", "0", "--issue", "early@sync"], "needs enable_pdl"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages, and an --issue with
-    early (`SplitIssue.early_prefetch`) beside a --pdl of 0: a value it cannot run exits 2 with the reason,
-    before the GPU is touched (this machine has none: reaching it would end otherwise)."""
+    """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
+    with the reason, before the GPU is touched (this machine has none: reaching it would end otherwise)."""
     pytest.importorskip("cutlass")
     assert_refused(run_script(SWEEP_ATTN2, args), reason)
-
-
-@pytest.mark.parametrize("args, reason", [
-    (["--cluster-merge", "3"], "cluster_merge must be one of (1, 2, 4), got 3"),
-    (["--cluster-merge", "x"], "cluster_merge must be one of (1, 2, 4), got 'x'"),
-    (["--cluster-merge", "2,2"], "name each value once"),
-    (["--cluster-merge", "1,2", "--tp", "4", "--splits", "256"], "at --tp 4 --splits 256 --splits-per-cta auto: "
-                                                                   "cluster_merge 2 needs one split a CTA"),
-    (["--cluster-merge", "2", "--tp", "8", "--splits", "256", "--splits-per-cta", "2"],
-     "at --tp 8 --splits 256 --splits-per-cta 2: cluster_merge 2 needs one split a CTA"),
-    (["--cluster-merge", "1,4", "--tp", "8", "--splits", "4"],
-     "at --tp 8 --splits 4 --splits-per-cta auto: cluster_merge 4 needs a split plan of at least 8 splits"),
-])
-def test_sweep_attn2_refuses_bad_cluster_merge_before_any_gpu_work(args, reason):
-    """sweep-attn2.py --cluster-merge: a value outside the choices, above 1 with two splits a CTA (forced, or
-    the layout's at tp 4) or with too few splits, exits 2 with the reason before the GPU is touched."""
-    pytest.importorskip("cutlass")
-    assert_refused(run_script(SWEEP_ATTN2, args), f"--cluster-merge: {reason}")
 
 
 def test_sweep_attn2_without_a_gpu_refuses_after_its_options():
@@ -221,8 +200,6 @@ def test_sweep_attn2_without_a_gpu_refuses_after_its_options():
     if torch.cuda.is_available():
         pytest.skip("a CUDA GPU is visible: the sweep would run")
     assert_refused(run_script(SWEEP_ATTN2, ["--tp", "8", "--lengths", "8192", "--issue", "auto"]), "needs a CUDA GPU")
-    assert_refused(run_script(SWEEP_ATTN2, ["--tp", "8,16", "--splits", "256", "--cluster-merge", "1,2,4"]),
-                   "needs a CUDA GPU")
 
 
 def test_profile_attn2_takes_loads_only_and_names_the_gpu_it_needs():

@@ -68,20 +68,6 @@ the next page's Q K^T issued before this page's softmax on it (it changed bits: 
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
 the heads' chains ran one after the other, each restarting the ring).
 
-Cluster merge (`Attn2Build.cluster_merge` k = 2 or 4, an experiment; every deployment builds k = 1,
-whose PTX is the same as without the knob). Why: at tp 8 128k the split kernel writes 512 partials
-of 18 KB and the combine's loads took 1.9 us and its tree 0.94 of a 27.4 us period (tp 16: 1.34 +
-1.12 of 17.1). With one split a CTA and a plan of at least 2 k splits, the split kernel launches
-with clusters (1, k, 1), so splits k p' .. k p' + k - 1 share one; after the chain their leaves meet
-in rank 0's ring through distributed shared memory in the combine's tree order
-(`_Attn2Kernel.merge_cluster`: pairs, then pairs of pairs), and rank 0 writes the level-log2(k)
-node as partial p' (none where no split of the cluster has pages: the combine makes the empty leaf,
-and the merge of empty leaves is that leaf). The combine reads num_splits / k partials and runs
-the rest of the same tree: the deployment's bits. PDL: the release stays where it was, after the
-chain and before the exchange (a dependent's wait still waits for the whole grid). Not with two
-splits a CTA, nor with the traced build (refused); `loads_only` runs it (on empty nodes).
-Unmeasured.
-
 Where tp 8's 128k time goes (H200, records/2026-12-02-h200-*: 4426823 trace rows, 93d25a5
 ncu loads-only, 081ea38 stalls and read floor, fb41107 weight terms). The graph period is 28.1 us
 against a plain read of the same 67 MB in 17.1 us. The split CTAs' chains start 4.1-5.0 us after
@@ -130,10 +116,7 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work. The
-one exception is an experiment, `SplitIssue.early_prefetch`: its split kernel reads L and a few
-table entries before the wait as prefetch addresses only, then reads them again after it; no
-value read early reaches anything after the wait.
+combine's wait sees finished and flushed); each releases its dependents after its main work.
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
@@ -215,14 +198,9 @@ assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
 WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
-EARLY_WITHOUT_PDL = ("SplitIssue.early_prefetch runs ahead of griddepcontrol.wait: it needs enable_pdl (without PDL "
-                     "the kernel starts after the previous one ends and there is nothing to run ahead of)")
 # `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
 # one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
 L2_PREFETCH_PAGES = 8
-# `SplitIssue.early_prefetch`: the CTA's first pages whose KV blocks it asks L2 for before the PDL
-# wait: the ring prologue's lookahead copies and one two-page step's copies after them
-EARLY_PREFETCH_EXTRA_PAGES = 2
 
 
 def _require(ok: bool, message: str) -> None:
@@ -274,25 +252,6 @@ class SplitIssue:
       CTA without shared memory, registers or occupancy. A hint: no value changes. Why: at tp 8,
       128k the split CTA's own stream bounds the kernel (this module's docstring), not HBM or the
       tensor cores. Not yet run on a GPU.
-    - `early_prefetch` (an experiment, in no deployment and not in "all"; PDL builds only: without
-      `enable_pdl` there is no wait to run ahead of, and `Attn2Build` refuses the pair with
-      ValueError): before `griddepcontrol.wait` the CTA reads L (seq_lens[req]), computes its
-      pages as after the wait (`page_range`, `cta_pages`), asks L2 for the page-table entries of
-      all of them (`prefetch.global.L2`, one a thread) and, for its first lookahead +
-      EARLY_PREFETCH_EXTRA_PAGES pages, reads the entry and asks L2 for that (page, KV head)'s 4
-      KB (`cp.async.bulk.prefetch.L2`). Why: with PDL the split CTAs are resident 0.5-2 us before
-      the wait returns (the QKV front's tail), and after it the prologue costs 1.8 us (tp 8, 128k,
-      the H200) in two dependent global round trips (L, then the table, then the ring's first
-      copies) before the first page arrives; the early requests are meant to make both L2 hits. The
-      contract: the preceding kernel may still write q, seq_lens, the table and the cache, so a
-      value read before the wait is a guess, used only as a prefetch address, and none flows into
-      anything after the wait: there the kernel reads L and the table again exactly as without
-      the switch (the same loads, copies and barriers; `early_prefetch_pages` returns nothing).
-      A guess is harmless because every request is a hint and bounded: table addresses below
-      max_pages of the request's row, a KV block only for an entry in 0 .. cache_pages - 1 (-1 or
-      an entry past the cache asks for nothing), and L2 is the point of coherence, so a stale
-      address costs a wasted request, never a wrong value. The two words read early (`ld.global.cg`)
-      allocate no L1 line that a later weak load could hit stale. Not yet run on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -304,22 +263,20 @@ class SplitIssue:
     ldmatrix_keys: bool = True
     defer_values: bool = False
     prefetch_pages: bool = False
-    early_prefetch: bool = False
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False, False, False)
+        return SplitIssue(False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages",
-                   "early": "early_prefetch"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (`SplitIssue()`: every switch but `defer_values`, `prefetch_pages` and
-        `early_prefetch`), "none", or short names joined by "+" (those on, the rest off): "mask",
-        "rescale", "lean", "keys", "defer", "prefetch", "early".
+        """"all" (`SplitIssue()`: every switch but `defer_values` and `prefetch_pages`), "none", or
+        short names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys",
+        "defer", "prefetch".
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
@@ -395,25 +352,14 @@ class Attn2Build:
     # ULPs at tp 8 128k (still under the stock's 752.2), the mean 0.25 to 0.31. Half the P V
     # tensor work buys 1 % at tp 8: the tensor cores do not bound the split kernel there.
     weight_terms: int = 2
-    # experiments only: sibling split CTAs merged in a thread-block cluster (`attn2_layout.
-    # CLUSTER_MERGE_CHOICES`): 1 (every deployment: no cluster), 2 or 4 with one split a CTA and a
-    # plan of at least 2 k splits. The k CTAs of a cluster merge their leaves in the combine's tree
-    # order through distributed shared memory (`_Attn2Kernel.merge_cluster`), rank 0 writes one
-    # partial, the combine reads num_splits / k: the deployment's bits. Not with `trace`.
-    cluster_merge: int = 1
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
-        lay.check_cluster_merge(self.cluster_merge, None, self.splits_per_cta)
-        _require(self.cluster_merge == 1 or not self.trace,
-                 f"cluster_merge {self.cluster_merge} with trace: the traced build's rows assume one partial a split "
-                 "CTA (not built; trace the deployment's build)")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
-        _require(self.issue is None or not self.issue.early_prefetch or self.enable_pdl, EARLY_WITHOUT_PDL)
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
@@ -454,15 +400,12 @@ class _Attn2Kernel:
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
-                 loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 cluster_merge: int = 1, early_prefetch: bool = False) -> None:
+                 loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
         self.weight_terms = weight_terms
         self.prefetch_pages = prefetch_pages  # `SplitIssue.prefetch_pages`
-        _require(not early_prefetch or enable_pdl, EARLY_WITHOUT_PDL)
-        self.early_prefetch = early_prefetch  # `SplitIssue.early_prefetch`
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
         self.loads_only = loads_only  # `Attn2Build.loads_only`: the page stream without the arithmetic
@@ -486,12 +429,7 @@ class _Attn2Kernel:
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.splits_per_cta = splits_per_cta
-        lay.check_cluster_merge(cluster_merge, num_splits, splits_per_cta)
-        _require(cluster_merge == 1 or not trace, "cluster_merge with trace is not built (Attn2Build.cluster_merge)")
-        self.cluster_merge = cluster_merge  # `Attn2Build.cluster_merge`: sibling CTAs a cluster merges
-        self.merge_rounds = int(math.log2(cluster_merge))  # DSMEM rounds: pairs, then pairs of pairs
-        self.ctas = num_splits // splits_per_cta  # split CTAs per (request, KV head): the grid's y
-        self.partials = self.ctas // cluster_merge  # workspace slots per (request, KV head)
+        self.partials = num_splits // splits_per_cta  # workspace slots per (request, KV head)
         self.max_pages = max_pages
         self.max_model_len = max_model_len
         self.window = window
@@ -505,45 +443,25 @@ class _Attn2Kernel:
         address, so each stage (4 KB) starts on a 1024-byte swizzle atom (`kernels.gmma`)."""
         return gmma.ATOM_BYTES if self.wgmma else 128
 
-    def ring_bytes(self) -> int:
-        """The ring's bytes: `stages` pages, or with `cluster_merge` at least the peers' nodes it
-        receives once the chain is done (PENDING_BYTES a merge round, `merge_cluster`)."""
-        ring = self.stages * lay.PAGE_BYTES
-        if self.cluster_merge > 1:
-            ring = max(ring, self.merge_rounds * lay.PENDING_BYTES)
-        return ring
-
     def smem_bytes(self) -> int:
         table = -(-self.splits_per_cta * self.table_entries * WORD_BYTES // VECTOR_BYTES) * VECTOR_BYTES
         ones = gmma.ONES_BYTES if self.wgmma else 0
         pending = lay.PENDING_BYTES if self.splits_per_cta > 1 else 0
-        return self.ring_alignment() + self.ring_bytes() + ones + table + pending
+        return self.ring_alignment() + self.stages * lay.PAGE_BYTES + ones + table + pending
 
     @cute.jit
     def __call__(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
                  seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                  gate_row_words: Int32, num_reqs: Int32, stream: cuda.CUstream) -> None:
-        if cutlass.const_expr(self.cluster_merge == 1):
-            self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
-                grid=[self.num_kv_heads, self.ctas, num_reqs],
-                block=[lay.CTA_THREADS, 1, 1],
-                smem=self.smem_bytes(),
-                stream=stream,
-                use_pdl=self.enable_pdl,
-                min_blocks_per_mp=self.ctas_per_sm,
-                preferred_smem_carveout=100,
-            )
-        else:  # `cluster_merge`: splits cluster_merge p .. cluster_merge p + cluster_merge - 1 share a cluster
-            self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
-                grid=[self.num_kv_heads, self.ctas, num_reqs],
-                block=[lay.CTA_THREADS, 1, 1],
-                cluster=[1, self.cluster_merge, 1],
-                smem=self.smem_bytes(),
-                stream=stream,
-                use_pdl=self.enable_pdl,
-                min_blocks_per_mp=self.ctas_per_sm,
-                preferred_smem_carveout=100,
-            )
+        self.kernel(q, gate, kv_cache, page_table, seq_lens, out, workspace, q_row_words, gate_row_words).launch(
+            grid=[self.num_kv_heads, self.partials, num_reqs],
+            block=[lay.CTA_THREADS, 1, 1],
+            smem=self.smem_bytes(),
+            stream=stream,
+            use_pdl=self.enable_pdl,
+            min_blocks_per_mp=self.ctas_per_sm,
+            preferred_smem_carveout=100,
+        )
 
     @cute.jit
     def page_prefetch(self, cache_base: Int64, table_smem: Int32, index: Int32, kv_head: Int32,
@@ -554,41 +472,6 @@ class _Attn2Kernel:
         if (physical >= Int32(0)) & (physical < cache_pages):
             ptx.cp_async_bulk_prefetch_l2_global(
                 cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
-
-    def cache_pages(self, kv_cache: cute.Tensor) -> Int32:
-        """The cache's page count (its extent over one page of every KV head): a physical page
-        outside 0 .. cache_pages - 1 is never read."""
-        return Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
-
-    @cute.jit
-    def early_prefetch_pages(self, page_table: cute.Tensor, seq_lens: cute.Tensor, kv_cache: cute.Tensor,
-                             req: Int32, partial: Int32, kv_head: Int32, tidx: Int32) -> None:
-        """`SplitIssue.early_prefetch`, before griddepcontrol.wait (its docstring is the contract):
-        L2 hints for the CTA's page-table entries (thread t: the CTA's page t of each split) and
-        the KV blocks of its first lookahead + EARLY_PREFETCH_EXTRA_PAGES pages (thread t: the
-        CTA's page t, in `stream_page` order). Every value here is a guess (the preceding kernel may
-        still write L, the table or the cache) and only ever an address of a hint; nothing is
-        returned or stored."""
-        _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window, early=True)
-        starts, counts, total = self.cta_pages(partial, first_page, end_page)
-        table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
-        for j in cutlass.range_constexpr(self.splits_per_cta):
-            for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
-                index = tidx + r * lay.CTA_THREADS
-                page = starts[j] + index * self.num_splits
-                if (index < counts[j]) & (page < self.max_pages):
-                    ptx.prefetch_global_l2(table_base + Int64(page) * WORD_BYTES)
-        cache_pages = self.cache_pages(kv_cache)
-        if tidx < cutlass.min(total, Int32(self.lookahead + EARLY_PREFETCH_EXTRA_PAGES)):
-            _, page = self.stream_page(tidx, starts, counts)
-            if page < self.max_pages:
-                # the entry as an address only (from L2, no L1 line left behind); -1 or past the
-                # cache asks for nothing, as `page_load` reads nothing there
-                physical = Int32(ptx.ld_global_cg_u32(table_base + Int64(page) * WORD_BYTES))
-                if (physical >= Int32(0)) & (physical < cache_pages):
-                    ptx.cp_async_bulk_prefetch_l2_global(
-                        Int64(kv_cache.iterator.toint())
-                        + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
 
     @cute.jit
     def page_load(self, smem_stage: Int32, cache_base: Int64, table_smem: Int32, index: Int32, page: Int32,
@@ -1008,23 +891,6 @@ class _Attn2Kernel:
                 ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
 
     @cute.jit
-    def cta_pages(self, partial: Int32, first_page: Int32, end_page: Int32):
-        """(starts, counts, total) of the CTA's splits (partial x splits_per_cta + j, j ascending:
-        siblings of the merge tree) over the request's pages first_page .. end_page - 1: split j's
-        first page, its page count (its page i is starts[j] + i S), and the CTA's pages in all."""
-        starts = []
-        counts = []
-        for j in cutlass.range_constexpr(self.splits_per_cta):
-            split = partial * self.splits_per_cta + j
-            start = first_page + ((split - first_page) & (self.num_splits - 1))
-            starts.append(start)
-            counts.append(cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits)
-        total = counts[0]
-        if cutlass.const_expr(self.splits_per_cta > 1):
-            total = counts[0] + counts[1]
-        return starts, counts, total
-
-    @cute.jit
     def stream_page(self, n: Int32, starts: list, counts: list):
         """(table index, logical page) of the CTA's n-th page: its splits' pages one split after the
         other (split j's page i is starts[j] + i S; its table entries from j x table_entries)."""
@@ -1172,80 +1038,6 @@ class _Attn2Kernel:
                 merged_o[4 * V_TILES + 2 * half + k] = left[lay.LANE_DIMS + 1]
         return merged_m, merged_o
 
-    @cute.jit
-    def merge_cluster(self, ring_base: Int32, partial: Int32, tidx: Int32, first_page: Int32, end_page: Int32,
-                      m: list, o: list):
-        """`cluster_merge` k: the cluster's level-log2(k) node of the merge tree, made of its k sibling
-        leaves (splits k p' .. k p' + k - 1; this CTA is rank partial % k of the cluster, the
-        cluster's dims (1, k, 1)), in the combine's order, so its bits are the node the combine
-        would make of those leaves. Every thread its two rows' nodes (`row_nodes`: 36 values).
-
-        Round s (s = 0 .. log2 k - 1): after a cluster barrier (s = 0: every CTA's chain done, its
-        copies landed and its MMAs waited for, so the rings are free), the CTAs of rank
-        2^s (mod 2^(s + 1)) store their node into the ring of rank - 2^s (`mapa`,
-        `st.shared::cluster.v4`: [vector][thread], nine vectors a thread, PENDING_BYTES a CTA) at
-        region s (each round its own region: a round's stores never meet the previous round's
-        reads), a cluster barrier (release / acquire: the stores visible), and the receivers
-        (rank 0 mod 2^(s + 1)) merge their node (left) with the received one (right) by
-        `merge_into`: ((0, 1), (2, 3)) for k 4. A CTA without pages holds (0.0 x 16, -inf, 0.0),
-        the leaf the combine's `load_leaf` makes for it, so merging it is the combine's merge.
-        Every CTA of the cluster reaches every barrier (the branches are CTA-uniform and hold no
-        barrier). Returns (m, o) of the node (rank 0's: the cluster's; others': their last node,
-        written nowhere) and the pages `head_result` tests: 1 on rank 0 if any of the cluster's
-        splits has a page (the combine reads that partial), else 0 (nothing written)."""
-        k = self.cluster_merge
-        rank = partial & Int32(k - 1)
-        live = None  # any of the cluster's splits' first pages (`page_range`) below the end
-        for j in cutlass.range_constexpr(k):
-            split = partial - rank + j
-            has_pages = first_page + ((split - first_page) & (self.num_splits - 1)) < end_page
-            live = has_pages if live is None else live | has_pages
-        pages = cutlass.select_(live & (rank == Int32(0)), Int32(1), Int32(0))
-        nodes = self.row_nodes(m, o)
-        flat = nodes[0] + nodes[1]  # row g's [16 O, m, l], then row g + 8's
-        vectors = lay.PENDING_VALUES // 4
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        for s in cutlass.range_constexpr(self.merge_rounds):
-            span = 1 << s
-            region = ring_base + s * lay.PENDING_BYTES + tidx * VECTOR_BYTES
-            if (rank & Int32(2 * span - 1)) == Int32(span):
-                remote = ptx.mapa_shared_cluster_u32(region, rank - span)
-                for v in cutlass.range_constexpr(vectors):
-                    ptx.st_shared_cluster_v4_u32(remote + v * lay.CTA_THREADS * VECTOR_BYTES,
-                                                 *[ptx.bitcast_f32_to_u32(x) for x in flat[4 * v:4 * v + 4]])
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            if (rank & Int32(2 * span - 1)) == Int32(0):
-                flat = self.merge_received(region, flat)
-        width = lay.LANE_DIMS + 2
-        merged_m = [flat[lay.LANE_DIMS], flat[width + lay.LANE_DIMS]]
-        merged_o = list(o)
-        for half in cutlass.range_constexpr(2):
-            for t in cutlass.range_constexpr(V_TILES):
-                for kk in cutlass.range_constexpr(2):
-                    merged_o[4 * t + 2 * half + kk] = flat[half * width + 2 * t + kk]
-            for kk in cutlass.range_constexpr(2):
-                merged_o[4 * V_TILES + 2 * half + kk] = flat[half * width + lay.LANE_DIMS + 1]
-        return merged_m, merged_o, pages
-
-    @cute.jit
-    def merge_received(self, region: Int32, flat: list) -> list:
-        """This thread's two rows' nodes (`flat`: row g's [16 O, m, l], row g + 8's), each merged
-        (left) with the peer's node of the same rows received at `region` (this thread's first
-        vector of it; right) by `merge_into`; returns the merged nodes, flat as given."""
-        right = []
-        for v in cutlass.range_constexpr(lay.PENDING_VALUES // 4):
-            words = ptx.ld_shared_v4_u32(region + v * lay.CTA_THREADS * VECTOR_BYTES)
-            right += [ptx.bitcast_u32_to_f32(w) for w in words]
-        width = lay.LANE_DIMS + 2
-        merged = []
-        for half in cutlass.range_constexpr(2):
-            left = list(flat[half * width:(half + 1) * width])
-            merge_into(left, right[half * width:(half + 1) * width])
-            merged += left
-        return merged
-
     def row_nodes(self, m: list, o: list) -> list:
         """[16 values of O, m, l] of this thread's rows g and g + 8 (the merge's node form; O in
         n-tile order 8t + 2c, 8t + 2c + 1, as `attn2_layout.lane_dims(c)`)."""
@@ -1299,7 +1091,7 @@ class _Attn2Kernel:
         g = lane // 4
         c = lane % 4
         smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(Uint32, cute.make_layout(self.ring_bytes() // WORD_BYTES),
+        ring = smem.allocate_tensor(Uint32, cute.make_layout(self.stages * lay.PAGE_BYTES // WORD_BYTES),
                                     byte_alignment=self.ring_alignment())
         ones_base = Int32(0)
         if cutlass.const_expr(self.wgmma):  # the n-tile of ones beside V (`gmma.ONES_BYTES`)
@@ -1316,18 +1108,23 @@ class _Attn2Kernel:
                                            byte_alignment=16)
             pending_base = Int32(pending.iterator.toint())
 
-        if cutlass.const_expr(self.early_prefetch):  # hints only: nothing it reads is used below
-            self.early_prefetch_pages(page_table, seq_lens, kv_cache, req, partial, kv_head, tidx)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
 
-        # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree);
-        # L and the table read again here whether or not the early prefetch read them: the values
-        # come from these reads alone
+        # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree)
         seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
-        starts, counts, total = self.cta_pages(partial, first_page, end_page)
+        starts = []
+        counts = []
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            split = partial * self.splits_per_cta + j
+            start = first_page + ((split - first_page) & (self.num_splits - 1))
+            starts.append(start)
+            counts.append(cutlass.max(end_page - start + (self.num_splits - 1), Int32(0)) // self.num_splits)
+        total = counts[0]
+        if cutlass.const_expr(self.splits_per_cta > 1):
+            total = counts[0] + counts[1]
 
         a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
 
@@ -1339,11 +1136,9 @@ class _Attn2Kernel:
         o = [Float32(0.0) for _ in range(ACCUMULATORS)]  # o[4 t + j]: n-tile t, fragment element j; t = 8: l
 
         cache_base = Int64(kv_cache.iterator.toint())
-        cache_pages = self.cache_pages(kv_cache)
-        if total > 0:  # a CTA without pages (most of them at small L) reads no entry: its table is never read
-            for j in cutlass.range_constexpr(self.splits_per_cta):
-                self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j],
-                                    tidx)
+        cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j], tidx)
         if cutlass.const_expr(self.wgmma):
             for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
                 one = Uint32(gmma.BF16_ONES_WORD)
@@ -1415,20 +1210,13 @@ class _Attn2Kernel:
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
-        if cutlass.const_expr(self.cluster_merge > 1):
-            # rank 0 writes the cluster's node to slot partial / cluster_merge (if a split has pages)
-            m, o, cluster_pages = self.merge_cluster(ring_base, partial, tidx, first_page, end_page, m, o)
-            self.head_result(gate, out, workspace, gate_row_words, kv_head, partial // self.cluster_merge, req, warp,
-                             g, c, tidx, cluster_pages, m, o)
-        else:
-            self.head_result(gate, out, workspace, gate_row_words, kv_head, partial, req, warp, g, c, tidx, total, m,
-                             o)
+        self.head_result(gate, out, workspace, gate_row_words, kv_head, partial, req, warp, g, c, tidx, total, m, o)
         if cutlass.const_expr(self.trace):
             clocks["clock_written"] = ptx.read_clock64_u64()
             clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
             if tidx == 0:
                 num_reqs = cute.arch.grid_dim()[2]
-                index = (req * self.num_kv_heads + kv_head) * self.ctas + partial
+                index = (req * self.num_kv_heads + kv_head) * self.partials + partial
                 trace_row = (Int64(workspace.iterator.toint())
                              + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
                              + Int64(index) * TRACE_ROW_BYTES)
@@ -1518,16 +1306,10 @@ def partial_slot(workspace: cute.Tensor, req: Int32, kv_head: Int32, split: Int3
 
 
 @cute.jit
-def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constexpr, window: cutlass.Constexpr,
-               early: cutlass.Constexpr = False):
+def page_range(seq_lens: cute.Tensor, req: Int32, max_model_len: cutlass.Constexpr, window: cutlass.Constexpr):
     """(L clamped to [8, max_model_len], first page, end page) of request req: the pages holding
-    keys any of its rows sees. `early` (`SplitIssue.early_prefetch`, before griddepcontrol.wait:
-    a guess for prefetch addresses only): L read from L2 without an L1 line (`ld_global_cg_u32`)."""
-    length_address = Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES
-    if cutlass.const_expr(early):
-        seq_len = Int32(ptx.ld_global_cg_u32(length_address))
-    else:
-        seq_len = Int32(ptx.ld_global_u32(length_address))
+    keys any of its rows sees."""
+    seq_len = Int32(ptx.ld_global_u32(Int64(seq_lens.iterator.toint()) + Int64(req) * WORD_BYTES))
     seq_len = cutlass.max(cutlass.min(seq_len, Int32(max_model_len)), Int32(lay.QUERY_LEN))
     first_key = Int32(0)
     if cutlass.const_expr(window > 0):
@@ -1625,11 +1407,10 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
 class _Attn2CombineKernel:
     """The merge of one split plan's partials and the epilogue: grid (64 rows, `num_kv_heads`,
     requests), COMBINE_QUADS x `combine_groups(partials)` threads; a partial is one split CTA's
-    (`splits_per_cta` sibling leaves, already merged), or with `cluster_merge` k one cluster's (k
-    sibling leaves, merged)."""
+    (`splits_per_cta` sibling leaves, already merged)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, cluster_merge: int = 1) -> None:
+                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         self.trace = trace
@@ -1637,10 +1418,7 @@ class _Attn2CombineKernel:
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
         self.splits_per_cta = splits_per_cta
-        lay.check_cluster_merge(cluster_merge, num_splits, splits_per_cta)
-        _require(cluster_merge == 1 or not trace, "cluster_merge with trace is not built (Attn2Build.cluster_merge)")
-        self.leaves_per_partial = splits_per_cta * cluster_merge  # the merge tree's leaves in one partial
-        self.partials = num_splits // self.leaves_per_partial
+        self.partials = num_splits // splits_per_cta
         self.groups = lay.combine_groups(self.partials)
         self.leaves = self.partials // self.groups
         self.threads = lay.COMBINE_QUADS * self.groups
@@ -1671,14 +1449,13 @@ class _Attn2CombineKernel:
     @cute.jit
     def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
                   end_page: Int32, source: Int32, half: Int32) -> list:
-        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its
-        `leaves_per_partial` splits has a page: the merge of empty leaves): the source lane's
-        vectors 2p + half, p = 0 .. 3, so O comes in `attn2_layout.lane_dims(c)`'s order, the
-        epilogue's."""
+        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
+        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
+        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's."""
         leaf = [Float32(0.0) for _ in range(lay.LANE_DIMS)] + [Float32(NEG_INF), Float32(0.0)]
         live = None  # any of its splits' first pages (`page_range`) below the end
-        for j in cutlass.range_constexpr(self.leaves_per_partial):
-            split = partial * self.leaves_per_partial + j
+        for j in cutlass.range_constexpr(self.splits_per_cta):
+            split = partial * self.splits_per_cta + j
             has_pages = first_page + ((split - first_page) & (self.num_splits - 1)) < end_page
             live = has_pages if live is None else live | has_pages
         if live:
@@ -1803,7 +1580,7 @@ class _Attn2CombineKernel:
 
 
 def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int | None = None,
-             splits_per_cta: int | None = None, cluster_merge: int = 1) -> dict[str, Any]:
+             splits_per_cta: int | None = None) -> dict[str, Any]:
     _require(not isinstance(num_kv_heads, bool) and isinstance(num_kv_heads, int) and num_kv_heads >= 1,
              f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
     _require(not isinstance(max_model_len, bool) and isinstance(max_model_len, int) and max_model_len >= lay.QUERY_LEN,
@@ -1817,13 +1594,9 @@ def _variant(num_kv_heads: int, max_model_len: int, window: int, num_splits: int
     if splits_per_cta is None:
         splits_per_cta = lay.splits_per_cta(num_kv_heads, num_splits)
     lay.check_splits_per_cta(splits_per_cta, num_splits)
-    lay.check_cluster_merge(cluster_merge, num_splits, splits_per_cta)
-    knobs = dict(num_kv_heads=num_kv_heads, num_splits=num_splits, splits_per_cta=splits_per_cta,
-                 max_pages=lay.max_pages(max_model_len), max_model_len=max_model_len, window=window,
-                 eps=float(config.RMS_NORM_EPS))
-    if cluster_merge != 1:  # the deployments' keys (and PTX) stay as they were
-        knobs["cluster_merge"] = cluster_merge
-    return knobs
+    return dict(num_kv_heads=num_kv_heads, num_splits=num_splits, splits_per_cta=splits_per_cta,
+                max_pages=lay.max_pages(max_model_len), max_model_len=max_model_len, window=window,
+                eps=float(config.RMS_NORM_EPS))
 
 
 def _device_arch() -> str:
@@ -1856,8 +1629,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     """The compiled attn2 kernels of a deployment (one compile per process: the one cache).
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
     CUDA-graph capture; ValueError outside the contract."""
-    knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta,
-                     build.cluster_merge)
+    knobs = _variant(num_kv_heads, max_model_len, window, build.num_splits, build.splits_per_cta)
     per_step = resolved_pages_per_step(build.pages_per_step, window, knobs["num_splits"])
     knobs["enable_pdl"] = bool(build.enable_pdl)
     knobs["trace"] = build.trace
@@ -1966,14 +1738,13 @@ def trace_rows(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_sp
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
                  window: int, num_splits: int | None = None, splits_per_cta: int | None = None,
-                 trace: bool = False, cluster_merge: int = 1) -> int:
+                 trace: bool = False) -> int:
     """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count.
     `trace` (the traced build): the workspace must also hold the trace rows
-    (`traced_workspace_bytes`, with one split as well). `cluster_merge` (`Attn2Build`): the
-    workspace holds num_splits / cluster_merge partials a (request, KV head)."""
+    (`traced_workspace_bytes`, with one split as well)."""
     _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
     variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits,
-                       splits_per_cta, cluster_merge)
+                       splits_per_cta)
     heads = variant["num_kv_heads"]
     bf16 = torch.bfloat16
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
@@ -1998,7 +1769,7 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     devices = {t.device for t in (q, gate, kv_cache, page_table, seq_lens, out)}
     _require(len(devices) == 1 and next(iter(devices)).type == "cuda", "every tensor must be on one CUDA device")
     splits = variant["num_splits"]
-    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"], cluster_merge)
+    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
     what = ""
     if trace:
         need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
@@ -2022,7 +1793,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
-           loads_only: bool = False, weight_terms: int = 2, cluster_merge: int = 1) -> None:
+           loads_only: bool = False, weight_terms: int = 2) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2032,16 +1803,12 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     traced build, which also writes every CTA's clocks into the workspace past the partials (it must
     hold `traced_workspace_bytes`, one split included; read back with `trace_rows`). `loads_only`
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
-    not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
-    `cluster_merge` 2 or 4 (an experiment, `Attn2Build.cluster_merge`): sibling split CTAs merged in
-    a cluster, num_splits / cluster_merge partials (the workspace may be that much smaller); the
-    deployment's bits."""
+    not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
-                       trace=trace, loads_only=loads_only, weight_terms=weight_terms, cluster_merge=cluster_merge)
+                       trace=trace, loads_only=loads_only, weight_terms=weight_terms)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace,
-                          cluster_merge=cluster_merge)
+                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if not trace and (workspace is None or splits == 1):
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves

@@ -480,15 +480,6 @@ def st_shared_cluster_u32(address: Int32, value: Uint32, *, loc=None, ip=None) -
     )
 
 
-@dsl_user_op
-def st_shared_cluster_v4_u32(address: Int32, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None,
-                             ip=None) -> None:
-    """`st.shared::cluster.v4.u32`: 16 bytes (16-byte aligned) into a cluster peer's shared memory
-    (address from `mapa`; attn2's cluster merge)."""
-    _asm(None, [_ir(Int32(address), loc, ip)] + [_ir(Uint32(w), loc, ip) for w in (w0, w1, w2, w3)],
-         "st.shared::cluster.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r", side_effects=True, loc=loc, ip=ip)
-
-
 ATOMIC_ADD_ORDERS = ("acq_rel", "release")
 
 
@@ -587,14 +578,6 @@ def cp_async_bulk_prefetch_l2_global(global_address: Int64, size: int, *, loc=No
 
 
 @dsl_user_op
-def prefetch_global_l2(global_address: Int64, *, loc=None, ip=None) -> None:
-    """`prefetch.global.L2 [a]`: a hint to bring the line holding `a` into L2; no data reaches the
-    thread, nothing waits on it, and an address that is never read costs a wasted request."""
-    _asm(None, [_ir(Int64(global_address), loc, ip)], "prefetch.global.L2 [$0];", "l", side_effects=True, loc=loc,
-         ip=ip)
-
-
-@dsl_user_op
 def cp_async_cg_shared_global_16(shared_address: Int32, global_address: Int64, source_bytes: Int32, *, loc=None,
                                  ip=None) -> None:
     """`cp.async.cg.shared.global [dst], [src], 16, src_size`: copy 16 bytes to shared memory
@@ -655,15 +638,6 @@ def st_shared_u32(shared_address: Int32, value: Uint32, *, loc=None, ip=None) ->
 def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     """`ld.global.u32`: one word, weak (data a finished kernel wrote)."""
     return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.u32 $0, [$1];", "=r,l",
-                       side_effects=True, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def ld_global_cg_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
-    """`ld.global.cg.u32`: one word from L2, never from or into this SM's L1 (a word read before
-    `griddepcontrol.wait`, which the preceding kernel may still rewrite, leaves no L1 line behind
-    for a later weak load to hit)."""
-    return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.cg.u32 $0, [$1];", "=r,l",
                        side_effects=True, loc=loc, ip=ip))
 
 
