@@ -94,7 +94,14 @@ shared memory it replaced (six levels of three barriers at 64 groups), and 0.4-2
 every L on the H200 (bench attn, tp 8 8k 11.5 against 13.4 us; 32 groups within +-0.4 us of 64:
 records/2026-12-02-h200-3bb425a-ab-combine-shuffle.json); with the shared-memory tree, twice the
 groups (512 threads) was slower at 22 of 24 points (records/2026-12-02-h200-2f72f10-ab-combine-
-groups.json).
+groups.json). When every split with pages is one of group 0's leaves (at 256 splits: L <= 128
+without a window; CTA-uniform, from L alone) the tree above the groups is merge(node, empty) on the
+root's path, and one merge with an empty node gives its bits (merge with an empty node is
+idempotent: tests/cpu/test_attn2_model.py), so the combine takes that one merge instead of the
+shuffles, shared memory and barrier (`Attn2Build.full_tree` keeps the tree: the GPU test holds both
+to the same bits). Only quad 0 of warp 0 holds the root: the other quads run the epilogue on ones,
+never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.2
+us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
@@ -352,9 +359,15 @@ class Attn2Build:
     # ULPs at tp 8 128k (still under the stock's 752.2), the mean 0.25 to 0.31. Half the P V
     # tensor work buys 1 % at tp 8: the tensor cores do not bound the split kernel there.
     weight_terms: int = 2
+    # experiments only (the A/B baseline of the combine's shortcut): the combine merges through its
+    # whole upper tree even when every split with pages is one of its group 0's leaves, where every
+    # deployment takes one merge with an empty node instead (`_Attn2CombineKernel.kernel`); the same
+    # bits either way (GPU test)
+    full_tree: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
+        _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
@@ -1334,6 +1347,30 @@ def merge_into(left: list, right: list) -> None:
     left[n + 1] = ptx.add_rn_f32(ptx.mul_rn_f32(left[n + 1], w_l), ptx.mul_rn_f32(right[n + 1], w_r))
 
 
+@cute.jit
+def merged(left: list, right: list) -> list:
+    """`merge_into` on a copy of `left`: the node, as a new list (for values that leave a dynamic
+    branch by assignment)."""
+    node = list(left)
+    merge_into(node, right)
+    return node
+
+
+def empty_node(dims: int) -> list:
+    """The node of a leaf without pages, as the combine's `load_leaf` makes it: O +0.0, m -inf, l +0.0."""
+    return [Float32(0.0) for _ in range(dims)] + [Float32(NEG_INF), Float32(0.0)]
+
+
+@cute.jit
+def group_zero_holds_every_page(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexpr,
+                                group_splits: cutlass.Constexpr):
+    """Whether every split with pages is one of splits 0 .. group_splits - 1 (combine group 0's
+    leaves, group_splits < num_splits). Split s has pages iff (s - first_page) mod S < n, n =
+    end_page - first_page (`page_range`, `load_leaf`): the splits lo .. lo + n - 1 mod S, lo =
+    first_page mod S, inside group 0 iff lo + n <= group_splits (a range that wraps holds S - 1)."""
+    return (first_page & (num_splits - 1)) + (end_page - first_page) <= group_splits
+
+
 def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int) -> Int64:
     """Device side (inlined into a traced kernel): the first trace row's byte offset in the
     workspace, past the partials (none with one split), as `trace_rows` reads it."""
@@ -1410,10 +1447,12 @@ class _Attn2CombineKernel:
     (`splits_per_cta` sibling leaves, already merged)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False) -> None:
+                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, full_tree: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
+        _require(isinstance(full_tree, bool), f"full_tree must be a bool, got {full_tree!r}")
         self.trace = trace
+        self.full_tree = full_tree  # `Attn2Build.full_tree`: the upper tree even when group 0 holds every page
         lay.check_splits_per_cta(splits_per_cta, num_splits)
         self.num_kv_heads = num_kv_heads
         self.num_splits = num_splits
@@ -1497,6 +1536,26 @@ class _Attn2CombineKernel:
                     values.append(ptx.bitcast_u32_to_f32(words[i]))
         return values
 
+    @cute.jit
+    def upper_tree(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32) -> list:
+        """The tree above the groups: first within each warp (its 32 / COMBINE_QUADS consecutive
+        groups, a complete subtree) by shuffles, node (2j) taking node (2j + 1) from 4, 8, 16 lanes
+        up (a lane whose node is a right child computes a merge nobody reads); then warp 0 merges the
+        warps' nodes, warp order, from shared memory (a CTA barrier: every thread calls it). Returns
+        the node warp 0's lanes hold (quad 0's: the root)."""
+        for level in cutlass.range_constexpr(self.warp_levels):
+            delta = lay.COMBINE_QUADS << level
+            right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
+            mine = merged(mine, right)
+        if cutlass.const_expr(self.warps > 1):
+            if tidx % 32 < lay.COMBINE_QUADS:  # lane c of each warp holds its warp's node
+                self.store_slot(slot_base, tidx // 32, c, mine)
+            cute.arch.barrier()
+            if tidx < 32:
+                nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
+                mine = self.subtree(nodes, 0, self.warps)
+        return mine
+
     @cute.kernel
     def kernel(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
                gate_row_words: Int32) -> None:
@@ -1535,21 +1594,21 @@ class _Attn2CombineKernel:
             clocks["clock_loaded"] = ptx.read_clock64_u64()  # the group's partials loaded and merged
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_launch_dependents()
-        # The groups' results meet in the tree's upper levels: first within each warp (its
-        # 32 / COMBINE_QUADS consecutive groups, a complete subtree) by shuffles, node (2j) taking
-        # node (2j + 1) from 4, 8, 16 lanes up (a lane whose node is a right child computes a
-        # merge nobody reads); then warp 0 merges the warps' nodes, warp order, from shared memory.
-        for level in cutlass.range_constexpr(self.warp_levels):
-            delta = lay.COMBINE_QUADS << level
-            right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
-            merge_into(mine, right)
-        if cutlass.const_expr(self.warps > 1):
-            if tidx % 32 < lay.COMBINE_QUADS:  # lane c of each warp holds its warp's node
-                self.store_slot(slot_base, tidx // 32, c, mine)
-            cute.arch.barrier()
-            if tidx < 32:
-                nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
-                mine = self.subtree(nodes, 0, self.warps)
+        # The groups' results meet in the tree's upper levels (`upper_tree`), or in one merge when
+        # every page is group 0's.
+        if cutlass.const_expr(self.groups > 1 and not self.full_tree):
+            # Every split with pages among group 0's leaves (CTA-uniform: at 256 splits, L <= 128
+            # without a window): every merge above group 0 is merge(node, empty) on the root's path
+            # and merge(empty, empty) = empty off it, and merge(merge(x, empty), empty) is
+            # merge(x, empty) bit for bit (`merge_with_empty_is_idempotent`), so one merge with an
+            # empty node is the tree's root. No shuffle, no shared memory, no barrier.
+            if group_zero_holds_every_page(first_page, end_page, self.num_splits,
+                                           self.leaves * self.splits_per_cta):
+                mine = merged(mine, empty_node(lay.LANE_DIMS))
+            else:
+                mine = self.upper_tree(mine, slot_base, tidx, c)
+        else:
+            mine = self.upper_tree(mine, slot_base, tidx, c)
         if cutlass.const_expr(self.trace):
             clocks["clock_merged"] = ptx.read_clock64_u64()  # the tree above the groups (warp 0: its root)
         if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
@@ -1665,6 +1724,8 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         )
 
     combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
+    if build.full_tree:  # the deployments' keys stay as they were
+        combine_knobs["full_tree"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1793,7 +1854,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
-           loads_only: bool = False, weight_terms: int = 2) -> None:
+           loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1803,10 +1864,11 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     traced build, which also writes every CTA's clocks into the workspace past the partials (it must
     hold `traced_workspace_bytes`, one split included; read back with `trace_rows`). `loads_only`
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
-    not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone."""
+    not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
+    `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
-                       trace=trace, loads_only=loads_only, weight_terms=weight_terms)
+                       trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

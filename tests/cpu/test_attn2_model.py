@@ -566,3 +566,40 @@ def test_two_pages_a_step_differs_from_one_yet_stays_accurate(family, seq_len, w
         partials = [model_module.split_partial(q, p.kv_cache, p.page_table[0], 0, seq_len, window, 1, splits,
                                                SCALE_LOG2, n) for n in (1, 2)]
         assert not _same_bits(*partials)
+
+
+def _canonical_bits(t: torch.Tensor) -> torch.Tensor:
+    """FP32 bits with every NaN as the GPU writes an arithmetic NaN (0x7fffffff)."""
+    bits = t.contiguous().view(torch.int32).clone()
+    bits[torch.isnan(t)] = 0x7FFFFFFF
+    return bits
+
+
+def test_merge_with_empty_is_idempotent():
+    """The combine's shortcut (`kernels.attn2`: one merge with an empty node stands for the whole
+    upper tree when group 0 holds every page) rests on merge(merge(x, E), E) = merge(x, E) bit for
+    bit, E = (O +0.0, m -inf, l +0.0), and merge(E, E) = E. With m finite the weights are 2^0 = 1
+    and 2^-inf = 0, so a merge with E maps O to O * 1 + 0 (-0.0 becomes +0.0 once); m +inf or -inf
+    gives NaN or 0 weights, the same again. The nodes: O of -0.0, +0.0, subnormals, huge values,
+    +-inf and NaN against m finite (0, negative, huge), +inf and -inf."""
+    scale = torch.tensor(config.ATTN_SCALE * 1.4426950408889634, dtype=torch.float32)
+    specials = torch.tensor([-0.0, 0.0, 1e-45, -3e-39, 1.0, -2.5, 3e38, -3e38, float("inf"), float("-inf"),
+                             float("nan")], dtype=torch.float32)
+    rows = specials.numel()
+    o = specials.repeat(rows, 1)  # every O value in every row
+    o = torch.cat([o, o.roll(1, dims=1)], dim=1)
+    maxima = torch.tensor([0.0, -7.25, 1e30, -1e30, 3e38, float("inf"), float("-inf"), 5.0, -0.0, 1e-40, 2.0],
+                          dtype=torch.float32)
+    sums = torch.tensor([1.0, 0.0, -0.0, 1e-45, 3e38, float("inf"), float("nan"), 7.0, 2.0, 1.5, 64.0],
+                        dtype=torch.float32)
+    node = (o, maxima, sums)
+    empty = (torch.zeros_like(o), torch.full_like(maxima, float("-inf")), torch.zeros_like(sums))
+    once = model_module.merge(node, empty, scale)
+    twice = model_module.merge(once, empty, scale)
+    for a, b in zip(once, twice):
+        assert torch.equal(_canonical_bits(a), _canonical_bits(b))
+    merged_empty = model_module.merge(empty, empty, scale)
+    for a, b in zip(merged_empty, empty):
+        assert torch.equal(_canonical_bits(a), _canonical_bits(b))
+    # and the check can fail: a node whose -0.0 the first merge turns into +0.0 is not merge(x, E)
+    assert not torch.equal(_canonical_bits(node[0]), _canonical_bits(once[0]))

@@ -1184,3 +1184,33 @@ def test_prefetch_pages_adds_l2_prefetches_and_nothing_else(tmp_path_factory, tm
     assert probe.count("cp.async.cg.shared.global") == deployed.count("cp.async.cg.shared.global")
     assert probe.count("bar.sync") == deployed.count("bar.sync")
     assert_no_spills(assemble(probe, arch, tmp_path))
+
+
+# The combine's shortcut (one merge with an empty node when group 0 holds every page) and
+# Attn2Build.full_tree, its experiment baseline
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (4, 131072), (2, 256)])
+def test_the_combine_shortcut_skips_the_upper_tree_behind_one_branch(tmp_path_factory, tmp_path, arch, heads,
+                                                                     max_model_len):
+    """The deployment's combine holds the upper tree (its shuffles and, with more than one warp,
+    its barrier) and beside it the shortcut's one merge: two ex2 more than the whole-tree build
+    (`Attn2Build.full_tree`), the same shuffles and barriers, no spill in either."""
+    folder = tmp_path_factory.mktemp("attn2-full-tree")
+    attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), full_tree=True))
+    (whole,) = folder.glob("*_Attn2CombineKernel_*.ptx")
+    whole = whole.read_text()
+    _, deployed = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)
+    assert deployed != whole
+    assert deployed.count("ex2.approx") == whole.count("ex2.approx") + 2
+    for pattern in (r"shfl\.sync", r"bar\.sync|barrier\.sync"):
+        assert len(re.findall(pattern, deployed)) == len(re.findall(pattern, whole))
+    for text in (deployed, whole):
+        assert_no_spills(assemble(text, arch, tmp_path))
+
+
+def test_full_tree_is_refused_unless_a_bool():
+    for bad in (1, 0, None, "yes"):
+        with pytest.raises(ValueError, match="full_tree must be a bool"):
+            attn2.Attn2Build(full_tree=bad)  # type: ignore[arg-type]

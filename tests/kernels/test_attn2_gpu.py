@@ -588,3 +588,38 @@ def test_prefetched_pages_keep_every_bit(family, seq_len, max_model_len, num_kv_
     baseline = _launch(problem)[0]
     got = _launch_issue(problem, dataclasses.replace(deployed_issue, prefetch_pages=True))
     assert torch.equal(got.view(torch.int16), baseline.view(torch.int16)), _first_difference(got, baseline)
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads, num_splits", [
+    (8, 131072, 0, 2, None), (17, 131072, 0, 1, None), (128, 131072, 0, 2, None), (129, 131072, 0, 2, None),
+    (4099, 131072, 0, 1, None),
+    (128, 131072, 0, 4, None), (129, 131072, 0, 4, None),  # two splits a CTA: group 0 holds splits 0 .. 7
+    (3017, 131072, 100, 2, None),  # the window's own plan
+    # 256 splits forced under a window of 100: pages 256 .. 263 (split 0 on: one merge), 255 .. 262
+    # (the range wraps past split 255: the tree)
+    (4210, 131072, 100, 2, 256), (4200, 131072, 100, 2, 256),
+    (32, 2048, 0, 2, None), (33, 2048, 0, 2, None), (9, 256, 0, 2, None),  # 64 splits: group 0 holds 2; 8: one warp
+])
+def test_the_combine_shortcut_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads, num_splits):
+    """The combine's one merge with an empty node, taken when every split with pages is one of
+    group 0's leaves, gives exactly the bits of its whole upper tree (`Attn2Build.full_tree`), on
+    both sides of the condition (L 128 | 129 at 256 splits, 32 | 33 at 64), with a window whose
+    pages start past split 0 (and wrap), with two splits a CTA, and on every input family (the
+    `large` family's huge scores included)."""
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
+    whole = _launch(problem, num_splits, full_tree=True)[0]
+    got = _launch(problem, num_splits)[0]
+    assert torch.equal(got.view(torch.int16), whole.view(torch.int16)), _first_difference(got, whole)
+
+
+def test_the_combine_shortcut_comparison_catches_a_changed_bit():
+    """Fault injection for the comparison above: one flipped bit of the whole tree's output fails
+    it, so an equal pair is evidence."""
+    problem = make_problem("random", 8, 131072, num_kv_heads=2)
+    whole = _launch(problem, full_tree=True)[0]
+    got = _launch(problem)[0]
+    flipped = whole.clone()
+    flipped.view(torch.int16)[3, 5] ^= 1
+    assert torch.equal(got.view(torch.int16), whole.view(torch.int16))
+    assert not torch.equal(got.view(torch.int16), flipped.view(torch.int16))
