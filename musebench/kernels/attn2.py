@@ -1077,7 +1077,8 @@ class _Attn2Kernel:
                 # the row's 16 values in the lane's order (`attn2_layout.lane_dims(c)`)
                 values = [vec[2 * pp + half][j] for pp in range(V_TILE_PAIRS) for j in range(4)]
                 head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * warp + half
-                row_epilogue(values, lsum[half], load_gate_words(gate, row, head, c, gate_row_words), out, row, head,
+                sigmoids = gate_sigmoids(load_gate_words(gate, row, head, c, gate_row_words))
+                row_epilogue(values, lsum[half], sigmoids, out, row, head,
                              c, self.num_kv_heads, self.eps, Int32(1))
         else:
             if pages > 0:  # a CTA without pages writes nothing: the combine never reads its slot
@@ -1397,24 +1398,38 @@ def load_gate_words(gate: cute.Tensor, row: Int32, head: Int32, c: Int32, gate_r
 
 
 @cute.jit
-def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
+def gate_sigmoids(gate_words: list) -> list:
+    """sigmoid(g) = 1 / (1 + 2^(-g log2 e)) of a lane's 16 gate values (`load_gate_words`' words,
+    in `attn2_layout.lane_dims(c)`'s order), each quotient div.rn.f32's bits (`division.quotients_rn`).
+    They depend on the gate alone, so the combine computes them before its PDL wait."""
+    denominators = []  # 1 + 2^(-g log2 e) of dims 8t + 2c + k
+    for t in cutlass.range_constexpr(V_TILES):
+        gw = gate_words[t]
+        gates = [ptx.bitcast_u32_to_f32(gw << 16), ptx.bitcast_u32_to_f32(gw & Uint32(0xFFFF0000))]
+        for k in cutlass.range_constexpr(2):
+            e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[k], Float32(-LOG2_E)))
+            denominators.append(ptx.add_rn_f32(Float32(1.0), e))
+    return division.quotients_rn([1.0] * lay.LANE_DIMS, denominators)
+
+
+@cute.jit
+def row_epilogue(values: list, lsum: Float32, sigmoids: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
                  num_kv_heads: cutlass.Constexpr, eps: cutlass.Constexpr, store: Int32,
                  lanes: cutlass.Constexpr = 32) -> None:
     """The o-norm and gate of one row, by the 4 lanes 4k .. 4k + 3 of a warp: lane c of the quad
-    holds dims 8t + 2c + k as values[2t + k] (`attn2_layout.lane_dims(c)`) and their gate pairs
-    (`load_gate_words`). The sum of squares: the lane's 16 squares in its order (t ascending,
+    holds dims 8t + 2c + k as values[2t + k] (`attn2_layout.lane_dims(c)`) and their gates'
+    sigmoids in the same order (`gate_sigmoids`). The sum of squares: the lane's 16 squares in its order (t ascending,
     k = 0 then 1) from +0.0, then the butterfly over xor 1 and 2, so every lane of the quad holds
     (lane 0 + lane 1) + (lane 2 + lane 3) bit for bit (each add is commutative). One 4-byte store
     per n-tile (dims 8t + 2c, 8t + 2c + 1; a quad's four stores fill the tile's 16 bytes). The
     warp's first `lanes` lanes (all it has) execute it (the butterfly), lanes with `store` 0 write
-    nothing. Every quotient (O / l, 1 / sqrt, the sigmoid's 1 / (1 + e)) has `div.rn.f32`'s bits;
-    the lists of 16 go through `division.quotients_rn` (one branch a list, not one a quotient)."""
+    nothing. Every quotient (O / l, 1 / sqrt, and the sigmoids' 1 / (1 + e)) has `div.rn.f32`'s
+    bits; the lists of 16 go through `division.quotients_rn` (one branch a list, not one a quotient)."""
     mask = (1 << lanes) - 1
     out_row_words = num_kv_heads * lay.HEADS_PER_KV_HEAD * lay.HEAD_DIM // 2
     xs = []
     ss = Float32(0.0)
-    # the 16 quotients O / l and below the 16 sigmoids: div.rn.f32's bits, one branch a list
-    # (`kernels.division`), not one a quotient
+    # the 16 quotients O / l: div.rn.f32's bits, one branch for the list (`kernels.division`)
     ratios = division.quotients_rn(values, [lsum] * lay.LANE_DIMS)
     for k in cutlass.range_constexpr(lay.LANE_DIMS):
         word = ptx.cvt_rn_bf16x2_f32(Float32(0.0), ratios[k])
@@ -1426,14 +1441,6 @@ def row_epilogue(values: list, lsum: Float32, gate_words: list, out: cute.Tensor
     mean = ptx.add_rn_f32(ptx.mul_rn_f32(ss, Float32(1.0 / lay.HEAD_DIM)), Float32(eps))
     rstd = ptx.div_rn_f32(Float32(1.0), ptx.sqrt_rn_f32(mean))
     out_base = Int64(out.iterator.toint()) + Int64(row) * (out_row_words * WORD_BYTES)
-    denominators = []  # 1 + 2^(-g log2 e) of dims 8t + 2c + k, in xs' order
-    for t in cutlass.range_constexpr(V_TILES):
-        gw = gate_words[t]
-        gates = [ptx.bitcast_u32_to_f32(gw << 16), ptx.bitcast_u32_to_f32(gw & Uint32(0xFFFF0000))]
-        for k in cutlass.range_constexpr(2):
-            e = ptx.ex2_approx_f32(ptx.mul_rn_f32(gates[k], Float32(-LOG2_E)))
-            denominators.append(ptx.add_rn_f32(Float32(1.0), e))
-    sigmoids = division.quotients_rn([1.0] * lay.LANE_DIMS, denominators)
     for t in cutlass.range_constexpr(V_TILES):
         dim_word = (head * lay.HEAD_DIM + lay.TILE_DIMS * t + 2 * c) // 2
         ys = [ptx.mul_rn_f32(ptx.mul_rn_f32(xs[2 * t + k], rstd), sigmoids[2 * t + k]) for k in range(2)]
@@ -1581,7 +1588,7 @@ class _Attn2CombineKernel:
         # split CTA has (PDL: a dependent launches once every CTA of its primary released it).
         row = req * lay.QUERY_LEN + g
         head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * w + half
-        gate_words = load_gate_words(gate, row, head, c, gate_row_words)
+        sigmoids = gate_sigmoids(load_gate_words(gate, row, head, c, gate_row_words))  # gate only: before the wait
         _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
@@ -1619,7 +1626,7 @@ class _Attn2CombineKernel:
             root = group == 0
             values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
             lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
-            row_epilogue(values, lsum, gate_words, out, row, head, c, self.num_kv_heads, self.eps,
+            row_epilogue(values, lsum, sigmoids, out, row, head, c, self.num_kv_heads, self.eps,
                          cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
         if cutlass.const_expr(self.trace):
             clocks["clock_end"] = ptx.read_clock64_u64()
