@@ -38,6 +38,12 @@ must equal the first --issue setting's at the first --ring-stages value (counted
 `bits_differing_from_first_issue`, the run exits 1 otherwise). A value outside
 `attn2.RING_STAGES_CHOICES` or auto exits 2 before any launch.
 
+`--full-tree` (`Attn2Build.full_tree`: the combine's whole upper tree even where one merge gives its
+bits) and `--early-release` (`Attn2Build.early_release`: each kernel releases its dependents right
+after its own PDL wait) apply to every point of the run; run the sweep with and without one in the
+same lease to compare (each point's `full_tree` and `early_release` say which). `--early-release`
+with a 0 in --pdl exits 2 before any launch (nothing to release).
+
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -115,6 +121,10 @@ def main() -> None:
                         help="comma list of 1, 2, auto (the deployment's: 2 for split plans without a window)")
     parser.add_argument("--ring-stages", default="auto",
                         help="comma list of ring depths (attn2.RING_STAGES_CHOICES) or auto (the deployment's)")
+    parser.add_argument("--full-tree", action="store_true",
+                        help="the combine's whole upper tree at every point (Attn2Build.full_tree)")
+    parser.add_argument("--early-release", action="store_true",
+                        help="dependents released right after each kernel's PDL wait (Attn2Build.early_release)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -155,6 +165,9 @@ def main() -> None:
             attn2.Attn2Build(ring_stages=ring)  # refuses what no build takes
     except ValueError as e:
         print(f"--ring-stages: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.early_release and 0 in _csv(args.pdl):
+        print("--early-release: releases dependents after the PDL wait; --pdl 0 has none to release", file=sys.stderr)
         sys.exit(2)
     if not torch.cuda.is_available():  # after every option's check: those refusals come first
         print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)
@@ -197,7 +210,8 @@ def main() -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
-                                             splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring)
+                                             splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
+                                             full_tree=args.full_tree, early_release=args.early_release)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -217,6 +231,7 @@ def main() -> None:
                                 return int((a.view(torch.int16) != b.view(torch.int16)).sum())
 
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
+                                       full_tree=args.full_tree, early_release=args.early_release,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

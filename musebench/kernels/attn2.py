@@ -364,10 +364,17 @@ class Attn2Build:
     # deployment takes one merge with an empty node instead (`_Attn2CombineKernel.kernel`); the same
     # bits either way (GPU test)
     full_tree: bool = False
+    # experiments only: with splits, each kernel releases its dependents (griddepcontrol.
+    # launch_dependents) right after its own griddepcontrol.wait instead of after its main work: the
+    # combine's CTAs then launch while the split CTAs stream (and wait for the split grid's end at
+    # their own wait), and the next launch's split CTAs while the combine merges. Where a dependent
+    # reads nothing before its wait but what the grid before this one finished, the same bits.
+    early_release: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
+        _require(isinstance(self.early_release, bool), f"early_release must be a bool, got {self.early_release!r}")
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
@@ -413,7 +420,8 @@ class _Attn2Kernel:
                  skip_unit_rescale: bool = True, lean_addressing: bool = True, ldmatrix_keys: bool = True,
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
-                 loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False) -> None:
+                 loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
+                 early_release: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
@@ -448,6 +456,8 @@ class _Attn2Kernel:
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
+        # `Attn2Build.early_release`: dependents released right after this grid's own wait (split plans)
+        self.early_release = bool(early_release) and enable_pdl and num_splits > 1
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
 
@@ -1124,6 +1134,8 @@ class _Attn2Kernel:
 
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()
+        if cutlass.const_expr(self.early_release):
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
 
@@ -1220,7 +1232,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_chained"] = ptx.read_clock64_u64()
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(self.enable_pdl):
+        if cutlass.const_expr(self.enable_pdl and not self.early_release):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
@@ -1454,7 +1466,8 @@ class _Attn2CombineKernel:
     (`splits_per_cta` sibling leaves, already merged)."""
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
-                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, full_tree: bool = False) -> None:
+                 enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, full_tree: bool = False,
+                 early_release: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         _require(isinstance(full_tree, bool), f"full_tree must be a bool, got {full_tree!r}")
@@ -1476,6 +1489,7 @@ class _Attn2CombineKernel:
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
+        self.early_release = bool(early_release) and enable_pdl  # `Attn2Build.early_release`
 
     def smem_bytes(self) -> int:
         return self.warps * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
@@ -1592,6 +1606,8 @@ class _Attn2CombineKernel:
         _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
         if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
+        if cutlass.const_expr(self.early_release):
+            cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
         leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half)
@@ -1599,7 +1615,7 @@ class _Attn2CombineKernel:
         mine = self.subtree(leaves, 0, self.leaves)
         if cutlass.const_expr(self.trace):
             clocks["clock_loaded"] = ptx.read_clock64_u64()  # the group's partials loaded and merged
-        if cutlass.const_expr(self.enable_pdl):
+        if cutlass.const_expr(self.enable_pdl and not self.early_release):
             cute.arch.griddepcontrol_launch_dependents()
         # The groups' results meet in the tree's upper levels (`upper_tree`), or in one merge when
         # every page is group 0's.
@@ -1733,6 +1749,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
     if build.full_tree:  # the deployments' keys stay as they were
         combine_knobs["full_tree"] = True
+    if build.early_release:  # the deployments' keys stay as they were
+        combine_knobs["early_release"] = True
+        split_knobs["early_release"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1861,7 +1880,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            window: int, enable_pdl: bool = True, num_splits: int | None = None,
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
-           loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False) -> None:
+           loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
+           early_release: bool = False) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1872,10 +1892,12 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     hold `traced_workspace_bytes`, one split included; read back with `trace_rows`). `loads_only`
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
     not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
-    `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always."""
+    `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
+    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
-                       trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree)
+                       trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
+                       early_release=early_release)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

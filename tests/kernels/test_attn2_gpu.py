@@ -623,3 +623,45 @@ def test_the_combine_shortcut_comparison_catches_a_changed_bit():
     flipped.view(torch.int16)[3, 5] ^= 1
     assert torch.equal(got.view(torch.int16), whole.view(torch.int16))
     assert not torch.equal(got.view(torch.int16), flipped.view(torch.int16))
+
+
+@pytest.mark.parametrize("seq_len, num_kv_heads", [(8, 2), (4099, 2), (131072, 2), (70001, 1), (20000, 4)])
+def test_early_release_keeps_every_bit_back_to_back(seq_len, num_kv_heads):
+    """`Attn2Build.early_release` (each kernel releases its dependents right after its own PDL wait):
+    four launches captured back to back in one graph on ONE workspace, each launch's combine
+    released to the next launch's split kernel while it still reads the partials, give the
+    deployment's eager bits every time (a dependent reads nothing before its own wait but what
+    finished earlier), replayed twice."""
+    from musebench.kernels import attn2
+
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=num_kv_heads)
+    baseline = _launch(problem)[0]
+    p = problem.to("cuda")
+    splits = cute_ops.attn2_splits(p.max_model_len, p.window, p.num_kv_heads)
+    workspace = torch.zeros(lay.workspace_bytes(p.num_reqs, p.num_kv_heads, splits,
+                                                lay.splits_per_cta(p.num_kv_heads, splits)),
+                            dtype=torch.uint8, device="cuda")
+    outs = [torch.full_like(p.q, float("nan")) for _ in range(4)]
+
+    def launches() -> None:
+        for out in outs:
+            attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                         max_model_len=p.max_model_len, window=p.window, early_release=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launches()  # compiles, outside the capture
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        launches()
+    for _ in range(2):
+        for out in outs:
+            out.fill_(float("nan"))
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        for out in outs:
+            assert torch.equal(out.cpu().view(torch.int16), baseline.view(torch.int16)), \
+                _first_difference(out.cpu(), baseline)
