@@ -94,12 +94,13 @@ shared memory it replaced (six levels of three barriers at 64 groups), and 0.4-2
 every L on the H200 (bench attn, tp 8 8k 11.5 against 13.4 us; 32 groups within +-0.4 us of 64:
 records/2026-12-02-h200-3bb425a-ab-combine-shuffle.json); with the shared-memory tree, twice the
 groups (512 threads) was slower at 22 of 24 points (records/2026-12-02-h200-2f72f10-ab-combine-
-groups.json). When every split with pages is one of group 0's leaves (at 256 splits: L <= 128
-without a window; CTA-uniform, from L alone) the tree above the groups is merge(node, empty) on the
-root's path, and one merge with an empty node gives its bits (merge with an empty node is
-idempotent: tests/cpu/test_attn2_model.py), so the combine takes that one merge instead of the
-shuffles, shared memory and barrier (`Attn2Build.full_tree` keeps the tree: the GPU test holds both
-to the same bits). Only quad 0 of warp 0 holds the root: the other quads run the epilogue on ones,
+groups.json). Only the tree's levels that can meet pages run (`upper_tree`; CTA-uniform, from L
+alone, when the splits with pages start at split 0): above them every merge on the root's path is
+merge(node, empty), and one merge with an empty node gives their bits (merge with an empty node is
+idempotent: tests/cpu/test_attn2_model.py). At 256 splits (64 groups of 4 leaves, 8 groups a
+warp) L <= 64 takes one merge in place of the shuffles, shared memory and barrier, and L <= 512
+skips the shared-memory stage (`Attn2Build.full_tree` keeps the whole tree: the GPU test holds
+both to the same bits). Only quad 0 of warp 0 holds the root: the other quads run the epilogue on ones,
 never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.2
 us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
@@ -359,10 +360,9 @@ class Attn2Build:
     # ULPs at tp 8 128k (still under the stock's 752.2), the mean 0.25 to 0.31. Half the P V
     # tensor work buys 1 % at tp 8: the tensor cores do not bound the split kernel there.
     weight_terms: int = 2
-    # experiments only (the A/B baseline of the combine's shortcut): the combine merges through its
-    # whole upper tree even when every split with pages is one of its group 0's leaves, where every
-    # deployment takes one merge with an empty node instead (`_Attn2CombineKernel.kernel`); the same
-    # bits either way (GPU test)
+    # experiments only (the A/B baseline of the combine's shortcut): the combine runs every level of
+    # its upper tree, where every deployment runs only those that can meet pages and one merge with
+    # an empty node for the rest (`_Attn2CombineKernel.upper_tree`); the same bits either way (GPU test)
     full_tree: bool = False
     # experiments only: with splits, each kernel releases its dependents (griddepcontrol.
     # launch_dependents) right after its own griddepcontrol.wait instead of after its main work: the
@@ -1375,13 +1375,17 @@ def empty_node(dims: int) -> list:
 
 
 @cute.jit
-def group_zero_holds_every_page(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexpr,
-                                group_splits: cutlass.Constexpr):
-    """Whether every split with pages is one of splits 0 .. group_splits - 1 (combine group 0's
-    leaves, group_splits < num_splits). Split s has pages iff (s - first_page) mod S < n, n =
-    end_page - first_page (`page_range`, `load_leaf`): the splits lo .. lo + n - 1 mod S, lo =
-    first_page mod S, inside group 0 iff lo + n <= group_splits (a range that wraps holds S - 1)."""
-    return (first_page & (num_splits - 1)) + (end_page - first_page) <= group_splits
+def live_groups(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexpr, group_splits: cutlass.Constexpr,
+                groups: cutlass.Constexpr) -> Int32:
+    """How many of the combine's first groups hold every split with pages (group_splits splits a
+    group): split s has pages iff (s - first_page) mod S < n, n = end_page - first_page
+    (`page_range`, `load_leaf`), i.e. the splits lo .. lo + n - 1 mod S, lo = first_page mod S.
+    With lo 0 those are the first min(n, S) splits: ceil(min(n, S) / group_splits) groups; a range
+    that starts past split 0 (a window) counts as every group."""
+    lo = first_page & (num_splits - 1)
+    live_splits = cutlass.min(end_page - first_page, Int32(num_splits))
+    prefix = (live_splits + (group_splits - 1)) // group_splits
+    return cutlass.select_(lo == 0, prefix, Int32(groups))
 
 
 def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int) -> Int64:
@@ -1558,23 +1562,52 @@ class _Attn2CombineKernel:
         return values
 
     @cute.jit
-    def upper_tree(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32) -> list:
+    def upper_tree(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32, live_groups=None) -> list:
         """The tree above the groups: first within each warp (its 32 / COMBINE_QUADS consecutive
         groups, a complete subtree) by shuffles, node (2j) taking node (2j + 1) from 4, 8, 16 lanes
         up (a lane whose node is a right child computes a merge nobody reads); then warp 0 merges the
         warps' nodes, warp order, from shared memory (a CTA barrier: every thread calls it). Returns
-        the node warp 0's lanes hold (quad 0's: the root)."""
+        the node warp 0's lanes hold (quad 0's: the root).
+
+        `live_groups` (None: every level): a CTA-uniform Int32 such that groups 0 .. live_groups - 1
+        hold every split with pages. A shuffle level runs only while its right subtrees can hold
+        pages (2^level < live_groups), the shared-memory stage only while the pages reach past warp
+        0's groups. Above the last level that runs, every merge on the root's path is merge(node,
+        empty) and every other node is empty, so one merge with an empty node gives the skipped
+        levels' bits (merge with an empty node is idempotent, bit for bit:
+        tests/cpu/test_attn2_model.py); the levels that run are the tree's own."""
         for level in cutlass.range_constexpr(self.warp_levels):
             delta = lay.COMBINE_QUADS << level
-            right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
-            mine = merged(mine, right)
+            if cutlass.const_expr(live_groups is None):
+                right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
+                mine = merged(mine, right)
+            else:
+                if live_groups > (1 << level):  # CTA-uniform: every lane shuffles or none
+                    right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
+                    mine = merged(mine, right)
         if cutlass.const_expr(self.warps > 1):
-            if tidx % 32 < lay.COMBINE_QUADS:  # lane c of each warp holds its warp's node
-                self.store_slot(slot_base, tidx // 32, c, mine)
-            cute.arch.barrier()
-            if tidx < 32:
-                nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
-                mine = self.subtree(nodes, 0, self.warps)
+            if cutlass.const_expr(live_groups is None):
+                mine = self.warp_nodes(mine, slot_base, tidx, c)
+            else:
+                if live_groups > self.groups // self.warps:
+                    mine = self.warp_nodes(mine, slot_base, tidx, c)
+        if cutlass.const_expr(live_groups is not None):
+            # the top level (the shared-memory stage, or with one warp its last shuffle level) skipped
+            top = self.groups // self.warps if self.warps > 1 else self.groups // 2
+            if live_groups <= top:
+                mine = merged(mine, empty_node(lay.LANE_DIMS))
+        return mine
+
+    @cute.jit
+    def warp_nodes(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32) -> list:
+        """The shared-memory stage of the upper tree: lane c of each warp stores its warp's node, one
+        CTA barrier, then every lane of warp 0 merges the warps' nodes in warp order (a subtree)."""
+        if tidx % 32 < lay.COMBINE_QUADS:  # lane c of each warp holds its warp's node
+            self.store_slot(slot_base, tidx // 32, c, mine)
+        cute.arch.barrier()
+        if tidx < 32:
+            nodes = [self.load_slot(slot_base, Int32(w), c) for w in range(self.warps)]
+            mine = self.subtree(nodes, 0, self.warps)
         return mine
 
     @cute.kernel
@@ -1620,16 +1653,11 @@ class _Attn2CombineKernel:
         # The groups' results meet in the tree's upper levels (`upper_tree`), or in one merge when
         # every page is group 0's.
         if cutlass.const_expr(self.groups > 1 and not self.full_tree):
-            # Every split with pages among group 0's leaves (CTA-uniform: at 256 splits, L <= 128
-            # without a window): every merge above group 0 is merge(node, empty) on the root's path
-            # and merge(empty, empty) = empty off it, and merge(merge(x, empty), empty) is
-            # merge(x, empty) bit for bit (`merge_with_empty_is_idempotent`), so one merge with an
-            # empty node is the tree's root. No shuffle, no shared memory, no barrier.
-            if group_zero_holds_every_page(first_page, end_page, self.num_splits,
-                                           self.leaves * self.splits_per_cta):
-                mine = merged(mine, empty_node(lay.LANE_DIMS))
-            else:
-                mine = self.upper_tree(mine, slot_base, tidx, c)
+            # only the levels that can meet pages (`upper_tree`): at 256 splits (64 groups of 4
+            # leaves, 8 a warp) L <= 64 takes one merge, L <= 512 no shared-memory stage
+            live = live_groups(first_page, end_page, self.num_splits, self.leaves * self.splits_per_cta,
+                               self.groups)
+            mine = self.upper_tree(mine, slot_base, tidx, c, live)
         else:
             mine = self.upper_tree(mine, slot_base, tidx, c)
         if cutlass.const_expr(self.trace):

@@ -576,8 +576,8 @@ def _canonical_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_merge_with_empty_is_idempotent():
-    """The combine's shortcut (`kernels.attn2`: one merge with an empty node stands for the whole
-    upper tree when group 0 holds every page) rests on merge(merge(x, E), E) = merge(x, E) bit for
+    """The combine's shortcut (`kernels.attn2`, `upper_tree`: one merge with an empty node stands for
+    the upper tree's levels above the groups that hold pages) rests on merge(merge(x, E), E) = merge(x, E) bit for
     bit, E = (O +0.0, m -inf, l +0.0), and merge(E, E) = E. With m finite the weights are 2^0 = 1
     and 2^-inf = 0, so a merge with E maps O to O * 1 + 0 (-0.0 becomes +0.0 once); m +inf or -inf
     gives NaN or 0 weights, the same again. The nodes: O of -0.0, +0.0, subnormals, huge values,

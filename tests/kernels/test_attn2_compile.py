@@ -1186,16 +1186,17 @@ def test_prefetch_pages_adds_l2_prefetches_and_nothing_else(tmp_path_factory, tm
     assert_no_spills(assemble(probe, arch, tmp_path))
 
 
-# The combine's shortcut (one merge with an empty node when group 0 holds every page) and
-# Attn2Build.full_tree, its experiment baseline
+# The combine's shortcut (only the upper tree's levels that can meet pages, then one merge with an
+# empty node) and Attn2Build.full_tree, its experiment baseline
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (4, 131072), (2, 256)])
-def test_the_combine_shortcut_skips_the_upper_tree_behind_one_branch(tmp_path_factory, tmp_path, arch, heads,
+def test_the_combine_shortcut_runs_each_upper_level_behind_its_branch(tmp_path_factory, tmp_path, arch, heads,
                                                                      max_model_len):
-    """The deployment's combine holds the upper tree (its shuffles and, with more than one warp,
-    its barrier) and beside it the shortcut's one merge: two ex2 more than the whole-tree build
+    """The deployment's combine holds each level of the upper tree once (its shuffles and, with more
+    than one warp, its barrier, each behind its branch) and the shortcut's one merge with an empty
+    node: two ex2 more than the whole-tree build
     (`Attn2Build.full_tree`), the same shuffles and barriers, no spill in either."""
     folder = tmp_path_factory.mktemp("attn2-full-tree")
     attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), full_tree=True))

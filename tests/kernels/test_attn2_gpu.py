@@ -592,21 +592,26 @@ def test_prefetched_pages_keep_every_bit(family, seq_len, max_model_len, num_kv_
 
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 @pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads, num_splits", [
-    (8, 131072, 0, 2, None), (17, 131072, 0, 1, None), (128, 131072, 0, 2, None), (129, 131072, 0, 2, None),
-    (4099, 131072, 0, 1, None),
-    (128, 131072, 0, 4, None), (129, 131072, 0, 4, None),  # two splits a CTA: group 0 holds splits 0 .. 7
+    # 256 splits, 64 groups of 4 leaves, 8 groups a warp: the live groups 1 (L <= 64: one merge),
+    # 2, 3, 4, 8 (L <= 512: no shared-memory stage), 9 and all
+    (8, 131072, 0, 2, None), (17, 131072, 0, 1, None), (64, 131072, 0, 2, None), (65, 131072, 0, 2, None),
+    (128, 131072, 0, 2, None), (129, 131072, 0, 1, None), (256, 131072, 0, 2, None), (512, 131072, 0, 1, None),
+    (513, 131072, 0, 2, None), (4099, 131072, 0, 1, None),
+    (64, 131072, 0, 4, None), (65, 131072, 0, 4, None), (513, 131072, 0, 4, None),  # two splits a CTA
     (3017, 131072, 100, 2, None),  # the window's own plan
-    # 256 splits forced under a window of 100: pages 256 .. 263 (split 0 on: one merge), 255 .. 262
-    # (the range wraps past split 255: the tree)
-    (4210, 131072, 100, 2, 256), (4200, 131072, 100, 2, 256),
-    (32, 2048, 0, 2, None), (33, 2048, 0, 2, None), (9, 256, 0, 2, None),  # 64 splits: group 0 holds 2; 8: one warp
+    # 256 splits forced under a window of 40: pages 256 .. 258 (from split 0: one merge), 255 .. 257
+    # (from split 255: every level); a window of 100 spans 8 pages (two groups)
+    (4143, 131072, 40, 2, 256), (4127, 131072, 40, 2, 256), (4210, 131072, 100, 2, 256),
+    (16, 2048, 0, 2, None), (17, 2048, 0, 2, None), (300, 2048, 0, 2, None),  # 64 splits: a group holds 1
+    (9, 256, 0, 2, None), (100, 256, 0, 2, None),  # 8 splits: one warp, shuffles only
 ])
 def test_the_combine_shortcut_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads, num_splits):
-    """The combine's one merge with an empty node, taken when every split with pages is one of
-    group 0's leaves, gives exactly the bits of its whole upper tree (`Attn2Build.full_tree`), on
-    both sides of the condition (L 128 | 129 at 256 splits, 32 | 33 at 64), with a window whose
-    pages start past split 0 (and wrap), with two splits a CTA, and on every input family (the
-    `large` family's huge scores included)."""
+    """The combine runs only the upper tree's levels that can meet pages and one merge with an
+    empty node for the rest: exactly the bits of its whole upper tree (`Attn2Build.full_tree`), at
+    every count of live groups (one merge; some shuffle levels; every shuffle level without the
+    shared-memory stage; every level), with a window whose pages start at split 0 and one past it
+    (every level), with two splits a CTA, on the 64- and 8-split plans, and on every input family
+    (the `large` family's huge scores included)."""
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
     whole = _launch(problem, num_splits, full_tree=True)[0]
     got = _launch(problem, num_splits)[0]
