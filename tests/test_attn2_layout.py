@@ -288,3 +288,35 @@ def test_short_max_len_check_can_fail(monkeypatch):
     with pytest.raises(AssertionError):
         _check_short_plans()
     assert lay.splits(128, 0, 2) == 1 and lay.splits(65, 0, 2) == 1 and lay.splits(129, 0, 2) == 4
+
+
+# The GPU tests' short-plan cases (`tests/kernels/test_attn2_gpu.py`, skipped without a GPU): the
+# plan each (max_model_len, window) runs, checked here where the tests run on the CPU.
+GPU_SHORT_PLAN_SPLITS = {(64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2, (256, 0): 8, (2048, 0): 64,
+                         (2048, 100): 4, (4096, 0): 128, (4096, 2048): 64}
+
+
+def _check_gpu_short_plans() -> None:
+    from tests.kernels import test_attn2_gpu as gpu
+
+    cases = [(m, w) for _, m, w in gpu.MODEL_CASES] + [(m, 0) for _, m in gpu.SHORT_PLAN_TP_CASES]
+    cases += [(m, 0) for _, m in gpu.SHORT_PLAN_LENGTH_CASES]
+    cases += [(m, w) for _, m, w in gpu.STEP_CASES if m <= 4096]
+    for max_model_len, window in cases:
+        got = {lay.splits(max_model_len, window, heads) for heads in (1, 2, 4, 8, 16)}
+        assert got == {GPU_SHORT_PLAN_SPLITS[max_model_len, window]}, (max_model_len, window)
+    # one split is covered up to SHORT_MAX_LEN's last token, and the next plan (128) as a split plan
+    one_split = [(n, m) for n, m, w in gpu.MODEL_CASES if lay.splits(m, w, 2) == 1]
+    assert {n for n, _ in one_split} >= {8, 15, 16, 17, lay.SHORT_MAX_LEN - 1, lay.SHORT_MAX_LEN}
+    assert {n for n, m, _ in gpu.MODEL_CASES if m == 2 * lay.SHORT_MAX_LEN} >= {8, 17, 127, 128}
+
+
+def test_gpu_tests_run_the_plans_they_name():
+    _check_gpu_short_plans()
+
+
+def test_gpu_plan_check_can_fail(monkeypatch):
+    """Fault injection: the old threshold (128) puts max_model_len 128 back on one split."""
+    monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
+    with pytest.raises(AssertionError):
+        _check_gpu_short_plans()
