@@ -74,23 +74,19 @@ SPLITS_PER_CTA_CHOICES = (1, 2)
 PAGES_PER_STEP_CHOICES = (1, 2)
 # MIN_PAGES_PER_SPLIT: below two pages a split's pipeline never fills and the merge dominates.
 MIN_PAGES_PER_SPLIT = 2
-# SHORT_MAX_LEN: up to 128 tokens (8 pages) one CTA per KV head reads the whole context and no
-# merge runs; above it a deployment takes a split plan (`splits`: 256 tokens 8 splits, 2048 64).
-# One split reads its pages serially. Measured on the H200 (CUDA-graph medians, tp 8 and 16 alike,
-# records/2026-12-02-h200-081ea38-ab-attn2-quotients.json, its one-split round): with max_model_len 2048 (then one
-# split) L 8 / 512 / 2048 ran 3.6 / 15.4 / 51.6 us, about 0.38 us a page, against SDPA flash
-# 5.8 / 8.9 / 10.1; the split plans (max_model_len 131072, 256 splits, split kernel + combine)
-# ran 5.7-6.3 / 6.8-7.5 / 8.1-8.4. One split pays only below about 7 pages: at 8 its worst case,
-# 3.6 + 8 x 0.38 = 6.6 us, is about a split plan's cost. The split plans this moves (129 .. 2048
-# tokens: 4 .. 64 splits) take the 128k plans' rules (two pages a step, the deep ring up to
-# DEEP_RING_MAX_CTAS split CTAs). Measured after the change, on one lease
-# (records/2026-12-02-h200-fb41107-attn2-short-plan-and-weight-terms.json): max_model_len 2048 on
-# 64 splits ran L 8 / 128 / 512 / 2048 at 4.81 / 5.17 / 5.38 / 6.02 us (tp 8; tp 16 4.34-5.28)
-# against one split's 3.69 / 6.30 / 15.56 / 52.18, every L below SDPA's 5.89 / 6.09 / 8.97 /
-# 10.22. At max_model_len 128 itself one split ran L 8 / 64 / 128 at 3.85 / 4.94 / 6.39 against
-# four splits' 5.92 / 3.69 / 3.89 (tp 8; SDPA 5.95-6.06): 64 would be the better threshold (one
-# split's worst case under SDPA), not yet taken: its GPU tests have not run.
-SHORT_MAX_LEN = 128
+# SHORT_MAX_LEN: up to 64 tokens (4 pages) one CTA per KV head reads the whole context and no
+# merge runs; above it a deployment takes a split plan (`splits`: 128 tokens 4 splits, 256 8, 2048
+# 64), with the 128k plans' rules (two pages a step, the deep ring up to DEEP_RING_MAX_CTAS split
+# CTAs). One split reads its pages serially, about 0.38 us a page: the step from 2048 to 128 took
+# max_model_len 2048's L 2048 from 51.6 us on one split to 6.0 on 64 splits (SDPA flash 10.2;
+# records/2026-12-02-h200-081ea38-ab-attn2-quotients.json, -fb41107-attn2-short-plan-and-weight-terms.json).
+# 128 -> 64: since the combine runs its epilogue on the root's quad 0 only, the split plans no
+# longer pay about 2 us at small L. Measured on the H200 on one lease (tp 8, max_model_len 128,
+# CUDA-graph medians), L 8 / 16 / 64 / 128: one split 3.92 / 3.88 / 4.96 / 6.44 us, two splits
+# 4.02 / 4.00 / 4.25 / 4.77, four (the plan `splits` gives) 4.11 / 4.12 / 3.94 / 4.13, SDPA flash
+# 6.07-6.15. One split's worst case at 128 tokens (6.44) is slower than SDPA; at 64 (4 pages) it
+# is 4.96, under every split plan's 4.0-4.2 by less than a microsecond.
+SHORT_MAX_LEN = 64
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 
 # SPLIT_CTAS_PER_SM: split CTAs one SM holds at once (registers capped at 65536 / (4 x 128) = 128
@@ -181,9 +177,9 @@ def max_pages(max_model_len: int) -> int:
 
 
 def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
-    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN (128 tokens), else the most
+    """The splits of a launch (a power of two): 1 up to SHORT_MAX_LEN (64 tokens), else the most
     up to MAX_SPLITS with at least MIN_PAGES_PER_SPLIT pages each (of the pages a row can see: the
-    window's with one): 129 .. 240 tokens 4, 241 .. 496 8, 2048 64, from 8177 256.
+    window's with one): 65 .. 112 tokens 2, 113 .. 240 4, 241 .. 496 8, 2048 64, from 8177 256.
 
     Not divided by num_kv_heads (the seeds' SPLIT_TARGET_CLUSTERS // (ROW_GROUPS * heads)): the
     split count decides a row's summation order, and a KV head's bits must be the same whichever
@@ -237,7 +233,7 @@ def check_pages_per_step(per_step: object) -> None:
 # tp 8 L 8k / 32k / 128k 13.74 / 15.64 / 33.78 us against 13.62 / 14.61 / 29.76; tp 16 10.09 /
 # 14.16 / 30.39 against 10.32 / 13.36 / 26.33. Not taken: the window's plans (2048: 64 splits),
 # where two pages a step ran 0-6 % slower, and the one-split plans (max_model_len <= SHORT_MAX_LEN:
-# 8 pages at most), unmeasured. The small split plans (129 .. 2048 tokens, 2 to 4 pages a split)
+# 4 pages at most), unmeasured. The small split plans (65 .. 2048 tokens, 2 to 4 pages a split)
 # take two pages a step without an A/B against one (like the window's plans, they have few pages a
 # split). A row's bits follow the value, so it depends only on the plan (max_model_len, window,
 # splits), never on tp or the splits a CTA runs: tp 4 and 2 (two splits a CTA) take it too.

@@ -501,7 +501,7 @@ def launch_qkv_front(
 ROW_GROUPS = attn2_layout.ROW_GROUPS  # 1: the 64 rows of a KV head are one M tile, one CTA
 SPLIT_TARGET_CLUSTERS = attn2_layout.SPLIT_TARGET_CLUSTERS  # 256: about two split CTAs an SM for one KV head (H200's 132)
 MAX_SPLITS = attn2_layout.MAX_SPLITS  # 256: the merge tree's leaves a KV head (a CTA runs two from PAIRED_LEAVES leaves a request)
-SHORT_MAX_LEN = attn2_layout.SHORT_MAX_LEN  # 128 (8 pages): up to it one CTA per KV head, no merge
+SHORT_MAX_LEN = attn2_layout.SHORT_MAX_LEN  # 64 (4 pages): up to it one CTA per KV head, no merge
 QUERY_LEN = attn2_layout.QUERY_LEN  # 8: 1 + 7 draft tokens per request
 # Pages a softmax step takes: 2 for split plans without a window (measured faster at tp 8 and 16,
 # taken at every tp: a row's bits follow it), 1 for the window's and the one-split plans; the
@@ -528,8 +528,8 @@ def attn2_window(sliding_window: int | None, max_model_len: int) -> int:
 
 def attn2_splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     """The splits of an attn2 launch for a deployment (a power of two): 1 when max_model_len is
-    at most SHORT_MAX_LEN (128 tokens), else the most up to MAX_SPLITS with at least two pages per
-    split of those a row can see (the window's, with one): 2048 tokens 64, from 8177 256. Depends on max_model_len and the window only: never on a step's
+    at most SHORT_MAX_LEN (64 tokens), else the most up to MAX_SPLITS with at least two pages per
+    split of those a row can see (the window's, with one): 128 tokens 4, 2048 64, from 8177 256. Depends on max_model_len and the window only: never on a step's
     L, nor on num_kv_heads (a KV head's bits are the same at every tp; the heads are validated). ValueError for a
     non-positive length or head count, or a negative window."""
     return attn2_layout.splits(max_model_len, window, num_kv_heads)

@@ -81,8 +81,9 @@ def test_split_table_entries_cover_every_page_a_split_visits():
                 assert len(lay.split_pages(split, splits, first_page, end_page)) <= entries
     assert lay.split_table_entries(131072, 0, 256) == 32
     assert lay.split_table_entries(131072, 0, 512) == 16  # per split: a CTA of two splits holds 32
-    # one split (SHORT_MAX_LEN: 8 pages at most); the small split plans: 2 to 4 pages a split
-    assert [lay.split_table_entries(n, 0, lay.splits(n, 0, 2)) for n in (128, 129, 240, 256, 2048)] == [8, 3, 4, 2, 2]
+    # one split (SHORT_MAX_LEN: 4 pages at most); the small split plans: 2 to 4 pages a split
+    assert [lay.split_table_entries(n, 0, lay.splits(n, 0, 2)) for n in (64, 65, 112, 113, 128, 129, 240, 256, 2048)] == [
+        4, 3, 4, 2, 2, 3, 4, 2, 2]
 
 
 def test_split_ctas_per_sm():
@@ -109,8 +110,10 @@ def test_split_plan_constants():
     (131072, 2048, 2, 64, 1),  # the window's plan: 8 x 64 = 512 CTAs, below two a target
     (131072, 2048, 8, 64, 1),
     (131072, 2048, 16, 64, 1),
-    (128, 0, 8, 1, 1),  # one split: nothing to pair
-    (128, 0, 2, 1, 1),
+    (64, 0, 8, 1, 1),  # one split: nothing to pair
+    (64, 0, 2, 1, 1),
+    (128, 0, 2, 4, 1),  # a split plan since SHORT_MAX_LEN 64: 8 KV heads x 4 leaves do not pair
+    (65, 0, 2, 2, 1),
     (2048, 0, 1, 64, 2),  # the small split plans: 16 KV heads x 64 = 1024 leaves pair; 8 x 64 do not
     (2048, 0, 2, 64, 1),
     (2048, 0, 16, 64, 1),
@@ -187,7 +190,7 @@ def test_either_pages_per_step_is_accepted():
 
 
 # (max_model_len, window): the short plans, the split plans without a window, the window's
-DEPLOYMENT_PLANS = [(8, 0), (128, 0), (129, 0), (256, 0), (2048, 0), (4096, 0), (8192, 0), (32768, 0), (131072, 0),
+DEPLOYMENT_PLANS = [(8, 0), (64, 0), (65, 0), (128, 0), (129, 0), (256, 0), (2048, 0), (4096, 0), (8192, 0), (32768, 0), (131072, 0),
                     (131072, 2048), (8192, 2048), (2048, 100), (4096, 1)]
 
 
@@ -202,10 +205,10 @@ def test_pages_per_step_rule_is_two_for_split_plans_without_a_window(max_model_l
 
 
 def test_pages_per_step_rule_values():
-    """The deployments' values: 2 at 129 .. 128k without a window (2048 included: a split plan), 1 at
-    128 (one split) and with the 2048 window; a forced plan follows its own split count."""
-    assert [lay.pages_per_step(0, lay.splits(n, 0, 2)) for n in (128, 129, 256, 2048, 4096, 8192, 131072)] == [
-        1, 2, 2, 2, 2, 2, 2]
+    """The deployments' values: 2 at 65 .. 128k without a window (128 and 2048 included: split
+    plans), 1 at 64 (one split) and with the 2048 window; a forced plan follows its own split count."""
+    assert [lay.pages_per_step(0, lay.splits(n, 0, 2)) for n in (64, 65, 128, 129, 256, 2048, 4096, 8192, 131072)] == [
+        1, 2, 2, 2, 2, 2, 2, 2, 2]
     assert lay.pages_per_step(2048, lay.splits(131072, 2048, 2)) == 1
     assert lay.pages_per_step(0, 1) == 1 and lay.pages_per_step(0, 2) == 2
     assert lay.pages_per_step(2048, 256) == 1
@@ -238,14 +241,14 @@ def test_ring_stages_rule():
     assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
     assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
     assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
-    # the small split plans (max_model_len 129 .. 2048: 4 .. 64 splits) have few CTAs: the deep ring
+    # the small split plans (max_model_len 65 .. 2048: 2 .. 64 splits) have few CTAs: the deep ring
     # up to 4 KV heads at 64 splits (256 CTAs; 8 heads' 512 keep PIPELINE_STAGES); one split
-    # (max_model_len <= 128) keeps PIPELINE_STAGES
+    # (max_model_len <= 64) keeps PIPELINE_STAGES
     for heads in (1, 2, 4):
         assert lay.ring_stages(0, heads, lay.splits(2048, 0, heads)) == deep
     assert lay.ring_stages(0, 8, lay.splits(2048, 0, 8)) == plain
-    assert {lay.ring_stages(0, heads, lay.splits(n, 0, heads)) for heads in (1, 8) for n in (129, 256)} == {deep}
-    assert {lay.ring_stages(0, heads, lay.splits(128, 0, heads)) for heads in (1, 8)} == {plain}
+    assert {lay.ring_stages(0, heads, lay.splits(n, 0, heads)) for heads in (1, 8) for n in (65, 128, 129, 256)} == {deep}
+    assert {lay.ring_stages(0, heads, lay.splits(64, 0, heads)) for heads in (1, 8)} == {plain}
     # deferred P V waits: the deep plans take DEFERRED_DEEP_RING_STAGES, the others stay as they are
     deferred = lay.DEFERRED_DEEP_RING_STAGES
     assert deferred != deep
@@ -258,24 +261,62 @@ def test_ring_stages_rule():
 
 
 def _check_short_plans() -> None:
-    """The plans themselves: one split up to 128 tokens (8 pages), a split plan from the next
-    token on, at every tp."""
+    """The plans themselves: one split up to 64 tokens (4 pages), a split plan from the next
+    token on (two splits, four from 113 tokens: 128 is a split plan), at every tp."""
     for heads in (1, 2, 4, 8, 16):
-        assert [lay.splits(n, 0, heads) for n in (8, 16, 17, 127, 128)] == [1] * 5
-        assert [lay.splits(n, 0, heads) for n in (129, 256, 2047, 2048)] == [4, 8, 64, 64]
+        assert [lay.splits(n, 0, heads) for n in (8, 16, 17, 63, 64)] == [1] * 5
+        assert [lay.splits(n, 0, heads) for n in (65, 112, 113, 127, 128, 129, 256, 2047, 2048)] == [
+            2, 2, 4, 4, 4, 4, 8, 64, 64]
 
 
-def test_short_max_len_is_eight_pages():
-    """One split up to SHORT_MAX_LEN (128 tokens, 8 pages: where one CTA's serial pages cost about
-    what a split plan does), a split plan from the next token on, at every tp."""
-    assert lay.SHORT_MAX_LEN == 8 * lay.PAGE_TOKENS == 128
+def test_short_max_len_is_four_pages():
+    """One split up to SHORT_MAX_LEN (64 tokens, 4 pages: where one CTA's serial pages still run
+    under SDPA, and within a microsecond of a split plan), a split plan from the next token on, at
+    every tp."""
+    assert lay.SHORT_MAX_LEN == 4 * lay.PAGE_TOKENS == 64
     _check_short_plans()
 
 
 def test_short_max_len_check_can_fail(monkeypatch):
-    """Fault injection: the old threshold (2048 tokens) puts max_model_len 2048 back on one split,
-    and the check above refuses it."""
+    """Fault injection: the old thresholds (2048 tokens, then 128) put max_model_len 2048, or 65 ..
+    128, back on one split, and the check above refuses each."""
     monkeypatch.setattr(lay, "SHORT_MAX_LEN", 2048)
     with pytest.raises(AssertionError):
         _check_short_plans()
     assert lay.splits(2048, 0, 2) == 1 and lay.splits(256, 0, 2) == 1 and lay.splits(2049, 0, 2) == 64
+    monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
+    with pytest.raises(AssertionError):
+        _check_short_plans()
+    assert lay.splits(128, 0, 2) == 1 and lay.splits(65, 0, 2) == 1 and lay.splits(129, 0, 2) == 4
+
+
+# The GPU tests' short-plan cases (`tests/kernels/test_attn2_gpu.py`, skipped without a GPU): the
+# plan each (max_model_len, window) runs, checked here where the tests run on the CPU.
+GPU_SHORT_PLAN_SPLITS = {(64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2, (256, 0): 8, (2048, 0): 64,
+                         (2048, 100): 4, (4096, 0): 128, (4096, 2048): 64}
+
+
+def _check_gpu_short_plans() -> None:
+    from tests.kernels import test_attn2_gpu as gpu
+
+    cases = [(m, w) for _, m, w in gpu.MODEL_CASES] + [(m, 0) for _, m in gpu.SHORT_PLAN_TP_CASES]
+    cases += [(m, 0) for _, m in gpu.SHORT_PLAN_LENGTH_CASES]
+    cases += [(m, w) for _, m, w in gpu.STEP_CASES if m <= 4096]
+    for max_model_len, window in cases:
+        got = {lay.splits(max_model_len, window, heads) for heads in (1, 2, 4, 8, 16)}
+        assert got == {GPU_SHORT_PLAN_SPLITS[max_model_len, window]}, (max_model_len, window)
+    # one split is covered up to SHORT_MAX_LEN's last token, and the next plan (128) as a split plan
+    one_split = [(n, m) for n, m, w in gpu.MODEL_CASES if lay.splits(m, w, 2) == 1]
+    assert {n for n, _ in one_split} >= {8, 15, 16, 17, lay.SHORT_MAX_LEN - 1, lay.SHORT_MAX_LEN}
+    assert {n for n, m, _ in gpu.MODEL_CASES if m == 2 * lay.SHORT_MAX_LEN} >= {8, 17, 127, 128}
+
+
+def test_gpu_tests_run_the_plans_they_name():
+    _check_gpu_short_plans()
+
+
+def test_gpu_plan_check_can_fail(monkeypatch):
+    """Fault injection: the old threshold (128) puts max_model_len 128 back on one split."""
+    monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
+    with pytest.raises(AssertionError):
+        _check_gpu_short_plans()

@@ -18,7 +18,7 @@ def test_constants_are_the_models():
     assert cute_ops.ATTN2_EPS == 1e-5
     assert cute_ops.QUERY_LEN == 8
     assert cute_ops.ROW_GROUPS == 1
-    assert cute_ops.SHORT_MAX_LEN == attn2_layout.SHORT_MAX_LEN == 128  # 8 pages
+    assert cute_ops.SHORT_MAX_LEN == attn2_layout.SHORT_MAX_LEN == 64  # 4 pages
     assert attn2_layout.is_power_of_two(cute_ops.SPLIT_TARGET_CLUSTERS)
     assert attn2_layout.is_power_of_two(cute_ops.MAX_SPLITS)
 
@@ -54,14 +54,20 @@ def test_attn2_window_refuses_bad_length():
 
 
 @pytest.mark.parametrize("max_model_len, window, kv_heads, want", [
-    (128, 0, 2, 1),  # SHORT_MAX_LEN: one CTA per KV head
+    (64, 0, 2, 1),  # SHORT_MAX_LEN: one CTA per KV head
     (8, 0, 1, 1),
-    (127, 0, 16, 1),
-    (129, 0, 2, 4),  # just past it: 9 pages, two a split at least
+    (63, 0, 16, 1),
+    (65, 0, 2, 2),  # just past it: 5 pages, two a split at least
+    (112, 0, 2, 2),  # 7 pages // 2 = 3
+    (113, 0, 16, 4),  # 8 pages
+    (127, 0, 16, 4),
+    (128, 0, 2, 4),  # a split plan since SHORT_MAX_LEN 64
+    (128, 32, 2, 2),  # a 39-key window: 4 pages a row can see
+    (129, 0, 2, 4),  # 9 pages
     (240, 0, 2, 4),  # 15 pages // 2 = 7
     (241, 0, 2, 8),
     (256, 0, 2, 8),  # 16 pages
-    (2048, 0, 2, 64),  # 128 pages: a split plan since SHORT_MAX_LEN 128
+    (2048, 0, 2, 64),  # 128 pages: a split plan since SHORT_MAX_LEN 128 (now 64)
     (2048, 100, 2, 4),  # a 107-key window: 8 pages a row can see
     (2049, 0, 2, 64),  # 129 pages, two a split at least
     (131072, 0, 1, 256),  # tp 16: MAX_SPLITS
@@ -107,11 +113,11 @@ def test_attn2_workspace_bytes():
         assert cute_ops.attn2_workspace_bytes(4, heads, splits) == attn2_layout.workspace_bytes(4, heads, splits)
     assert cute_ops.attn2_workspace_bytes(1, 2, 512) == 2 * 256 * attn2_layout.PARTIAL_BYTES  # 1024 leaves: paired
     # the small split plans (max_model_len above SHORT_MAX_LEN up to 2048): one split a CTA at every tp
-    for max_model_len, splits in ((129, 4), (256, 8), (2048, 64)):
+    for max_model_len, splits in ((65, 2), (128, 4), (129, 4), (256, 8), (2048, 64)):
         for heads in (1, 2, 4, 8):
             assert cute_ops.attn2_splits(max_model_len, 0, heads) == splits
             assert cute_ops.attn2_workspace_bytes(2, heads, splits) == 2 * heads * splits * attn2_layout.PARTIAL_BYTES
-    assert cute_ops.attn2_workspace_bytes(2, 8, cute_ops.attn2_splits(128, 0, 8)) == 0  # one split
+    assert cute_ops.attn2_workspace_bytes(2, 8, cute_ops.attn2_splits(64, 0, 8)) == 0  # one split
 
 
 @pytest.mark.parametrize("args", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (1, 2, 3), (1, 2, 2.0)])

@@ -116,7 +116,7 @@ def accumulate_page(o: torch.Tensor, lsum: torch.Tensor, p_hi: torch.Tensor, p_l
     them, p_lo's step then p_hi's, over V with an n-tile of ones beside it ([16, 64 + 8]: the ones'
     columns sum each row's P, so l rides in the same chain as O; its 8 columns are equal, and l is
     the first). Each step truncates at the accumulator's scale, toward zero: a split's chain of n
-    pages (a deployment's n: at most 8 with one split, `attn2_layout.SHORT_MAX_LEN`; 32 at 128k with
+    pages (a deployment's n: at most 4 with one split, `attn2_layout.SHORT_MAX_LEN`; 32 at 128k with
     256 splits; 128 for an experiment forcing one split at 2048) leaves O and l within 2n FP32 ULPs
     of the rounded sums (2^-16 relative at n = 128, a 256th of a BF16 ULP)."""
     ones = torch.ones(values.shape[0], ONES_COLUMNS, dtype=torch.float32)

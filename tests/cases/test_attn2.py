@@ -191,9 +191,36 @@ def test_bench_rows_hold_measured_times_and_carry_the_roofline_apart(gpu_with_ds
 
 
 # (max_model_len, lengths, windows): the split kernel at 4096 with the window; one split (max_model_len
-# <= SHORT_MAX_LEN, with a 64-key window too); the small split plans (256: 8 splits, 2048: 64, with a 100-key window: 4)
-GPU_JOB_PLANS = [(4096, (17, 2049), (0, 2048)), (128, (17, 128), (0, 64)), (256, (129, 256), (0,)),
-                 (2048, (17, 2048), (0, 100))]
+# <= SHORT_MAX_LEN, with a 32-key window too); the small split plans (128: 4 splits, 2 with a 64-key window;
+# 256: 8; 2048: 64, with a 100-key window: 4)
+GPU_JOB_PLANS = [(4096, (17, 2049), (0, 2048)), (64, (17, 64), (0, 32)), (128, (17, 128), (0, 64)),
+                 (256, (129, 256), (0,)), (2048, (17, 2048), (0, 100))]
+# the plan each runs, (max_model_len, window): splits
+GPU_JOB_SPLITS = {(4096, 0): 128, (4096, 2048): 64, (64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2,
+                  (256, 0): 8, (2048, 0): 64, (2048, 100): 4}
+
+
+def _check_gpu_job_plans() -> None:
+    for max_model_len, lengths, windows in GPU_JOB_PLANS:
+        for window in windows:
+            got = {lay.splits(max_model_len, window, heads) for heads in (1, 2, 4, 8)}
+            assert got == {GPU_JOB_SPLITS[max_model_len, window]}, (max_model_len, window)
+            fam.check_case(fam.Attn2Case(tp=16, tokens=min(lengths), max_model_len=max_model_len, window=window))
+    assert max(n for n, _, _ in GPU_JOB_PLANS if GPU_JOB_SPLITS[n, 0] == 1) == lay.SHORT_MAX_LEN
+
+
+def test_gpu_job_plans_are_the_plans_named():
+    """The GPU job test below runs the plan kinds it names (computed here, on the CPU, where it
+    runs): one split at 64 (SHORT_MAX_LEN), window or not; split plans from 128 on, at every tp."""
+    _check_gpu_job_plans()
+
+
+def test_gpu_job_plans_check_can_fail(monkeypatch):
+    """Fault injection: the old threshold (128) puts max_model_len 128 back on one split, and the
+    check above refuses it."""
+    monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
+    with pytest.raises(AssertionError, match="128, 0"):
+        _check_gpu_job_plans()
 
 
 @pytest.mark.gpu
@@ -208,8 +235,8 @@ def test_job_on_the_gpu_passes_and_a_flipped_bit_fails(inject, max_model_len, le
     from musebench.harness.case import Faults
     from musebench.harness.jobs import make_attn2_job, run_job
 
-    # the plan kind this case is for (without a window): one split at 128, 8 at 256, 64 at 2048, 128 at 4096
-    assert lay.splits(max_model_len, 0, 1) == {128: 1, 256: 8, 2048: 64, 4096: 128}[max_model_len]
+    # the plan kind this case is for (without a window): one split at 64, 4 at 128, 8 at 256, 64 at 2048, 128 at 4096
+    assert lay.splits(max_model_len, 0, 1) == {64: 1, 128: 4, 256: 8, 2048: 64, 4096: 128}[max_model_len]
     faults = Faults.parse([inject]) if inject else Faults()
     job = make_attn2_job(name="attn2 gpu test", tp=16, lengths=lengths, max_model_len=max_model_len, windows=windows,
                          inputs=("random",), seeds=(0,), faults=faults)

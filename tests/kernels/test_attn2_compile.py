@@ -125,11 +125,11 @@ def _wgmma_page(ptx: str, copies: int, loops: int = 1) -> bool:
             and ptx.count("wgmma.fence.sync.aligned") == ptx.count("wgmma.commit_group.sync.aligned"))
 
 
-# (KV heads, max_model_len, window): the short plan (one split, max_model_len <= SHORT_MAX_LEN), a
-# small split plan (2048: 64 splits, the deep ring), the 4096-token plan (128 partials), tp 4 (two
+# (KV heads, max_model_len, window): the short plan (one split, max_model_len <= SHORT_MAX_LEN: 64), the
+# smallest split plan past it (128: 4 splits), a small split plan (2048: 64 splits, the deep ring), the 4096-token plan (128 partials), tp 4 (two
 # splits a CTA), tp 8 and 16 at 128k, the window; two pages a step where the rule takes them
 # (every split plan without a window)
-DEPLOYMENTS = [(2, 128, 0), (2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
+DEPLOYMENTS = [(2, 64, 0), (2, 128, 0), (2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
 # (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: none
 # (the one-KV-head sm_90a baseline spilled 108 bytes until V's fragments came through ldmatrix,
 # which holds 4 address registers where the word loads held 8, and needs no prmt temporaries)
@@ -222,14 +222,20 @@ def _check_split_ptx(ptx: str, combine: str | None, arch: str, issue: str, heads
         # own inputs, finished before it released this grid) may come before it
         assert _reads_after_wait(combine, PARTIAL_LOADS)
         assert combine.index("griddepcontrol.launch_dependents") > combine.index("griddepcontrol.wait")
-        # the tree above the groups: three levels by shuffles within each warp (18 values a node:
-        # 16 of O, m, l), then warp 0 merges the warps' nodes from shared memory behind one barrier
-        assert combine.count("shfl.sync.down") == 3 * (lay.LANE_DIMS + 2)
-        assert "st.shared.v4.u32" in combine and "ld.shared.v4.u32" in combine
-        assert combine.count("bar.sync") + combine.count("barrier.sync") == 1
+        # the tree above the groups: log2(groups a warp) levels by shuffles within each warp (18
+        # values a node: 16 of O, m, l; three levels from 8 groups on), then, with more than one warp,
+        # warp 0 merges the warps' nodes from shared memory behind one barrier (a plan of 4 splits:
+        # 4 groups, 16 threads, one warp: two levels, no shared memory, no barrier)
+        groups = lay.combine_groups(lay.splits(max_model_len, window, heads) // pairs)
+        warps = max(1, lay.COMBINE_QUADS * groups // 32)
+        levels = (groups // warps).bit_length() - 1
+        assert levels == (3 if groups >= 8 else {4: 2, 2: 1}[groups])
+        assert combine.count("shfl.sync.down") == levels * (lay.LANE_DIMS + 2)
+        assert ("st.shared.v4.u32" in combine and "ld.shared.v4.u32" in combine) == (warps > 1)
+        assert combine.count("bar.sync") + combine.count("barrier.sync") == (warps > 1)
 
 
-# (KV heads, max_model_len, window): one split (short), the small split plan, the split kernel (tp 8
+# (KV heads, max_model_len, window): one split (short), the small split plans, the split kernel (tp 8
 # and tp 16, one split a CTA), the window
 @pytest.mark.parametrize("arch, issue", ARCH_ISSUES)
 @pytest.mark.parametrize("heads, max_model_len, window", DEPLOYMENTS)
@@ -469,10 +475,10 @@ def test_a_float_splits_per_cta_is_refused_by_the_build():
         attn2.Attn2Build(splits_per_cta=2.0)
 
 
-@pytest.mark.parametrize("heads, max_model_len, window", [(2, 128, 0), (8, 1024, 0), (2, 2048, 0), (2, 131072, 0)])
+@pytest.mark.parametrize("heads, max_model_len, window", [(2, 64, 0), (8, 1024, 0), (2, 2048, 0), (2, 131072, 0)])
 def test_two_splits_a_cta_of_a_one_split_plan_is_refused_before_compile(heads, max_model_len, window):
     """splits_per_cta 2 needs two splits to pair: with a 1-split plan (max_model_len <= SHORT_MAX_LEN,
-    128, or num_splits 1 forced) compile_attn2 refuses it before compiling anything."""
+    64, or num_splits 1 forced) compile_attn2 refuses it before compiling anything."""
     before = len(attn2.compilation.CACHE)
     num_splits = 1 if max_model_len > lay.SHORT_MAX_LEN else None
     with pytest.raises(ValueError, match="splits_per_cta"):
@@ -753,7 +759,7 @@ def test_two_pages_a_step_with_two_splits_a_cta_is_accepted():
 
 
 @pytest.mark.parametrize("heads, max_model_len, window, want", [
-    (2, 128, 0, 1), (2, 256, 0, 2), (8, 2048, 0, 2), (2, 4096, 0, 2), (1, 131072, 0, 2), (2, 131072, 0, 2), (4, 131072, 0, 2), (8, 131072, 0, 2),
+    (2, 64, 0, 1), (2, 128, 0, 2), (2, 256, 0, 2), (8, 2048, 0, 2), (2, 4096, 0, 2), (1, 131072, 0, 2), (2, 131072, 0, 2), (4, 131072, 0, 2), (8, 131072, 0, 2),
     (2, 131072, 2048, 1), (4, 131072, 2048, 1)])
 def test_the_builds_default_pages_per_step_is_the_rule(heads, max_model_len, window, want):
     """Attn2Build's None resolves to `attn2_layout.pages_per_step` of the build's plan (2 for split
@@ -874,7 +880,8 @@ def _ring_of(ptx: str) -> int:
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, window, deep", [
     (1, 131072, 0, True), (2, 4096, 0, True), (2, 131072, 0, False), (4, 131072, 0, False), (1, 131072, 2048, False),
-    (2, 2048, 0, True), (8, 2048, 0, False), (2, 128, 0, False),  # the small split plan: 128 and 512 CTAs; one split
+    (2, 2048, 0, True), (8, 2048, 0, False),  # the small split plan: 128 and 512 CTAs
+    (2, 128, 0, True), (2, 64, 0, False),  # the smallest split plan (8 CTAs); one split
 ])
 def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, deep):
     """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (where a launch
@@ -948,7 +955,7 @@ def test_ring_stages_refused_outside_its_choices():
 
 # (KV heads, max_model_len, window): tp 8 and 16 at 128k (one split a CTA), tp 4 (two), one split
 # (max_model_len <= SHORT_MAX_LEN)
-TRACED = [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0), (2, 128, 0)]
+TRACED = [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0), (2, 64, 0)]
 CLOCKS = ("%globaltimer", "%clock64", "%smid")
 
 

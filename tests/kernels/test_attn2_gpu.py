@@ -34,15 +34,20 @@ def _run(problem, out=None):
     return out.cpu(), (p, workspace, out)
 
 
-# L at page and split boundaries, the window's edges: max_model_len 128 runs one split (SHORT_MAX_LEN),
-# 256 and 2048 the small split plans (8 and 64 splits; with a 100-key window 4), 4096 the split kernel
-@pytest.mark.parametrize("family", INPUT_FAMILIES)
-@pytest.mark.parametrize("seq_len, max_model_len, window", [
-    (8, 128, 0), (15, 128, 0), (16, 128, 0), (17, 128, 0), (127, 128, 0), (128, 128, 0), (100, 128, 64),
+# L at page and split boundaries, the window's edges: max_model_len 64 runs one split (SHORT_MAX_LEN),
+# 128, 256 and 2048 the small split plans (4, 8 and 64 splits; 128 with a 64-key window 2, 2048 with a
+# 100-key window 4), 4096 the split kernel (`tests/test_attn2_layout.py` checks each case's plan)
+MODEL_CASES = [
+    (8, 64, 0), (15, 64, 0), (16, 64, 0), (17, 64, 0), (63, 64, 0), (64, 64, 0), (40, 64, 32),
+    (8, 128, 0), (17, 128, 0), (127, 128, 0), (128, 128, 0), (100, 128, 64),
     (17, 256, 0), (129, 256, 0), (256, 256, 0),
     (8, 2048, 0), (17, 2048, 0), (2047, 2048, 0), (2048, 2048, 0), (2047, 2048, 100),
     (2049, 4096, 0), (17, 4096, 0), (2055, 4096, 2048), (2056, 4096, 2048), (4000, 4096, 2048),
-])
+]
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("seq_len, max_model_len, window", MODEL_CASES)
 def test_matches_model_and_beats_stock(family, seq_len, max_model_len, window):
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=2)
     got, _ = _run(problem)
@@ -107,10 +112,13 @@ def test_kv_head_bits_whatever_the_tp_at_128k():
     assert torch.equal(tp8.view(torch.int16), tp16.view(torch.int16)), _first_difference(tp8, tp16)
 
 
+SHORT_PLAN_TP_CASES = [(50, 64), (100, 128), (200, 256), (2000, 2048)]
+
+
 def test_kv_head_bits_whatever_the_tp_on_the_short_plans():
-    """The same at one split (128) and on the small split plans (256: 8 splits; 2048: 64, where tp
-    16, 8 and 4 take the deep ring and the deferred P V waits and tp 2, 512 CTAs, does not)."""
-    for seq_len, max_model_len in ((100, 128), (200, 256), (2000, 2048)):
+    """The same at one split (64) and on the small split plans (128: 4 splits; 256: 8; 2048: 64,
+    where tp 16, 8 and 4 take the deep ring and the deferred P V waits and tp 2, 512 CTAs, does not)."""
+    for seq_len, max_model_len in SHORT_PLAN_TP_CASES:
         whole = make_problem("random", seq_len, max_model_len, num_kv_heads=16)
         per_tp = {tp: torch.cat([_run(for_rank(whole, r, tp))[0] for r in range(tp)], dim=1) for tp in (2, 4, 8, 16)}
         for tp in (4, 8, 16):
@@ -118,12 +126,15 @@ def test_kv_head_bits_whatever_the_tp_on_the_short_plans():
                 (max_model_len, tp), _first_difference(per_tp[2], per_tp[tp]))
 
 
+SHORT_PLAN_LENGTH_CASES = [(15, 64), (16, 64), (63, 64), (15, 128), (127, 128), (128, 256), (129, 256), (2047, 2048)]
+
+
 def test_same_keys_same_bits_on_the_short_plans():
-    """Row t at L and row t - 1 at L + 1: equal bits with one split (max_model_len 128, up to its
-    last token) and on the small split plans (256, 2048), across page boundaries."""
+    """Row t at L and row t - 1 at L + 1: equal bits with one split (max_model_len 64, up to its
+    last token) and on the small split plans (128, 256, 2048), across page boundaries."""
     from tests.cpu.test_attn2_model import _extended
 
-    for seq_len, max_model_len in ((15, 128), (16, 128), (127, 128), (128, 256), (129, 256), (2047, 2048)):
+    for seq_len, max_model_len in SHORT_PLAN_LENGTH_CASES:
         problem = make_problem("random", seq_len, max_model_len, num_kv_heads=2)
         now, _ = _run(problem)
         then, _ = _run(_extended(problem))
@@ -168,12 +179,12 @@ def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
     return _launch(problem, num_splits, issue=issue, tensor_ops=tensor_ops)[0]
 
 
-# pages at the causal edge, the window's first pages, splits without pages, one split (128), the small
-# split plans (256, 2048), many pages a split (most alphas 1.0); "equal" keys keep every alpha at 1.0
+# pages at the causal edge, the window's first pages, splits without pages, one split (64), the small
+# split plans (128, 256, 2048), many pages a split (most alphas 1.0); "equal" keys keep every alpha at 1.0
 # after the first page, "large" moves it
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 @pytest.mark.parametrize("seq_len, max_model_len, window", [
-    (8, 128, 0), (23, 128, 0), (128, 128, 0), (200, 256, 0), (23, 2048, 0), (2047, 2048, 0), (17, 4096, 0), (2049, 4096, 0), (2055, 4096, 2048),
+    (8, 64, 0), (23, 64, 0), (64, 64, 0), (8, 128, 0), (128, 128, 0), (200, 256, 0), (23, 2048, 0), (2047, 2048, 0), (17, 4096, 0), (2049, 4096, 0), (2055, 4096, 2048),
     (4000, 4096, 2048), (3001, 8192, 100), (131072, 131072, 0), (70001, 131072, 4096),
 ])
 def test_split_issue_settings_keep_every_bit(family, seq_len, max_model_len, window):
@@ -209,7 +220,7 @@ def test_deferred_values_keep_every_bit(family, seq_len, max_model_len, num_kv_h
 
 
 @pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads", [
-    (120, 128, 0, 2), (2000, 2048, 0, 2), (3001, 8192, 0, 2), (2055, 4096, 2048, 2), (100001, 131072, 0, 2), (70001, 131072, 0, 1), (9001, 131072, 0, 4),
+    (60, 64, 0, 2), (120, 128, 0, 2), (2000, 2048, 0, 2), (3001, 8192, 0, 2), (2055, 4096, 2048, 2), (100001, 131072, 0, 2), (70001, 131072, 0, 1), (9001, 131072, 0, 4),
 ])
 def test_bad_table_entries_read_as_a_page_of_zeros(seq_len, max_model_len, window, num_kv_heads):
     """Table entries outside [0, cache pages) on visible pages (-1, the page count, far past it,
@@ -247,12 +258,12 @@ def test_split_issue_comparison_sees_a_change():
     assert not torch.equal(other_plan.view(torch.int16), deployment.view(torch.int16))
 
 
-# splits without pages, the causal and window edges, the small split plans (256, 2048), 512 splits
-# (the measured experiment), a full 128k request, 4 KV heads (one split, max_model_len <= 128, has
+# splits without pages, the causal and window edges, the small split plans (128, 256, 2048), 512 splits
+# (the measured experiment), a full 128k request, 4 KV heads (one split, max_model_len <= 64, has
 # nothing to pair: refused, `test_splits_per_cta_refused_before_launch`)
 @pytest.mark.parametrize("family", INPUT_FAMILIES)
 @pytest.mark.parametrize("seq_len, max_model_len, window, num_splits", [
-    (200, 256, 0, None), (2047, 2048, 0, None), (17, 4096, 0, None), (2049, 4096, 0, None), (4000, 4096, 2048, None), (3001, 8192, 100, 512),
+    (120, 128, 0, None), (200, 256, 0, None), (2047, 2048, 0, None), (17, 4096, 0, None), (2049, 4096, 0, None), (4000, 4096, 2048, None), (3001, 8192, 100, 512),
     (70001, 131072, 4096, None), (131072, 131072, 0, None), (40000, 131072, 0, 512), (2100, 131072, 0, None),
 ])
 def test_splits_per_cta_keeps_every_bit(family, seq_len, max_model_len, window, num_splits):
@@ -284,7 +295,7 @@ def test_splits_per_cta_refused_before_launch():
     or launch (nothing written)."""
     from musebench.kernels.attn2 import launch
 
-    for seq_len, max_model_len, per_cta in ((1500, 4096, 3), (1500, 4096, True), (100, 128, 2)):
+    for seq_len, max_model_len, per_cta in ((1500, 4096, 3), (1500, 4096, True), (60, 64, 2)):
         p = make_problem("random", seq_len, max_model_len, num_kv_heads=2).to("cuda")
         splits = cute_ops.attn2_splits(p.max_model_len, p.window, 2)
         workspace = torch.zeros(max(16, lay.workspace_bytes(p.num_reqs, 2, splits, 1)), dtype=torch.uint8,
@@ -302,11 +313,12 @@ def test_splits_per_cta_refused_before_launch():
 # pages_per_step 2 (within its tolerance), with the same determinism (calls, tensor-core paths,
 # tp, L, splits a CTA).
 
-# one split (max_model_len 128: up to 4 pairs, lone last pages), the small split plans (256, 2048: a
+# one split (max_model_len 64: up to 2 pairs, lone last pages), the small split plans (128, 256, 2048: a
 # pair or a lone page a split), the split kernel at 4096 with and without the window (a lone first
 # page where the window starts at an odd place), 128k
 STEP_CASES = [
-    (8, 128, 0), (17, 128, 0), (127, 128, 0), (128, 128, 0), (129, 256, 0), (17, 2048, 0), (2047, 2048, 0),
+    (8, 64, 0), (17, 64, 0), (63, 64, 0), (64, 64, 0), (8, 128, 0), (17, 128, 0), (127, 128, 0), (128, 128, 0),
+    (129, 256, 0), (17, 2048, 0), (2047, 2048, 0),
     (2048, 2048, 0), (2049, 4096, 0), (4000, 4096, 0),
     (2055, 4096, 2048), (4000, 4096, 2048), (3002, 8192, 100), (100000, 131072, 0),
 ]
@@ -331,7 +343,7 @@ def test_two_pages_a_step_matches_model(family, seq_len, max_model_len, window):
     assert mine.within(stock), (mine, stock)
 
 
-@pytest.mark.parametrize("seq_len, max_model_len, window", [(127, 128, 0), (2047, 2048, 0), (4000, 4096, 2048),
+@pytest.mark.parametrize("seq_len, max_model_len, window", [(63, 64, 0), (127, 128, 0), (2047, 2048, 0), (4000, 4096, 2048),
                                                             (3002, 8192, 100),
                                                             (70001, 131072, 4096), (131072, 131072, 0)])
 def test_two_pages_a_step_repeats_its_bits_on_both_tensor_core_paths(seq_len, max_model_len, window):
@@ -411,10 +423,10 @@ def test_two_pages_a_step_splits_per_cta_comparison_sees_a_change():
 def test_the_deployments_pages_per_step_is_the_rules():
     """The deployment's launch (`cute_ops.launch_attn2`, no experiment argument) gives the bits of
     the rule's pages a step forced (`attn2_layout.pages_per_step`: 2 at 8192 and 128k without a
-    window, 2048 and 256 included; 1 with the window and with one split, at 128), at tp 4 (two
+    window, 2048, 256 and 128 included; 1 with the window and with one split, at 64), at tp 4 (two
     splits a CTA at 128k) and tp 8."""
     for seq_len, max_model_len, window in ((3001, 8192, 0), (100000, 131072, 0), (3001, 8192, 100), (1500, 2048, 0),
-                                           (200, 256, 0), (100, 128, 0)):
+                                           (200, 256, 0), (100, 128, 0), (50, 64, 0)):
         rule = lay.pages_per_step(window, lay.splits(max_model_len, window, 1))
         assert rule == (1 if window or max_model_len <= lay.SHORT_MAX_LEN else 2)
         for heads in (2, 4):
@@ -530,13 +542,13 @@ def test_traced_launches_replay_in_a_graph():
 
 def test_a_traced_launch_refuses_a_workspace_without_the_rows():
     """`launch(trace=True)` with the deployment's workspace (no room for the rows), or with none at
-    one split (max_model_len 128): ValueError naming `traced_workspace_bytes`, before anything
+    one split (max_model_len 64): ValueError naming `traced_workspace_bytes`, before anything
     compiles or launches."""
     from musebench.kernels import attn2
 
     before = len(attn2.compilation.CACHE)
-    for max_model_len in (131072, 2048, 128):
-        p = make_problem("random", 100, max_model_len, num_kv_heads=1).to("cuda")
+    for max_model_len in (131072, 2048, 128, 64):
+        p = make_problem("random", min(100, max_model_len), max_model_len, num_kv_heads=1).to("cuda")
         splits = cute_ops.attn2_splits(max_model_len, 0, 1)
         need = lay.workspace_bytes(1, 1, splits)
         workspace = torch.zeros(need, dtype=torch.uint8, device="cuda") if need else None
