@@ -83,9 +83,10 @@ MIN_PAGES_PER_SPLIT = 2
 # 128 -> 64: since the combine runs its epilogue on the root's quad 0 only, the split plans no
 # longer pay about 2 us at small L. Measured on the H200 on one lease (tp 8, max_model_len 128,
 # CUDA-graph medians), L 8 / 16 / 64 / 128: one split 3.92 / 3.88 / 4.96 / 6.44 us, two splits
-# 4.02 / 4.00 / 4.25 / 4.77, four (the plan `splits` gives) 4.11 / 4.12 / 3.94 / 4.13, SDPA flash
-# 6.07-6.15. One split's worst case at 128 tokens (6.44) is slower than SDPA; at 64 (4 pages) it
-# is 4.96, under every split plan's 4.0-4.2 by less than a microsecond.
+# 4.02 / 4.00 / 4.25 / 4.77, four (the plan `splits` gives) 4.11 / 4.12 / 3.94 / 4.13
+# (records/2026-12-02-h200-75f5410-attn2-experiments.json; SDPA flash 5.96-6.15 at these L,
+# -ede3d4c-attn2-prefetch-trace-short.json). One split's worst case at 128 tokens (6.44) is slower
+# than SDPA; at 64 (4 pages) it is 4.96, above the split plans' 3.9-4.3 by under a microsecond.
 SHORT_MAX_LEN = 64
 # The window a row sees spans at most window + QUERY_LEN - 1 keys across the 8 rows.
 

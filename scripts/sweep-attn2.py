@@ -41,8 +41,9 @@ must equal the first --issue setting's at the first --ring-stages value (counted
 `--full-tree` (`Attn2Build.full_tree`: the combine's whole upper tree even where one merge gives its
 bits) and `--early-release` (`Attn2Build.early_release`: each kernel releases its dependents right
 after its own PDL wait) apply to every point of the run; run the sweep with and without one in the
-same lease to compare (each point's `full_tree` and `early_release` say which). `--early-release`
-with a 0 in --pdl exits 2 before any launch (nothing to release).
+same lease to compare (each point's `full_tree` and `early_release` say which); their bits are
+held to the deployment's by tests/kernels/test_attn2_gpu.py, not by this script. `--early-release`
+with a 0 in --pdl, and either flag with a 1 in --splits (no combine), exit 2 before any launch.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -168,6 +169,9 @@ def main() -> None:
         sys.exit(2)
     if args.early_release and 0 in _csv(args.pdl):
         print("--early-release: releases dependents after the PDL wait; --pdl 0 has none to release", file=sys.stderr)
+        sys.exit(2)
+    if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
+        print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
         sys.exit(2)
     if not torch.cuda.is_available():  # after every option's check: those refusals come first
         print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)

@@ -30,6 +30,9 @@ pages only: at L 8 one split of 256 has any), CTAs per SM, and the last launch's
 split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond).
 `--json` writes every number; `--rows` every launch's raw rows (for analyses of their own);
 `--loads-only` traces the split kernel's page stream alone (`Attn2Build.loads_only`).
+Since 2026-12-02 (session 10) the combine computes its 16 sigmoids before its PDL wait: its
+`pdl_wait` phase holds them and its `epilogue` no longer does, so traces before and after that
+change differ in those two phases.
 Exit 2 on a bad option or without a GPU, before any GPU work.
 """
 

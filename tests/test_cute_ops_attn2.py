@@ -67,7 +67,7 @@ def test_attn2_window_refuses_bad_length():
     (240, 0, 2, 4),  # 15 pages // 2 = 7
     (241, 0, 2, 8),
     (256, 0, 2, 8),  # 16 pages
-    (2048, 0, 2, 64),  # 128 pages: a split plan since SHORT_MAX_LEN 128 (now 64)
+    (2048, 0, 2, 64),  # 128 pages: a split plan
     (2048, 100, 2, 4),  # a 107-key window: 8 pages a row can see
     (2049, 0, 2, 64),  # 129 pages, two a split at least
     (131072, 0, 1, 256),  # tp 16: MAX_SPLITS

@@ -101,7 +101,7 @@ idempotent: tests/cpu/test_attn2_model.py). At 256 splits (64 groups of 4 leaves
 warp) L <= 64 takes one merge in place of the shuffles, shared memory and barrier, and L <= 512
 skips the shared-memory stage (`Attn2Build.full_tree` keeps the whole tree: the GPU test holds
 both to the same bits). Only quad 0 of warp 0 holds the root: the other quads run the epilogue on ones,
-never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.2
+never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.1
 us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
@@ -379,6 +379,9 @@ class Attn2Build:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
         _require(isinstance(self.early_release, bool), f"early_release must be a bool, got {self.early_release!r}")
+        _require(not self.early_release or self.enable_pdl,
+                 "early_release moves griddepcontrol.launch_dependents: it needs enable_pdl (without PDL there is "
+                 "nothing to release)")
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
@@ -461,7 +464,9 @@ class _Attn2Kernel:
         self.eps = eps
         self.enable_pdl = enable_pdl
         # `Attn2Build.early_release`: dependents released right after this grid's own wait (split plans)
-        self.early_release = bool(early_release) and enable_pdl and num_splits > 1
+        _require(isinstance(early_release, bool) and (not early_release or (enable_pdl and num_splits > 1)),
+                 f"early_release {early_release!r}: a bool, True only with PDL and splits (Attn2Build.early_release)")
+        self.early_release = early_release
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
 
@@ -1497,7 +1502,9 @@ class _Attn2CombineKernel:
         self.window = window
         self.eps = eps
         self.enable_pdl = enable_pdl
-        self.early_release = bool(early_release) and enable_pdl  # `Attn2Build.early_release`
+        _require(isinstance(early_release, bool) and (not early_release or enable_pdl),
+                 f"early_release {early_release!r}: a bool, True only with PDL (Attn2Build.early_release)")
+        self.early_release = early_release  # `Attn2Build.early_release`
 
     def smem_bytes(self) -> int:
         return self.warps * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
@@ -1520,7 +1527,7 @@ class _Attn2CombineKernel:
         """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
         has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
         O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's."""
-        leaf = [Float32(0.0) for _ in range(lay.LANE_DIMS)] + [Float32(NEG_INF), Float32(0.0)]
+        leaf = empty_node(lay.LANE_DIMS)
         live = None  # any of its splits' first pages (`page_range`) below the end
         for j in cutlass.range_constexpr(self.splits_per_cta):
             split = partial * self.splits_per_cta + j
@@ -1566,39 +1573,39 @@ class _Attn2CombineKernel:
         return values
 
     @cute.jit
-    def upper_tree(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32, live_groups=None) -> list:
+    def upper_tree(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32, live=None) -> list:
         """The tree above the groups: first within each warp (its 32 / COMBINE_QUADS consecutive
         groups, a complete subtree) by shuffles, node (2j) taking node (2j + 1) from 4, 8, 16 lanes
         up (a lane whose node is a right child computes a merge nobody reads); then warp 0 merges the
         warps' nodes, warp order, from shared memory (a CTA barrier: every thread calls it). Returns
         the node warp 0's lanes hold (quad 0's: the root).
 
-        `live_groups` (None: every level): a CTA-uniform Int32 such that groups 0 .. live_groups - 1
+        `live` (None: every level): a CTA-uniform Int32 such that groups 0 .. live - 1
         hold every split with pages. A shuffle level runs only while its right subtrees can hold
-        pages (2^level < live_groups), the shared-memory stage only while the pages reach past warp
+        pages (2^level < live), the shared-memory stage only while the pages reach past warp
         0's groups. Above the last level that runs, every merge on the root's path is merge(node,
         empty) and every other node is empty, so one merge with an empty node gives the skipped
         levels' bits (merge with an empty node is idempotent, bit for bit:
         tests/cpu/test_attn2_model.py); the levels that run are the tree's own."""
         for level in cutlass.range_constexpr(self.warp_levels):
             delta = lay.COMBINE_QUADS << level
-            if cutlass.const_expr(live_groups is None):
+            if cutlass.const_expr(live is None):
                 right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
                 mine = merged(mine, right)
             else:
-                if live_groups > (1 << level):  # CTA-uniform: every lane shuffles or none
+                if live > (1 << level):  # CTA-uniform: every lane shuffles or none
                     right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
                     mine = merged(mine, right)
         if cutlass.const_expr(self.warps > 1):
-            if cutlass.const_expr(live_groups is None):
+            if cutlass.const_expr(live is None):
                 mine = self.warp_nodes(mine, slot_base, tidx, c)
             else:
-                if live_groups > self.groups // self.warps:
+                if live > self.groups // self.warps:
                     mine = self.warp_nodes(mine, slot_base, tidx, c)
-        if cutlass.const_expr(live_groups is not None):
+        if cutlass.const_expr(live is not None):
             # the top level (the shared-memory stage, or with one warp its last shuffle level) skipped
             top = self.groups // self.warps if self.warps > 1 else self.groups // 2
-            if live_groups <= top:
+            if live <= top:
                 mine = merged(mine, empty_node(lay.LANE_DIMS))
         return mine
 
@@ -1670,7 +1677,7 @@ class _Attn2CombineKernel:
             # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
             # quads' values never reach a stored bit. They run the epilogue on ones instead of their
             # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
-            # slow path (`division.quotients_rn`), and the warp would wait for it (2 us at 4 splits).
+            # slow path (`division.quotients_rn`), and the warp would wait for it (2.1 us at 4 splits, L 8).
             root = group == 0
             values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
             lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
@@ -1779,6 +1786,9 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         )
 
     combine_knobs = {k: v for k, v in knobs.items() if k != "max_pages"}
+    _require(knobs["num_splits"] > 1 or not (build.full_tree or build.early_release),
+             "full_tree and early_release are the combine's and the split-to-combine release's: a one-split plan "
+             f"(max_model_len {max_model_len} <= SHORT_MAX_LEN, or num_splits 1) has neither")
     if build.full_tree:  # the deployments' keys stay as they were
         combine_knobs["full_tree"] = True
     if build.early_release:  # the deployments' keys stay as they were

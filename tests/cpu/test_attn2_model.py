@@ -80,8 +80,9 @@ def test_deployment_plans_are_accurate(request, family, seq_len, max_model_len):
     pages a step) is as accurate as the stock against the FP64 reference, on every input family."""
     if (family, seq_len, max_model_len) == ("tiny", 15, 64):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "these inputs' row 6 dim 66 is -7.0e-8 in a row of max 3.04: cancellation in the FP32 P V chain "
-            "costs it 28 BF16 ULPs element-wise (the stock 2.5); the same at 1, 2 and 4 splits, so not the plan's")))
+            "the inputs drawn for max_model_len 64: row 6 dim 66 is -7.0e-8 in a row of max 3.04, and "
+            "cancellation in the FP32 P V chain of L 15's one page costs it 28 BF16 ULPs element-wise (the "
+            "stock 2.5); every plan runs that page as one chain, and the same L drawn for 128 passes")))
     p = make_problem(family, seq_len, max_model_len, num_kv_heads=1)
     assert lay.splits(max_model_len, 0, 1) == {64: 1, 128: 4, 256: 8, 2048: 64}[max_model_len]  # the plan this case is for
     _, exact = attn2_reference(p)
@@ -607,5 +608,10 @@ def test_merge_with_empty_is_idempotent():
     merged_empty = model_module.merge(empty, empty, scale)
     for a, b in zip(merged_empty, empty):
         assert torch.equal(_canonical_bits(a), _canonical_bits(b))
-    # and the check can fail: a node whose -0.0 the first merge turns into +0.0 is not merge(x, E)
-    assert not torch.equal(_canonical_bits(node[0]), _canonical_bits(once[0]))
+    # the comparison can fail: the node itself is not merge(x, E) (its -0.0 becomes +0.0, its
+    # maxima's +inf row turns NaN), so a merge skipped where one is due would be caught
+    for a, b in zip(node, once):
+        if not torch.equal(_canonical_bits(a), _canonical_bits(b)):
+            break
+    else:
+        raise AssertionError("merge(x, E) left every bit of x: the comparison above proves nothing")

@@ -126,10 +126,10 @@ def _wgmma_page(ptx: str, copies: int, loops: int = 1) -> bool:
 
 
 # (KV heads, max_model_len, window): the short plan (one split, max_model_len <= SHORT_MAX_LEN: 64), the
-# smallest split plan past it (128: 4 splits), a small split plan (2048: 64 splits, the deep ring), the 4096-token plan (128 partials), tp 4 (two
+# smallest split plans past it (96: 2 splits, an 8-thread combine; 128: 4 splits), a small split plan (2048: 64 splits, the deep ring), the 4096-token plan (128 partials), tp 4 (two
 # splits a CTA), tp 8 and 16 at 128k, the window; two pages a step where the rule takes them
 # (every split plan without a window)
-DEPLOYMENTS = [(2, 64, 0), (2, 128, 0), (2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
+DEPLOYMENTS = [(2, 64, 0), (2, 96, 0), (2, 128, 0), (2, 2048, 0), (2, 4096, 0), (4, 131072, 0), (2, 131072, 0), (1, 131072, 0), (2, 131072, 2048)]
 # (arch, KV heads, max_model_len, window, issue) where ptxas spills under the register cap: none
 # (the one-KV-head sm_90a baseline spilled 108 bytes until V's fragments came through ldmatrix,
 # which holds 4 address registers where the word loads held 8, and needs no prmt temporaries)
@@ -881,7 +881,7 @@ def _ring_of(ptx: str) -> int:
 @pytest.mark.parametrize("heads, max_model_len, window, deep", [
     (1, 131072, 0, True), (2, 4096, 0, True), (2, 131072, 0, False), (4, 131072, 0, False), (1, 131072, 2048, False),
     (2, 2048, 0, True), (8, 2048, 0, False),  # the small split plan: 128 and 512 CTAs
-    (2, 128, 0, True), (2, 64, 0, False),  # the smallest split plan (8 CTAs); one split
+    (2, 128, 0, True), (2, 64, 0, False),  # a 4-split plan (8 CTAs); one split
 ])
 def test_the_deployment_takes_the_rules_ring(tmp_path_factory, tmp_path, arch, heads, max_model_len, window, deep):
     """A deployment's split kernel is built with `attn2_layout.ring_stages`' depth (where a launch
@@ -1198,12 +1198,13 @@ def test_prefetch_pages_adds_l2_prefetches_and_nothing_else(tmp_path_factory, tm
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (4, 131072), (2, 256)])
+@pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (4, 131072), (2, 256), (2, 128), (2, 96)])
 def test_the_combine_shortcut_runs_each_upper_level_behind_its_branch(tmp_path_factory, tmp_path, arch, heads,
                                                                      max_model_len):
-    """The deployment's combine holds each level of the upper tree once (its shuffles and, with more
-    than one warp, its barrier, each behind its branch) and the shortcut's one merge with an empty
-    node: two ex2 more than the whole-tree build
+    """The deployment's combine holds each level of the upper tree once (the same shuffles and, with
+    more than one warp, the same barrier as the whole-tree build, each level now run or skipped by
+    a CTA-uniform test) and the shortcut's one merge with an empty node: two ex2 more than the
+    whole-tree build
     (`Attn2Build.full_tree`), the same shuffles and barriers, no spill in either."""
     folder = tmp_path_factory.mktemp("attn2-full-tree")
     attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), full_tree=True))
@@ -1222,3 +1223,33 @@ def test_full_tree_is_refused_unless_a_bool():
     for bad in (1, 0, None, "yes"):
         with pytest.raises(ValueError, match="full_tree must be a bool"):
             attn2.Attn2Build(full_tree=bad)  # type: ignore[arg-type]
+
+
+def test_early_release_and_full_tree_are_refused_where_they_cannot_act():
+    """`Attn2Build.early_release` without PDL, either switch as a non-bool, and either on a
+    one-split plan (no combine to release or to build) are refused before any compile."""
+    for bad in (1, "no", None):
+        with pytest.raises(ValueError, match="early_release must be a bool"):
+            attn2.Attn2Build(early_release=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="it needs enable_pdl"):
+        attn2.Attn2Build(early_release=True, enable_pdl=False)
+    for build in (attn2.Attn2Build(arch="sm_90a", early_release=True), attn2.Attn2Build(arch="sm_90a", full_tree=True)):
+        with pytest.raises(ValueError, match="a one-split plan"):
+            attn2.compile_attn2(2, 64, 0, build)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_early_release_releases_right_after_each_wait(tmp_path_factory, arch):
+    """With `early_release` both kernels release their dependents right after their own PDL wait
+    (nothing between the two but the instruction stream's bookkeeping), once; the deployments'
+    split kernel releases after its main loop, its combine after its loads."""
+    folder = tmp_path_factory.mktemp("attn2-early-release")
+    attn2.compile_attn2(2, 131072, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), early_release=True))
+    for path in folder.glob("*.ptx"):
+        text = path.read_text()
+        assert text.count("griddepcontrol.launch_dependents") == 1
+        between = text[text.index("griddepcontrol.wait"):text.index("griddepcontrol.launch_dependents")]
+        assert not re.search(r"\bld\.|\bst\.|mma|cp\.async|bar\.sync|shfl", between), between
+    split, combine = _ptx(tmp_path_factory, arch, 2, 131072, 0)
+    assert split.index("griddepcontrol.launch_dependents") > split.index("mma")
+    assert combine.index("griddepcontrol.launch_dependents") > combine.index("ld.global", combine.index("griddepcontrol.wait"))

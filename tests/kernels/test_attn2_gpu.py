@@ -610,19 +610,22 @@ def test_prefetched_pages_keep_every_bit(family, seq_len, max_model_len, num_kv_
     (128, 131072, 0, 2, None), (129, 131072, 0, 1, None), (256, 131072, 0, 2, None), (512, 131072, 0, 1, None),
     (513, 131072, 0, 2, None), (4099, 131072, 0, 1, None),
     (64, 131072, 0, 4, None), (65, 131072, 0, 4, None), (513, 131072, 0, 4, None),  # two splits a CTA
-    (3017, 131072, 100, 2, None),  # the window's own plan
+    (3017, 131072, 100, 2, None),  # the window's own plan: 4 splits, pages from split 1, every level
     # 256 splits forced under a window of 40: pages 256 .. 258 (from split 0: one merge), 255 .. 257
     # (from split 255: every level); a window of 100 spans 8 pages (two groups)
     (4143, 131072, 40, 2, 256), (4127, 131072, 40, 2, 256), (4210, 131072, 100, 2, 256),
     (16, 2048, 0, 2, None), (17, 2048, 0, 2, None), (300, 2048, 0, 2, None),  # 64 splits: a group holds 1
-    (9, 256, 0, 2, None), (100, 256, 0, 2, None),  # 8 splits: one warp, shuffles only
+    (9, 256, 0, 2, None), (40, 256, 0, 2, None), (100, 256, 0, 2, None),  # 8 splits: one warp, shuffles only
+    (8, 128, 0, 2, None), (17, 128, 0, 2, None), (128, 128, 0, 2, None),  # 4 splits, 16 threads: 1, 2, 4 live
+    (8, 96, 0, 2, None), (17, 96, 0, 2, None),  # 2 splits, 8 threads: level 0 skipped, then run
 ])
 def test_the_combine_shortcut_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads, num_splits):
     """The combine runs only the upper tree's levels that can meet pages and one merge with an
     empty node for the rest: exactly the bits of its whole upper tree (`Attn2Build.full_tree`), at
     every count of live groups (one merge; some shuffle levels; every shuffle level without the
     shared-memory stage; every level), with a window whose pages start at split 0 and one past it
-    (every level), with two splits a CTA, on the 64- and 8-split plans, and on every input family
+    (every level), with two splits a CTA, on the 64-, 8-, 4- and 2-split plans (the last two are
+    deployments since SHORT_MAX_LEN 64), and on every input family
     (the `large` family's huge scores included)."""
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
     whole = _launch(problem, num_splits, full_tree=True)[0]
