@@ -202,6 +202,17 @@ def splits(max_model_len: int, window: int, num_kv_heads: int) -> int:
     return count
 
 
+def live_groups(first_page: int, end_page: int, num_splits: int, group_splits: int, groups: int) -> int:
+    """Host mirror of the combine's `kernels.attn2.live_groups`: how many of its first groups hold
+    every split with pages (group_splits splits a group). The splits with pages are lo .. lo + n - 1
+    mod S (lo = first_page mod S, n = end_page - first_page); from split 0 they fill the first
+    ceil(min(n, S) / group_splits) groups, and a range that starts elsewhere counts as every group.
+    The combine runs the merge levels above group 0 only up to that many groups (`upper_tree`)."""
+    if first_page % num_splits:
+        return groups
+    return -(-min(end_page - first_page, num_splits) // group_splits)
+
+
 def combine_groups(num_partials: int) -> int:
     """Partial groups of a combine CTA (a power of two): every partial its own group up to
     COMBINE_GROUPS, then num_partials / COMBINE_GROUPS consecutive partials a group (a partial is a

@@ -1392,7 +1392,9 @@ def live_groups(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexp
     group): split s has pages iff (s - first_page) mod S < n, n = end_page - first_page
     (`page_range`, `load_leaf`), i.e. the splits lo .. lo + n - 1 mod S, lo = first_page mod S.
     With lo 0 those are the first min(n, S) splits: ceil(min(n, S) / group_splits) groups; a range
-    that starts past split 0 (a window) counts as every group."""
+    that starts past split 0 (a window) counts as every group. Its host mirror,
+    `attn2_layout.live_groups`, with a model of `upper_tree`, is held to the whole merge tree bit for
+    bit over every page range of each plan by tests/cpu/test_attn2_model.py."""
     lo = first_page & (num_splits - 1)
     live_splits = cutlass.min(end_page - first_page, Int32(num_splits))
     prefix = (live_splits + (group_splits - 1)) // group_splits

@@ -615,3 +615,66 @@ def test_merge_with_empty_is_idempotent():
             break
     else:
         raise AssertionError("merge(x, E) left every bit of x: the comparison above proves nothing")
+
+
+def _upper_tree_skipping(nodes: list, live: int, warps: int, scale) -> tuple:
+    """A model of the combine's `upper_tree` with `live` (kernels.attn2): over the groups' nodes, the
+    shuffle levels (pairs 2j, 2j + 1 within each warp's groups) run while 2^level < live, the
+    warps' subtree while live exceeds a warp's groups; if the top level was skipped, one merge
+    with an empty node. Returns group 0's node."""
+    per_warp = len(nodes) // warps
+    level_nodes = list(nodes)
+    width = 1
+    while width < per_warp:
+        if live > width:
+            level_nodes = [model_module.merge(level_nodes[i], level_nodes[i + width], scale)
+                           if (i // width) % 2 == 0 else level_nodes[i] for i in range(len(level_nodes))]
+        width *= 2
+    top = per_warp if warps > 1 else len(nodes) // 2
+    root = level_nodes[0]
+    if warps > 1 and live > per_warp:
+        root = merge_tree([level_nodes[w * per_warp] for w in range(warps)], scale)
+    if live <= top:
+        empty = (torch.zeros_like(root[0]), torch.full_like(root[1], float("-inf")), torch.zeros_like(root[2]))
+        root = model_module.merge(root, empty, scale)
+    return root
+
+
+@pytest.mark.parametrize("num_splits, group_splits, warps", [(256, 4, 8), (64, 1, 2), (8, 1, 1), (4, 1, 1), (2, 1, 1)])
+def test_the_combines_level_skipping_is_the_whole_tree(num_splits, group_splits, warps):
+    """The combine's level skipping (`attn2_layout.live_groups`, the model of `upper_tree` above)
+    gives the whole merge tree's bits for every (first_page, end_page) of a plan: live leaves
+    random (-0.0 and huge values among them), the rest empty, over every count of pages from
+    split 0 and ranges that start past it; and it fails when `live` is one short or the final
+    empty merge is dropped (a node keeping -0.0)."""
+    scale = torch.tensor(config.ATTN_SCALE * 1.4426950408889634, dtype=torch.float32)
+    groups = num_splits // group_splits
+    gen = torch.Generator().manual_seed(num_splits)
+    leaves = []
+    for s in range(num_splits):
+        o = torch.randn(2, 3, generator=gen) * 100
+        o[0, 0] = -0.0
+        leaves.append((o, torch.randn(2, generator=gen) * 30, torch.rand(2, generator=gen) + 0.5))
+    empty = (torch.zeros(2, 3), torch.full((2,), float("-inf")), torch.zeros(2))
+    caught_short = caught_drop = False
+    for first_page in (0, 1, num_splits - 1, num_splits, 3 * num_splits):
+        for n in range(1, 2 * num_splits + 1):
+            end_page = first_page + n
+            has = [(s - first_page) % num_splits < n for s in range(num_splits)]
+            tree_leaves = [leaf if h else empty for leaf, h in zip(leaves, has)]
+            whole = merge_tree(tree_leaves, scale)
+            nodes = [merge_tree(tree_leaves[g * group_splits:(g + 1) * group_splits], scale) for g in range(groups)]
+            live = lay.live_groups(first_page, end_page, num_splits, group_splits, groups)
+            assert all(not h for s, h in enumerate(has) if s >= live * group_splits) or live == groups
+            got = _upper_tree_skipping(nodes, live, warps, scale)
+            for a, b in zip(got, whole):
+                assert torch.equal(_canonical_bits(a), _canonical_bits(b)), (first_page, n, live)
+            if 1 < live < groups:
+                short = _upper_tree_skipping(nodes, live - 1, warps, scale)
+                caught_short |= not all(torch.equal(_canonical_bits(a), _canonical_bits(b)) for a, b in zip(short, whole))
+            if live == 1 and groups > 1:
+                caught_drop |= not torch.equal(_canonical_bits(nodes[0][0]), _canonical_bits(whole[0]))
+    if groups > 2:
+        assert caught_short, "live one short went unnoticed"
+    if groups > 1:
+        assert caught_drop, "dropping the final empty merge went unnoticed"
