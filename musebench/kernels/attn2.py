@@ -498,27 +498,35 @@ class _Attn2Kernel:
         )
 
     @cute.jit
+    def physical_page(self, table_smem: Int32, index: Int32, cache_pages: Int32):
+        """(the split's page `index`'s table entry from shared memory, whether it names a page of the
+        cache): both bounds, signed. A Uint32 cast of an Int32 keeps the compare signed (setp.s32),
+        so -1 (or -2^31) would pass as inside and address memory before the cache."""
+        physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
+        return physical, (physical >= Int32(0)) & (physical < cache_pages)
+
+    @cute.jit
+    def page_address(self, cache_base: Int64, physical: Int32, kv_head: Int32) -> Int64:
+        """The address of this KV head's 4 KB of cache page `physical` ([pages, kv, 16, 128])."""
+        return cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES
+
+    @cute.jit
     def page_prefetch(self, cache_base: Int64, table_smem: Int32, index: Int32, kv_head: Int32,
                       cache_pages: Int32) -> None:
         """`SplitIssue.prefetch_pages`: ask L2 for the split's page `index` (this KV head's 4 KB of
         it), by the calling thread alone; a table entry outside the cache asks for nothing."""
-        physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
-        if (physical >= Int32(0)) & (physical < cache_pages):
-            ptx.cp_async_bulk_prefetch_l2_global(
-                cache_base + (Int64(physical) * self.num_kv_heads + Int64(kv_head)) * lay.PAGE_BYTES, lay.PAGE_BYTES)
+        physical, in_cache = self.physical_page(table_smem, index, cache_pages)
+        if in_cache:
+            ptx.cp_async_bulk_prefetch_l2_global(self.page_address(cache_base, physical, kv_head), lay.PAGE_BYTES)
 
     @cute.jit
     def page_load(self, smem_stage: Int32, cache_base: Int64, table_smem: Int32, index: Int32, page: Int32,
                   kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32) -> None:
         """cp.async of the split's page `index` (logical page `page`) into a ring stage: its
-        physical page from the prefetched table; slots at and past L, and a physical page outside
-        the cache (a bad table entry: never read out of bounds), zero-filled."""
-        physical = Int32(ptx.ld_shared_u32(table_smem + index * WORD_BYTES))
-        # both bounds, signed: a Uint32 cast of an Int32 keeps the compare signed (setp.s32), so -1
-        # (or -2^31) would pass as inside and address memory before the cache
-        in_cache = (physical >= Int32(0)) & (physical < cache_pages)
-        page_base = cache_base + (Int64(cutlass.select_(in_cache, physical, Int32(0))) * self.num_kv_heads
-                                  + Int64(kv_head)) * lay.PAGE_BYTES
+        physical page from the prefetched table (`physical_page`); slots at and past L, and a
+        physical page outside the cache (a bad table entry: never read out of bounds), zero-filled."""
+        physical, in_cache = self.physical_page(table_smem, index, cache_pages)
+        page_base = self.page_address(cache_base, cutlass.select_(in_cache, physical, Int32(0)), kv_head)
         for half in cutlass.range_constexpr(2):
             chunk = tidx + half * lay.CTA_THREADS
             slot = chunk // CHUNKS_PER_SLOT
@@ -1592,14 +1600,11 @@ class _Attn2CombineKernel:
         levels' bits (merge with an empty node is idempotent, bit for bit:
         tests/cpu/test_attn2_model.py); the levels that run are the tree's own."""
         for level in cutlass.range_constexpr(self.warp_levels):
-            delta = lay.COMBINE_QUADS << level
             if cutlass.const_expr(live is None):
-                right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
-                mine = merged(mine, right)
+                mine = self.shuffle_level(mine, level)
             else:
                 if live > (1 << level):  # CTA-uniform: every lane shuffles or none
-                    right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
-                    mine = merged(mine, right)
+                    mine = self.shuffle_level(mine, level)
         if cutlass.const_expr(self.warps > 1):
             if cutlass.const_expr(live is None):
                 mine = self.warp_nodes(mine, slot_base, tidx, c)
@@ -1612,6 +1617,14 @@ class _Attn2CombineKernel:
             if live <= top:
                 mine = merged(mine, empty_node(lay.LANE_DIMS))
         return mine
+
+    @cute.jit
+    def shuffle_level(self, mine: list, level: cutlass.Constexpr) -> list:
+        """One shuffle level of the upper tree: each lane merges its node with the one
+        COMBINE_QUADS << level lanes up (node 2j takes node 2j + 1 of that level)."""
+        delta = lay.COMBINE_QUADS << level
+        right = [cute.arch.shuffle_sync_down(v, offset=delta, mask=self.lane_mask) for v in mine]
+        return merged(mine, right)
 
     @cute.jit
     def warp_nodes(self, mine: list, slot_base: Int32, tidx: Int32, c: Int32) -> list:
