@@ -90,3 +90,12 @@ def emulated_read_floor(monkeypatch):
     reads: list = []
     monkeypatch.setattr(read_floor, "triton_read", lambda w, p, c: emulated_triton_read(w, p, c, reads))
     return reads
+
+
+@pytest.fixture
+def attn2_plan_splits() -> dict:
+    """The split count each (max_model_len, window) of the attn2 GPU tests' cases runs at every tp,
+    written out (not computed) so the CPU checks of those cases' plans
+    (tests/test_attn2_layout.py, tests/cases/test_attn2.py) hold `attn2_layout.splits` to it."""
+    return {(64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2, (256, 0): 8, (2048, 0): 64, (2048, 100): 4,
+            (4096, 0): 128, (4096, 2048): 64}

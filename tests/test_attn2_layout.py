@@ -291,12 +291,9 @@ def test_short_max_len_check_can_fail(monkeypatch):
 
 
 # The GPU tests' short-plan cases (`tests/kernels/test_attn2_gpu.py`, skipped without a GPU): the
-# plan each (max_model_len, window) runs, checked here where the tests run on the CPU.
-GPU_SHORT_PLAN_SPLITS = {(64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2, (256, 0): 8, (2048, 0): 64,
-                         (2048, 100): 4, (4096, 0): 128, (4096, 2048): 64}
-
-
-def _check_gpu_short_plans() -> None:
+# plan each (max_model_len, window) runs (the `attn2_plan_splits` fixture), checked here where the
+# tests run on the CPU.
+def _check_gpu_short_plans(plan_splits: dict) -> None:
     from tests.kernels import test_attn2_gpu as gpu
 
     cases = [(m, w) for _, m, w in gpu.MODEL_CASES] + [(m, 0) for _, m in gpu.SHORT_PLAN_TP_CASES]
@@ -304,19 +301,19 @@ def _check_gpu_short_plans() -> None:
     cases += [(m, w) for _, m, w in gpu.STEP_CASES if m <= 4096]
     for max_model_len, window in cases:
         got = {lay.splits(max_model_len, window, heads) for heads in (1, 2, 4, 8, 16)}
-        assert got == {GPU_SHORT_PLAN_SPLITS[max_model_len, window]}, (max_model_len, window)
+        assert got == {plan_splits[max_model_len, window]}, (max_model_len, window)
     # one split is covered up to SHORT_MAX_LEN's last token, and the next plan (128) as a split plan
     one_split = [(n, m) for n, m, w in gpu.MODEL_CASES if lay.splits(m, w, 2) == 1]
     assert {n for n, _ in one_split} >= {8, 15, 16, 17, lay.SHORT_MAX_LEN - 1, lay.SHORT_MAX_LEN}
     assert {n for n, m, _ in gpu.MODEL_CASES if m == 2 * lay.SHORT_MAX_LEN} >= {8, 17, 127, 128}
 
 
-def test_gpu_tests_run_the_plans_they_name():
-    _check_gpu_short_plans()
+def test_gpu_tests_run_the_plans_they_name(attn2_plan_splits):
+    _check_gpu_short_plans(attn2_plan_splits)
 
 
-def test_gpu_plan_check_can_fail(monkeypatch):
+def test_gpu_plan_check_can_fail(monkeypatch, attn2_plan_splits):
     """Fault injection: the old threshold (128) puts max_model_len 128 back on one split."""
     monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
     with pytest.raises(AssertionError):
-        _check_gpu_short_plans()
+        _check_gpu_short_plans(attn2_plan_splits)

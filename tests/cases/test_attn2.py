@@ -195,32 +195,30 @@ def test_bench_rows_hold_measured_times_and_carry_the_roofline_apart(gpu_with_ds
 # 256: 8; 2048: 64, with a 100-key window: 4)
 GPU_JOB_PLANS = [(4096, (17, 2049), (0, 2048)), (64, (17, 64), (0, 32)), (128, (17, 128), (0, 64)),
                  (256, (129, 256), (0,)), (2048, (17, 2048), (0, 100))]
-# the plan each runs, (max_model_len, window): splits
-GPU_JOB_SPLITS = {(4096, 0): 128, (4096, 2048): 64, (64, 0): 1, (64, 32): 1, (128, 0): 4, (128, 64): 2,
-                  (256, 0): 8, (2048, 0): 64, (2048, 100): 4}
 
 
-def _check_gpu_job_plans() -> None:
+def _check_gpu_job_plans(plan_splits: dict) -> None:
+    """Each job plan's split count at every tp is `plan_splits`' (the `attn2_plan_splits` fixture)."""
     for max_model_len, lengths, windows in GPU_JOB_PLANS:
         for window in windows:
             got = {lay.splits(max_model_len, window, heads) for heads in (1, 2, 4, 8)}
-            assert got == {GPU_JOB_SPLITS[max_model_len, window]}, (max_model_len, window)
+            assert got == {plan_splits[max_model_len, window]}, (max_model_len, window)
             fam.check_case(fam.Attn2Case(tp=16, tokens=min(lengths), max_model_len=max_model_len, window=window))
-    assert max(n for n, _, _ in GPU_JOB_PLANS if GPU_JOB_SPLITS[n, 0] == 1) == lay.SHORT_MAX_LEN
+    assert max(n for n, _, _ in GPU_JOB_PLANS if plan_splits[n, 0] == 1) == lay.SHORT_MAX_LEN
 
 
-def test_gpu_job_plans_are_the_plans_named():
+def test_gpu_job_plans_are_the_plans_named(attn2_plan_splits):
     """The GPU job test below runs the plan kinds it names (computed here, on the CPU, where it
     runs): one split at 64 (SHORT_MAX_LEN), window or not; split plans from 128 on, at every tp."""
-    _check_gpu_job_plans()
+    _check_gpu_job_plans(attn2_plan_splits)
 
 
-def test_gpu_job_plans_check_can_fail(monkeypatch):
+def test_gpu_job_plans_check_can_fail(monkeypatch, attn2_plan_splits):
     """Fault injection: the old threshold (128) puts max_model_len 128 back on one split, and the
     check above refuses it."""
     monkeypatch.setattr(lay, "SHORT_MAX_LEN", 128)
     with pytest.raises(AssertionError, match="128, 0"):
-        _check_gpu_job_plans()
+        _check_gpu_job_plans(attn2_plan_splits)
 
 
 @pytest.mark.gpu
