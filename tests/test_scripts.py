@@ -186,6 +186,9 @@ def assert_refused(result, reason: str) -> None:
     (["--early-release", "--pdl", "1,0"], "--pdl 0 has none to release"),
     (["--full-tree", "--splits", "1,4"], "a one-split plan (--splits 1) has no combine"),
     (["--early-release", "--splits", "1"], "a one-split plan (--splits 1) has no combine"),
+    (["--progressive-combine", "--pdl", "1,0"], "--progressive-combine: --pdl 0"),
+    (["--progressive-combine", "--splits", "1,256"], "--progressive-combine: --splits 1"),
+    (["--progressive-combine", "--early-release"], "--progressive-combine: --early-release"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
