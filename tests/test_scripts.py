@@ -391,6 +391,9 @@ def trace_attn2():
     (["--calls", "2"], "--calls: 2 leaves fewer than two launches after the first (needs >= 3)"),
     (["--json", "/nonexistent-folder/trace.json"], "--json: the folder of '/nonexistent-folder/trace.json' does not exist"),
     (["--rows", "/nonexistent-folder/rows.json"], "--rows: the folder of '/nonexistent-folder/rows.json' does not exist"),
+    (["--progressive-combine", "--loads-only"], "--progressive-combine: not with --loads-only"),
+    (["--progressive-combine", "--max-model-len", "64", "--lengths", "8"],
+     "--progressive-combine: --max-model-len 64 runs one split: no combine"),
 ])
 def test_trace_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
     """trace-attn2.py: an option it cannot run exits 2 with the reason before the GPU is touched
