@@ -104,6 +104,38 @@ both to the same bits). Only quad 0 of warp 0 holds the root: the other quads ru
 never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.1
 us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
+Progressive combine (`Attn2Build.progressive_combine`, an experiment, in no deployment: their PTX
+is byte-identical with and without the knob). Why: on the H200 (trace, tp 8 at 128k, 512 split
+CTAs) the split CTAs' chains end between 17.0 us (median) and 21.1 us (max) after they start, and
+the combine starts loading only once the whole split grid has finished (its PDL wait): 0.77 us to
+its first post-wait instant, then 1.88 us of loads, 0.96 of tree and 0.74 of epilogue, about 5.2
+us of a 27.6 us period after the last split CTA ends, though most partials are ready ~4 us before
+the last. So the split kernel releases its dependents right after its prologue (every split CTA is
+then resident or done: a combine CTA can never keep one from running) and, after writing its
+partial, sets the partial's 64 row flags (uint32 in the workspace past the partials,
+`attn2_layout.workspace_regions`); the combine's CTAs become resident as split CTAs exit, and each
+group polls the flags of its live leaves for its row (`load_leaf`'s test: a CTA without pages
+writes no flag, and no one waits for it), all of them each iteration with %globaltimer, a 128 ns
+`nanosleep` between iterations, bounded by `progressive_timeout_ns` (100 ms); then it loads and
+merges them exactly as above (the same `subtree`, `upper_tree` and epilogue: the same bits). One
+`bar.red.or` vote after the tree tells the CTA whether any group timed out (the CTA then writes no
+row and resets nothing; the launch's first such thread records request, KV head, partial and row
+by atom.cas: `progressive_fault`); otherwise the epilogue runs and one thread a partial resets the
+row's flag to 0 (every poll of the CTA is over at the vote). Last, `griddepcontrol.wait`: the
+combine completes only after the split grid, so the next launch, which waits for the combine,
+finds both finished. Its own release stays after its loads (releasing the next launch earlier was
+slower: `early_release`). Contract: the flags are zero before the first launch on a workspace
+(torch.zeros) and every launch without a fault leaves them zero; the next launch's split kernel
+sets them only after its own wait, which sees this combine's resets finished. Memory ordering:
+writer: every thread stores its share of the partial, a CTA barrier (which makes them observed by
+the flag writers), then thread r's `st.release.gpu` of row r's flag (release is cumulative: it
+orders the whole CTA's partial before the flag at GPU scope). Reader: `ld.relaxed.gpu` polls (L2,
+never a stale L1 line), and once every wanted flag was seen set one `fence.acq_rel.gpu` (a relaxed
+read followed by that fence is an acquire), then plain `ld.global` loads of the partials, ordered
+after the acquire. The gate and L are read before any poll, as before the wait in the deployment
+(the same PDL argument: their writers finished before the split kernel passed its wait, and this
+grid launches only after every split CTA released it). Measured: not yet.
+
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
 rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd
@@ -124,7 +156,9 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work.
+combine's wait sees finished and flushed); each releases its dependents after its main work. (The
+progressive combine, an experiment, reads the partials behind row flags instead: its paragraph
+above.)
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
