@@ -165,6 +165,96 @@ def test_workspace_bytes_refuses(args, per_cta, match):
         lay.workspace_bytes(*args, per_cta=per_cta)
 
 
+# The progressive combine's workspace (`workspace_regions`): the partials, the row flags (one uint32
+# a (request, KV head, row, partial)), the fault record, the trace rows.
+
+
+def _region_failures(regions: lay.WorkspaceRegions, sizes: dict[str, int]) -> list[str]:
+    """What is wrong with a workspace's regions (empty: nothing), each region taken as its start
+    (`regions`) plus its size (`sizes`, by name): the partials not from 0, a region that does not
+    start where the one before it ends (an overlap, or a gap), the last not ending at `end`, or an
+    offset not 16-byte aligned."""
+    failures = []
+    starts = [(name, start) for name, start, _ in regions.spans()]
+    if starts[0][1] != 0:
+        failures.append(f"the partials start at {starts[0][1]}")
+    for (name, start), (before, previous) in zip(starts[1:], starts):
+        if start != previous + sizes[before]:
+            failures.append(f"{name} starts at {start}, {before} ends at {previous + sizes[before]}")
+    last, start = starts[-1]
+    if start + sizes[last] != regions.end:
+        failures.append(f"{last} ends at {start + sizes[last]}, the workspace at {regions.end}")
+    failures += [f"{name} at {start}: not 16-byte aligned" for name, start in starts if start % 16]
+    return failures
+
+
+@pytest.mark.parametrize("reqs, heads, splits, per_cta, partials", [
+    (1, 2, 256, None, 256),  # tp 8 at 128k
+    (1, 1, 256, None, 256),  # tp 16
+    (1, 4, 256, None, 128),  # tp 4: two splits a CTA
+    (3, 2, 4, None, 4),  # a small plan, three requests
+    (2, 8, 512, 2, 256),
+])
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("trace_bytes", [0, 64 * 8 * 3])
+def test_workspace_regions_follow_each_other(reqs, heads, splits, per_cta, partials, progressive, trace_bytes):
+    """The regions tile the workspace in order with no gap and no overlap: the partials (one a
+    split CTA), with `progressive` 64 flags of 4 bytes a partial of every (request, KV head) and the
+    16-byte fault record, then the trace rows; `workspace_bytes(..., progressive=True)` ends where
+    the trace rows start; without `progressive` the flags and the fault record are empty (the trace
+    rows where they always were)."""
+    regions = lay.workspace_regions(reqs, heads, splits, per_cta, progressive=progressive, trace_bytes=trace_bytes)
+    flags = reqs * heads * lay.ROWS_PER_KV_HEAD * partials * 4 if progressive else 0
+    sizes = {"partials": reqs * heads * partials * lay.PARTIAL_BYTES, "flags": flags,
+             "fault": lay.PROGRESS_FAULT_BYTES if progressive else 0, "trace": trace_bytes}
+    assert _region_failures(regions, sizes) == []
+    assert lay.workspace_bytes(reqs, heads, splits, per_cta, progressive=progressive) == regions.trace
+    assert regions.flags == lay.workspace_bytes(reqs, heads, splits, per_cta)
+    if progressive:
+        assert regions.fault - regions.flags == lay.progress_flag_bytes(reqs, heads, splits, per_cta)
+        assert regions.trace - regions.flags == lay.progress_bytes(reqs, heads, splits, per_cta)
+
+
+def test_region_check_catches_an_overlap_a_gap_and_a_wrong_size():
+    """Fault injection for `_region_failures`: the fault record moved one word into the flags (an
+    overlap), the trace rows moved past a gap, and flags sized one row of partials short (the
+    fault record then overlaps nothing but starts past their end) are each caught."""
+    import dataclasses
+
+    regions = lay.workspace_regions(1, 2, 256, progressive=True, trace_bytes=64)
+    sizes = {"partials": 2 * 256 * lay.PARTIAL_BYTES, "flags": 2 * 64 * 256 * 4, "fault": 16, "trace": 64}
+    assert _region_failures(regions, sizes) == []
+    overlap = dataclasses.replace(regions, fault=regions.fault - 4)
+    assert any("fault starts at" in f for f in _region_failures(overlap, sizes))
+    gap = dataclasses.replace(regions, trace=regions.trace + 16, end=regions.end + 16)
+    assert any("trace starts at" in f for f in _region_failures(gap, sizes))
+    short = dict(sizes, flags=sizes["flags"] - 256 * 4)
+    assert any("fault starts at" in f for f in _region_failures(regions, short))
+    misaligned = dataclasses.replace(regions, fault=regions.fault + 4, trace=regions.trace + 4, end=regions.end + 4)
+    assert any("not 16-byte aligned" in f for f in _region_failures(misaligned, sizes))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: lay.workspace_bytes(1, 2, 1, progressive=True), "no combine"),
+    (lambda: lay.progress_flag_bytes(1, 2, 1), "split plan"),
+    (lambda: lay.progress_bytes(1, 2, 384), "split plan"),
+    (lambda: lay.workspace_regions(1, 2, 1, progressive=True), "split plan|no combine"),
+    (lambda: lay.workspace_bytes(1, 2, 256, progressive=1), "must be a bool"),
+    (lambda: lay.workspace_regions(1, 2, 256, trace_bytes=-8), "trace_bytes"),
+    (lambda: lay.workspace_regions(1, 2, 256, trace_bytes=12), "trace_bytes"),
+    (lambda: lay.progress_flag_bytes(1, 2, 256, per_cta=3), "splits_per_cta"),
+])
+def test_progressive_regions_refuse_what_has_no_combine(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_one_split_keeps_the_trace_rows_at_zero():
+    """With one split (no partials, no combine) the trace rows start at 0, as before the flags."""
+    regions = lay.workspace_regions(2, 2, 1, trace_bytes=128)
+    assert (regions.flags, regions.fault, regions.trace, regions.end) == (0, 0, 0, 128)
+
+
 def test_split_steps_pair_the_splits_whole_list():
     """Pairs (2j, 2j + 1) by place in the split's whole list (page p's place: p // S), whatever the
     first page; a lone first page at an odd place, a lone last page; one page a step as visited."""

@@ -104,6 +104,38 @@ both to the same bits). Only quad 0 of warp 0 holds the root: the other quads ru
 never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.1
 us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
+Progressive combine (`Attn2Build.progressive_combine`, an experiment, in no deployment: their PTX
+is byte-identical with and without the knob). Why: on the H200 (trace, tp 8 at 128k, 512 split
+CTAs) the split CTAs' chains end between 17.0 us (median) and 21.1 us (max) after they start, and
+the combine starts loading only once the whole split grid has finished (its PDL wait): 0.77 us to
+its first post-wait instant, then 1.88 us of loads, 0.96 of tree and 0.74 of epilogue, about 5.2
+us of a 27.6 us period after the last split CTA ends, though most partials are ready ~4 us before
+the last. So the split kernel releases its dependents right after its prologue (every split CTA is
+then resident or done: a combine CTA can never keep one from running) and, after writing its
+partial, sets the partial's 64 row flags (uint32 in the workspace past the partials,
+`attn2_layout.workspace_regions`); the combine's CTAs become resident as split CTAs exit, and each
+group polls the flags of its live leaves for its row (`load_leaf`'s test: a CTA without pages
+writes no flag, and no one waits for it), all of them each iteration with %globaltimer, a 128 ns
+`nanosleep` between iterations, bounded by `progressive_timeout_ns` (100 ms); then it loads and
+merges them exactly as above (the same `subtree`, `upper_tree` and epilogue: the same bits). One
+`bar.red.or` vote after the tree tells the CTA whether any group timed out (the CTA then writes no
+row and resets nothing; the launch's first such thread records request, KV head, partial and row
+by atom.cas: `progressive_fault`); otherwise the epilogue runs and one thread a partial resets the
+row's flag to 0 (every poll of the CTA is over at the vote). Last, `griddepcontrol.wait`: the
+combine completes only after the split grid, so the next launch, which waits for the combine,
+finds both finished. Its own release stays after its loads (releasing the next launch earlier was
+slower: `early_release`). Contract: the flags are zero before the first launch on a workspace
+(torch.zeros) and every launch without a fault leaves them zero; the next launch's split kernel
+sets them only after its own wait, which sees this combine's resets finished. Memory ordering:
+writer: every thread stores its share of the partial, a CTA barrier (which makes them observed by
+the flag writers), then thread r's `st.release.gpu` of row r's flag (release is cumulative: it
+orders the whole CTA's partial before the flag at GPU scope). Reader: `ld.relaxed.gpu` polls (L2,
+never a stale L1 line), and once every wanted flag was seen set one `fence.acq_rel.gpu` (a relaxed
+read followed by that fence is an acquire), then plain `ld.global` loads of the partials, ordered
+after the acquire. The gate and L are read before any poll, as before the wait in the deployment
+(the same PDL argument: their writers finished before the split kernel passed its wait, and this
+grid launches only after every split CTA released it). Measured: not yet.
+
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
 rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd
@@ -124,7 +156,9 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work.
+combine's wait sees finished and flushed); each releases its dependents after its main work. (The
+progressive combine, an experiment, reads the partials behind row flags instead: its paragraph
+above.)
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
@@ -163,7 +197,8 @@ from musebench import config
 from musebench.kernels import compilation, division, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
-__all__ = ["Attn2Build", "CompiledAttn2", "SplitIssue", "compile_attn2", "launch", "prepare"]
+__all__ = ["Attn2Build", "CompiledAttn2", "ProgressiveFault", "SplitIssue", "compile_attn2", "launch", "prepare",
+           "progressive_fault", "progressive_flags"]
 
 LOG2_E = 1.4426950408889634
 SCALE_LOG2 = config.ATTN_SCALE * LOG2_E  # rounded to binary32 once, when the kernel is built
@@ -206,6 +241,13 @@ assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
 WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
+# `Attn2Build.progressive_combine`: a combine group's polls of its row flags give up this long (ns)
+# after the first (the EP tail's bound is 2 s; a split CTA writes its partial within ~25 us of the
+# combine's launch at 128k), and sleep this long between two polls (`nanosleep`: a flag is seen at
+# most about one sleep plus a load after it is set)
+PROGRESSIVE_TIMEOUT_NS = 100_000_000
+PROGRESSIVE_TIMEOUT_MAX_NS = 10_000_000_000
+PROGRESSIVE_POLL_SLEEP_NS = 128
 # `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
 # one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
 L2_PREFETCH_PAGES = 8
@@ -376,6 +418,28 @@ class Attn2Build:
     # combine CTAs share the SMs with the split CTAs' stream), L 8 5.21 / 5.12 against 5.31 / 5.60,
     # tp 16 within noise.
     early_release: bool = False
+    # experiments only: the progressive combine. With splits, the combine merges each partial as soon
+    # as its split CTA has written it instead of after the whole split grid: the split kernel releases
+    # its dependents right after its prologue (so the combine's CTAs become resident as split CTAs
+    # exit) and, after writing its partial, sets the partial's 64 row flags in the workspace (CTA
+    # barrier, then st.release.gpu); each combine group polls its live leaves' flags for its row
+    # (ld.relaxed.gpu, fence.acq_rel.gpu once all are set; nanosleep between polls; bounded by
+    # `progressive_timeout_ns`), loads and merges them as the deployment does (the same bits), and
+    # resets the row's flags after its last poll; its griddepcontrol.wait moves to its very end. The
+    # flags must be zero before the first launch on a workspace (allocate it with torch.zeros:
+    # `attn2_layout.workspace_bytes(..., progressive=True)`); every launch that records no fault
+    # leaves them zero again. A poll that times out records a fault (`progressive_fault`), its CTA
+    # writes no output and resets nothing (zero the workspace again before the next launch).
+    # Refused without PDL, with `early_release` (both move the split kernel's release) or `loads_only`
+    # (a probe of the split kernel alone), and on a one-split plan (no combine); `trace` and
+    # `full_tree` keep working (the combine's clock_waited is then taken after its polls).
+    progressive_combine: bool = False
+    # the progressive combine's bound on a group's polls, in ns from its first poll (compile-time);
+    # only with progressive_combine
+    progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS
+    # fault injection (tests only, with progressive_combine): the split CTAs of this partial index
+    # write their partial but never its flags, so the combine's polls time out; -1: none
+    drop_flags_of_partial: int = -1
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
@@ -387,6 +451,25 @@ class Attn2Build:
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
+        _require(isinstance(self.progressive_combine, bool),
+                 f"progressive_combine must be a bool, got {self.progressive_combine!r}")
+        if self.progressive_combine:
+            _require(self.enable_pdl, "progressive_combine needs enable_pdl: the combine polls while the split "
+                                      "kernel runs, which only a dependent launch (PDL) allows")
+            _require(not self.early_release, "progressive_combine and early_release both move the split kernel's "
+                                             "release of the combine: take one")
+            _require(not self.loads_only, "progressive_combine with loads_only: the probe times the split kernel's "
+                                          "page stream alone, with the deployment's combine")
+        timeout = self.progressive_timeout_ns
+        _require(type(timeout) is int and 0 < timeout <= PROGRESSIVE_TIMEOUT_MAX_NS,
+                 f"progressive_timeout_ns must be an int in 1 .. {PROGRESSIVE_TIMEOUT_MAX_NS}, got {timeout!r}")
+        _require(self.progressive_combine or timeout == PROGRESSIVE_TIMEOUT_NS,
+                 "progressive_timeout_ns bounds the progressive combine's polls: set progressive_combine too")
+        drop = self.drop_flags_of_partial
+        _require(type(drop) is int and drop >= -1,
+                 f"drop_flags_of_partial must be -1 (none) or a partial index, got {drop!r}")
+        _require(self.progressive_combine or drop == -1,
+                 "drop_flags_of_partial drops the progressive combine's flags: set progressive_combine too")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
         if self.splits_per_cta is not None:
@@ -430,7 +513,7 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False) -> None:
+                 early_release: bool = False, progressive: bool = False, drop_flags_of_partial: int = -1) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
@@ -469,6 +552,18 @@ class _Attn2Kernel:
         _require(isinstance(early_release, bool) and (not early_release or (enable_pdl and num_splits > 1)),
                  f"early_release {early_release!r}: a bool, True only with PDL and splits (Attn2Build.early_release)")
         self.early_release = early_release
+        # `Attn2Build.progressive_combine`: dependents released after the prologue, row flags set after
+        # the partial (`head_result`); `drop_flags_of_partial` (fault injection) skips one partial's flags
+        _require(isinstance(progressive, bool) and (not progressive or (enable_pdl and num_splits > 1
+                                                                        and not early_release)),
+                 f"progressive {progressive!r}: a bool, True only with PDL, splits and no early_release "
+                 "(Attn2Build.progressive_combine)")
+        _require(type(drop_flags_of_partial) is int and (drop_flags_of_partial == -1 or progressive)
+                 and -1 <= drop_flags_of_partial < num_splits // splits_per_cta,
+                 f"drop_flags_of_partial {drop_flags_of_partial!r}: -1, or a partial index (below "
+                 f"{num_splits // splits_per_cta}) of a progressive build")
+        self.progressive = progressive
+        self.drop_flags_of_partial = drop_flags_of_partial
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
 
@@ -1118,6 +1213,25 @@ class _Attn2Kernel:
                 ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
                                      ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
                                      ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
+                if cutlass.const_expr(self.progressive):
+                    self.set_row_flags(workspace, req, kv_head, partial, tidx)
+
+    @cute.jit
+    def set_row_flags(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, tidx: Int32) -> None:
+        """The progressive build: this partial's 64 row flags, set once every thread of the CTA has
+        stored its share of the partial. The CTA barrier makes every thread's stores observed by the
+        flag writers (thread r sets row r's flag), and each flag is a release at GPU scope, cumulative:
+        a combine thread that reads the flag set and then fences (acquire) sees the whole partial.
+        `drop_flags_of_partial` (fault injection): that partial's flags are never set."""
+        cute.arch.barrier()
+        if tidx < lay.ROWS_PER_KV_HEAD:
+            address = row_flag_address(workspace, cute.arch.grid_dim()[2], req, kv_head, tidx, partial,
+                                       self.num_kv_heads, self.num_splits, self.partials)
+            if cutlass.const_expr(self.drop_flags_of_partial >= 0):
+                if partial != Int32(self.drop_flags_of_partial):
+                    ptx.st_release_gpu_global_u32(address, Uint32(lay.PROGRESS_FLAG_SET))
+            else:
+                ptx.st_release_gpu_global_u32(address, Uint32(lay.PROGRESS_FLAG_SET))
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -1194,6 +1308,10 @@ class _Attn2Kernel:
                            tidx)
         if cutlass.const_expr(self.trace):
             clocks["clock_prologue"] = ptx.read_clock64_u64()  # Q, the table and the ring's first copies issued
+        if cutlass.const_expr(self.progressive):
+            # the combine's CTAs launch while the pages stream, and become resident as split CTAs exit
+            # (every split CTA is resident or done by then: no combine CTA can keep one from running)
+            cute.arch.griddepcontrol_launch_dependents()
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -1251,7 +1369,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_chained"] = ptx.read_clock64_u64()
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(self.enable_pdl and not self.early_release):
+        if cutlass.const_expr(self.enable_pdl and not self.early_release and not self.progressive):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
@@ -1263,7 +1381,8 @@ class _Attn2Kernel:
                 num_reqs = cute.arch.grid_dim()[2]
                 index = (req * self.num_kv_heads + kv_head) * self.partials + partial
                 trace_row = (Int64(workspace.iterator.toint())
-                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials,
+                                            self.progressive)
                              + Int64(index) * TRACE_ROW_BYTES)
                 write_trace_row(trace_row, SPLIT_TRACE_FIELDS, clocks)
 
@@ -1409,12 +1528,37 @@ def live_groups(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexp
     return cutlass.select_(lo == 0, prefix, Int32(groups))
 
 
-def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int) -> Int64:
-    """Device side (inlined into a traced kernel): the first trace row's byte offset in the
-    workspace, past the partials (none with one split), as `trace_rows` reads it."""
+def region_offsets(num_reqs, num_kv_heads: int, num_splits: int, partials: int, progressive: bool, wide=Int64):
+    """Device side (inlined into a kernel): the byte offsets (flags, fault, trace) of the workspace's
+    regions past the partials, `attn2_layout.workspace_regions`' on the device (`num_reqs`: the
+    grid's Int32; `wide`: Int64 in a kernel, int in the CPU test that holds the two to each other).
+    Without `progressive` all three are the partials' end; with one split, 0."""
     if num_splits == 1:
-        return Int64(0)
-    return Int64(num_reqs * (num_kv_heads * partials)) * lay.PARTIAL_BYTES
+        return wide(0), wide(0), wide(0)
+    end = wide(num_reqs * (num_kv_heads * partials)) * lay.PARTIAL_BYTES
+    if not progressive:
+        return end, end, end
+    fault = end + wide(num_reqs * (num_kv_heads * lay.ROWS_PER_KV_HEAD * partials)) * lay.PROGRESS_FLAG_BYTES
+    return end, fault, fault + lay.PROGRESS_FAULT_BYTES
+
+
+def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int,
+                 progressive: bool = False) -> Int64:
+    """Device side (inlined into a traced kernel): the first trace row's byte offset in the
+    workspace, past the partials (none with one split) and, progressive, the flags and the fault
+    record (`region_offsets`), as `trace_rows` reads it."""
+    return region_offsets(num_reqs, num_kv_heads, num_splits, partials, progressive)[2]
+
+
+@cute.jit
+def row_flag_address(workspace: cute.Tensor, num_reqs: Int32, req: Int32, kv_head: Int32, row: Int32, partial: Int32,
+                     num_kv_heads: cutlass.Constexpr, num_splits: cutlass.Constexpr,
+                     partials: cutlass.Constexpr) -> Int64:
+    """The address of the progressive combine's flag of (req, kv_head, row, partial): the flags
+    follow the partials, [request][KV head][row][partial] (`attn2_layout.workspace_regions`)."""
+    flags, _, _ = region_offsets(num_reqs, num_kv_heads, num_splits, partials, True)
+    index = ((req * num_kv_heads + kv_head) * lay.ROWS_PER_KV_HEAD + row) * partials + partial
+    return Int64(workspace.iterator.toint()) + flags + Int64(index) * lay.PROGRESS_FLAG_BYTES
 
 
 def write_trace_row(row: Int64, fields: tuple[str, ...], clocks: dict) -> None:
@@ -1492,7 +1636,8 @@ class _Attn2CombineKernel:
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
                  enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, full_tree: bool = False,
-                 early_release: bool = False) -> None:
+                 early_release: bool = False, progressive: bool = False,
+                 timeout_ns: int = PROGRESSIVE_TIMEOUT_NS) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         _require(isinstance(full_tree, bool), f"full_tree must be a bool, got {full_tree!r}")
@@ -1517,6 +1662,15 @@ class _Attn2CombineKernel:
         _require(isinstance(early_release, bool) and (not early_release or enable_pdl),
                  f"early_release {early_release!r}: a bool, True only with PDL (Attn2Build.early_release)")
         self.early_release = early_release  # `Attn2Build.early_release`
+        # `Attn2Build.progressive_combine`: each group polls its leaves' row flags (bounded by
+        # `timeout_ns`) in place of the PDL wait before its loads; the wait moves to the end
+        _require(isinstance(progressive, bool) and (not progressive or (enable_pdl and not early_release)),
+                 f"progressive {progressive!r}: a bool, True only with PDL and no early_release "
+                 "(Attn2Build.progressive_combine)")
+        _require(type(timeout_ns) is int and 0 < timeout_ns <= PROGRESSIVE_TIMEOUT_MAX_NS,
+                 f"timeout_ns must be an int in 1 .. {PROGRESSIVE_TIMEOUT_MAX_NS}, got {timeout_ns!r}")
+        self.progressive = progressive
+        self.timeout_ns = timeout_ns
 
     def smem_bytes(self) -> int:
         return self.warps * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
@@ -1534,17 +1688,82 @@ class _Attn2CombineKernel:
         )
 
     @cute.jit
-    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
-                  end_page: Int32, source: Int32, half: Int32) -> list:
-        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
-        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
-        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's."""
-        leaf = empty_node(lay.LANE_DIMS)
-        live = None  # any of its splits' first pages (`page_range`) below the end
+    def partial_live(self, partial: Int32, first_page: Int32, end_page: Int32):
+        """Whether partial `partial` was written: any of its splits' first pages (`page_range`)
+        below the end (the split kernel's test: a CTA without pages writes nothing)."""
+        live = None
         for j in cutlass.range_constexpr(self.splits_per_cta):
             split = partial * self.splits_per_cta + j
             has_pages = first_page + ((split - first_page) & (self.num_splits - 1)) < end_page
             live = has_pages if live is None else live | has_pages
+        return live
+
+    @cute.jit
+    def await_leaves(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, row_index: Int32, group: Int32,
+                     first_page: Int32, end_page: Int32) -> Int32:
+        """The progressive build: wait until every live leaf of this thread's group (`partial_live`)
+        has its row flag set, then acquire (1), or until `timeout_ns` has passed since the first poll
+        (0: then the first thread of the launch to time out records the fault: 1 + req, kv_head, the
+        group's lowest partial still unset, the row). Each iteration polls every leaf's flag
+        (ld.relaxed.gpu: never a stale L1 line) and reads %globaltimer; `nanosleep` between
+        iterations. After the loop one fence.acq_rel.gpu: with the relaxed reads that saw the flags
+        set it is an acquire, so this thread's loads of the partials see what their split CTAs
+        released (`_Attn2Kernel.set_row_flags`)."""
+        num_reqs = cute.arch.grid_dim()[2]
+        first = group * self.leaves
+        flag0 = row_flag_address(workspace, num_reqs, req, kv_head, row_index, first, self.num_kv_heads,
+                                 self.num_splits, self.partials)
+        wanted = [self.partial_live(first + i, first_page, end_page) for i in range(self.leaves)]
+        started = ptx.read_globaltimer_u64()
+        missing = Int32(0)  # bit i: leaf i is live and its flag was clear at the last poll
+        polling = Int32(1)
+        while polling != 0:
+            # the timer is read in the same iteration as the flags: the wait is bounded
+            now = ptx.read_globaltimer_u64()
+            missing = Int32(0)
+            for i in cutlass.range_constexpr(self.leaves):
+                flag = ptx.ld_relaxed_gpu_global_u32(flag0 + i * lay.PROGRESS_FLAG_BYTES)
+                unset = wanted[i] & (flag == Uint32(0))
+                missing = missing | (cutlass.select_(unset, Int32(1), Int32(0)) << i)
+            polling = Int32(missing != 0) & Int32(now - started <= Int64(self.timeout_ns))
+            if polling != 0:
+                ptx.nanosleep_u32(PROGRESSIVE_POLL_SLEEP_NS)
+        ptx.fence_acq_rel_gpu()
+        if missing != 0:
+            lowest = Int32(0)
+            for i in cutlass.range_constexpr(self.leaves - 1, -1, -1):
+                lowest = cutlass.select_(((missing >> i) & Int32(1)) != 0, Int32(i), lowest)
+            _, fault, _ = region_offsets(num_reqs, self.num_kv_heads, self.num_splits, self.partials, True)
+            record = Int64(workspace.iterator.toint()) + fault
+            previous = ptx.atom_cas_relaxed_gpu_global_b32(record, Int32(0), req + 1)
+            if previous == Int32(0):  # the launch's first timed-out thread names what it waited for
+                ptx.st_global_u32(record + WORD_BYTES, Uint32(kv_head))
+                ptx.st_global_u32(record + 2 * WORD_BYTES, Uint32(first + lowest))
+                ptx.st_global_u32(record + 3 * WORD_BYTES, Uint32(row_index))
+        return Int32(missing == 0)
+
+    @cute.jit
+    def reset_row_flags(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, row_index: Int32,
+                        tidx: Int32) -> None:
+        """The progressive build, after every thread's last poll (a CTA barrier): the row's flags of
+        every partial back to 0, one thread a partial (the next launch's split CTAs set them again,
+        behind this grid's completion)."""
+        if tidx < self.partials:
+            address = row_flag_address(workspace, cute.arch.grid_dim()[2], req, kv_head, row_index, tidx,
+                                       self.num_kv_heads, self.num_splits, self.partials)
+            ptx.st_global_u32(address, Uint32(0))
+
+    @cute.jit
+    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
+                  end_page: Int32, source: Int32, half: Int32, ready=None) -> list:
+        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
+        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
+        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's. `ready` (the progressive
+        build, `await_leaves`): 0 reads nothing (the group timed out: its leaves stay empty)."""
+        leaf = empty_node(lay.LANE_DIMS)
+        live = self.partial_live(partial, first_page, end_page)
+        if cutlass.const_expr(ready is not None):
+            live = live & (ready != Int32(0))
         if live:
             slot = partial_slot(workspace, req, kv_head, partial, self.num_kv_heads, self.partials)
             for pp in cutlass.range_constexpr(V_TILE_PAIRS):
@@ -1638,6 +1857,22 @@ class _Attn2CombineKernel:
             mine = self.subtree(nodes, 0, self.warps)
         return mine
 
+    @cute.jit
+    def root_epilogue(self, mine: list, sigmoids: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
+                      group: Int32, tidx: Int32) -> None:
+        """The epilogue on the root: warp 0 (all of it, or every thread of a smaller CTA) runs it,
+        quad 0 (group 0, which holds the root) stores the row."""
+        if tidx < 32:
+            # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
+            # quads' values never reach a stored bit. They run the epilogue on ones instead of their
+            # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
+            # slow path (`division.quotients_rn`), and the warp would wait for it (2.1 us at 4 splits, L 8).
+            root = group == 0
+            values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
+            lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
+            row_epilogue(values, lsum, sigmoids, out, row, head, c, self.num_kv_heads, self.eps,
+                         cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
+
     @cute.kernel
     def kernel(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
                gate_row_words: Int32) -> None:
@@ -1665,13 +1900,18 @@ class _Attn2CombineKernel:
         head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * w + half
         sigmoids = gate_sigmoids(load_gate_words(gate, row, head, c, gate_row_words))  # gate only: before the wait
         _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
-        if cutlass.const_expr(self.enable_pdl):
+        ready = None
+        if cutlass.const_expr(self.progressive):
+            # each partial once its split CTA has set its flag; the PDL wait moves to the end
+            ready = self.await_leaves(workspace, req, kv_head, row_index, group, first_page, end_page)
+        elif cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
         if cutlass.const_expr(self.early_release):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
-        leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half)
+        leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half,
+                                 ready)
                   for i in range(self.leaves)]
         mine = self.subtree(leaves, 0, self.leaves)
         if cutlass.const_expr(self.trace):
@@ -1690,16 +1930,18 @@ class _Attn2CombineKernel:
             mine = self.upper_tree(mine, slot_base, tidx, c)
         if cutlass.const_expr(self.trace):
             clocks["clock_merged"] = ptx.read_clock64_u64()  # the tree above the groups (warp 0: its root)
-        if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
-            # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
-            # quads' values never reach a stored bit. They run the epilogue on ones instead of their
-            # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
-            # slow path (`division.quotients_rn`), and the warp would wait for it (2.1 us at 4 splits, L 8).
-            root = group == 0
-            values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
-            lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
-            row_epilogue(values, lsum, sigmoids, out, row, head, c, self.num_kv_heads, self.eps,
-                         cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
+        if cutlass.const_expr(self.progressive):
+            # One CTA barrier: every thread's polls are over (the flags may be reset) and the CTA
+            # learns whether any group timed out: then it writes no output and resets nothing.
+            failed = ptx.bar_red_or_pred(Int32(1) - ready)
+            if failed == Int32(0):
+                self.root_epilogue(mine, sigmoids, out, row, head, c, group, tidx)
+                self.reset_row_flags(workspace, req, kv_head, row_index, tidx)
+            # this grid completes only after the split grid: the next launch's kernels, which wait
+            # for this one, find both finished
+            cute.arch.griddepcontrol_wait()
+        else:
+            self.root_epilogue(mine, sigmoids, out, row, head, c, group, tidx)
         if cutlass.const_expr(self.trace):
             clocks["clock_end"] = ptx.read_clock64_u64()
             clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
@@ -1707,7 +1949,8 @@ class _Attn2CombineKernel:
                 num_reqs = cute.arch.grid_dim()[2]
                 index = (req * self.num_kv_heads + kv_head) * lay.ROWS_PER_KV_HEAD + row_index
                 trace_row = (Int64(workspace.iterator.toint())
-                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials,
+                                            self.progressive)
                              + Int64(num_reqs * (self.num_kv_heads * self.partials)) * TRACE_ROW_BYTES
                              + Int64(index) * TRACE_ROW_BYTES)
                 write_trace_row(trace_row, COMBINE_TRACE_FIELDS, clocks)
@@ -1811,6 +2054,18 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
+    if build.progressive_combine:  # the deployments' keys stay as they were
+        partials = knobs["num_splits"] // knobs["splits_per_cta"]
+        _require(knobs["num_splits"] > 1,
+                 "progressive_combine merges partials as they land: a one-split plan (max_model_len "
+                 f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1) has no partials and no combine")
+        _require(build.drop_flags_of_partial < partials,
+                 f"drop_flags_of_partial {build.drop_flags_of_partial}: the plan has {partials} partials")
+        split_knobs["progressive"] = True
+        combine_knobs["progressive"] = True
+        combine_knobs["timeout_ns"] = build.progressive_timeout_ns
+        if build.drop_flags_of_partial >= 0:
+            split_knobs["drop_flags_of_partial"] = build.drop_flags_of_partial
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1857,41 +2112,93 @@ def trace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_ct
 
 
 def traced_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int,
-                           splits_per_cta: int | None = None) -> int:
+                           splits_per_cta: int | None = None, *, progressive: bool = False) -> int:
     """The workspace a traced launch needs: the partials (`attn2_layout.workspace_bytes`, 0 with one
-    split), then the trace rows (`trace_bytes`)."""
-    return (lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
-            + trace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta))
+    split), with `progressive` the flags and the fault record, then the trace rows (`trace_bytes`;
+    `attn2_layout.workspace_regions`)."""
+    return lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive,
+                                 trace_bytes=trace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)).end
 
 
 def trace_rows(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
-               splits_per_cta: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               splits_per_cta: int | None = None, *, progressive: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Views of a traced launch's rows in its workspace (uint8, at least `traced_workspace_bytes`):
     (split rows int64 [split CTAs, TRACE_WORDS], SPLIT_TRACE_FIELDS, row (request x KV heads + KV
     head) x partials + partial; combine rows int64 [combine CTAs, TRACE_WORDS], COMBINE_TRACE_FIELDS,
     row (request x KV heads + KV head) x 64 + the CTA's row, or None with one split). A split CTA's
-    row is written whether or not it has pages; a launch writes every row of both."""
-    need = traced_workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+    row is written whether or not it has pages; a launch writes every row of both. `progressive`:
+    the launch's build was the progressive combine's (its rows follow the flags)."""
+    need = traced_workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive)
     _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
              and workspace.numel() >= need and workspace.is_contiguous() and workspace.data_ptr() % 8 == 0,
              f"workspace must be a contiguous uint8 tensor of >= {need} bytes (traced_workspace_bytes)")
-    start = lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+    start = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive).trace
     split_ctas, _ = _trace_ctas(num_reqs, num_kv_heads, num_splits, splits_per_cta)
     rows = workspace[start:need].view(torch.int64).view(-1, TRACE_WORDS)
     return rows[:split_ctas], (rows[split_ctas:] if num_splits > 1 else None)
 
 
+def progressive_flags(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
+                      splits_per_cta: int | None = None) -> torch.Tensor:
+    """A view of the progressive combine's row flags in a workspace (uint8, at least
+    `attn2_layout.workspace_bytes(..., progressive=True)`): int32 [requests, KV heads, 64 rows,
+    partials]; PROGRESS_FLAG_SET where a split CTA set a flag the combine did not reset. All zero
+    before the first launch and after every launch that recorded no fault (read it after a
+    synchronize)."""
+    regions = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=True)
+    _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
+             and workspace.numel() >= regions.trace and workspace.is_contiguous(),
+             f"workspace must be a contiguous uint8 tensor of >= {regions.trace} bytes "
+             "(attn2_layout.workspace_bytes(..., progressive=True))")
+    per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
+    return workspace[regions.flags:regions.fault].view(torch.int32).view(
+        num_reqs, num_kv_heads, lay.ROWS_PER_KV_HEAD, num_splits // per_cta)
+
+
+@dataclass(frozen=True)
+class ProgressiveFault:
+    """The first poll of a progressive combine that timed out: its request, KV head, the partial
+    whose row flag it still found unset (the lowest of its group's) and the row."""
+
+    request: int
+    kv_head: int
+    partial: int
+    row: int
+
+
+def progressive_fault(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
+                      splits_per_cta: int | None = None) -> ProgressiveFault | None:
+    """The progressive combine's fault record in a workspace (`attn2_layout.workspace_regions`),
+    read after a synchronize: None while word 0 holds the clear value 0 (no poll timed out since the
+    workspace was zeroed), else the `ProgressiveFault` it names. Copies 16 bytes to the host."""
+    regions = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=True)
+    _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
+             and workspace.numel() >= regions.trace and workspace.is_contiguous(),
+             f"workspace must be a contiguous uint8 tensor of >= {regions.trace} bytes "
+             "(attn2_layout.workspace_bytes(..., progressive=True))")
+    words = workspace[regions.fault:regions.trace].view(torch.int32).tolist()
+    if words[0] == 0:
+        return None
+    return ProgressiveFault(request=words[0] - 1, kv_head=words[1], partial=words[2], row=words[3])
+
+
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
                  window: int, num_splits: int | None = None, splits_per_cta: int | None = None,
-                 trace: bool = False) -> int:
+                 trace: bool = False, progressive: bool = False) -> int:
     """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count.
     `trace` (the traced build): the workspace must also hold the trace rows
-    (`traced_workspace_bytes`, with one split as well)."""
+    (`traced_workspace_bytes`, with one split as well). `progressive` (the progressive combine):
+    the workspace must also hold its flags and fault record (`attn2_layout.workspace_regions`)."""
     _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
+    _require(isinstance(progressive, bool), f"progressive_combine must be a bool, got {progressive!r}")
     variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits,
                        splits_per_cta)
     heads = variant["num_kv_heads"]
+    _require(not progressive or variant["num_splits"] > 1,
+             "progressive_combine merges partials as they land: a one-split plan "
+             f"(max_model_len {max_model_len} <= SHORT_MAX_LEN, or num_splits 1) has no combine")
     bf16 = torch.bfloat16
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
              lay.SLOT_WIDTH) and kv_cache.is_contiguous(),
@@ -1915,10 +2222,10 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     devices = {t.device for t in (q, gate, kv_cache, page_table, seq_lens, out)}
     _require(len(devices) == 1 and next(iter(devices)).type == "cuda", "every tensor must be on one CUDA device")
     splits = variant["num_splits"]
-    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
-    what = ""
+    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"], progressive=progressive)
+    what = " (the partials, the progressive combine's flags and fault record)" if progressive else ""
     if trace:
-        need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
+        need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"], progressive=progressive)
         what = " (traced: the partials, then the trace rows, traced_workspace_bytes)"
     if need:
         _require(workspace is not None and workspace.dtype == torch.uint8 and workspace.numel() >= need
@@ -1940,7 +2247,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
-           early_release: bool = False) -> None:
+           early_release: bool = False, progressive_combine: bool = False,
+           progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS, drop_flags_of_partial: int = -1) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1952,13 +2260,22 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
     not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
     `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
-    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait."""
+    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
+    `progressive_combine` (an experiment, `Attn2Build.progressive_combine`, with its
+    `progressive_timeout_ns` and the fault injection `drop_flags_of_partial`): the combine merges
+    each partial as it lands. Its workspace holds `attn2_layout.workspace_bytes(..., progressive=True)`
+    (with `trace`, `traced_workspace_bytes(..., progressive=True)`), and its flags must be zero before
+    the first launch on it (torch.zeros); every launch that records no fault leaves them zero (a
+    CUDA graph of back-to-back launches on one workspace replays as often as wanted). After a fault
+    (`progressive_fault` names it; that CTA's row of out is not written) zero the workspace again."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
-                       early_release=early_release)
+                       early_release=early_release, progressive_combine=progressive_combine,
+                       progressive_timeout_ns=progressive_timeout_ns, drop_flags_of_partial=drop_flags_of_partial)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
+                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace,
+                          progressive=progressive_combine)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if not trace and (workspace is None or splits == 1):
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves

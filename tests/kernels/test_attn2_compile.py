@@ -1253,3 +1253,255 @@ def test_early_release_releases_right_after_each_wait(tmp_path_factory, arch):
     split, combine = _ptx(tmp_path_factory, arch, 2, 131072, 0)
     assert split.index("griddepcontrol.launch_dependents") > split.index("mma")
     assert combine.index("griddepcontrol.launch_dependents") > combine.index("ld.global", combine.index("griddepcontrol.wait"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attn2Build.progressive_combine: the combine merges each partial as its split CTA writes it
+
+
+# (KV heads, max_model_len): 256 splits at 2 and 1 KV heads (tp 8, 16), two splits a CTA (tp 4: 128
+# partials), a small plan (128 tokens: 4 splits, 16 combine threads)
+PROGRESSIVE = [(2, 131072), (1, 131072), (4, 131072), (2, 128)]
+LABEL = r"^(\$L__BB\d+_\d+):"
+
+
+def _progressive_ptx(tmp_path_factory, arch, heads, max_model_len, **knobs):
+    key = ("progressive", arch, heads, max_model_len, tuple(sorted(knobs.items())))
+    if key not in _PTX:
+        folder = tmp_path_factory.mktemp("attn2_progressive")
+        attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder),
+                                                                      progressive_combine=True, **knobs))
+        (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+        (combine,) = folder.glob("*_Attn2CombineKernel_*.ptx")
+        _PTX[key] = (split.read_text(), combine.read_text())
+    return _PTX[key]
+
+
+def _poll_loop(ptx: str) -> tuple[int, int] | None:
+    """(start, end) of the combine's polling loop in its PTX: from the label before its first
+    `ld.relaxed.gpu` to the jump back to that label (None: no such loop)."""
+    first = ptx.find("ld.relaxed.gpu")
+    labels = [m for m in re.finditer(LABEL, ptx[:max(first, 0)], re.M)]
+    if first < 0 or not labels:
+        return None
+    label = labels[-1]
+    back = re.search(rf"bra(\.uni)?\s+{re.escape(label.group(1))};", ptx[first:])
+    return (label.start(), first + back.end()) if back else None
+
+
+def _progressive_combine_failures(ptx: str) -> list[str]:
+    """What the progressive combine's PTX lacks (empty: nothing): a polling loop whose every
+    iteration reads %globaltimer and polls with ld.relaxed.gpu, a nanosleep in it, one
+    fence.acq_rel.gpu after it and before the first partial load (the acquire), no
+    griddepcontrol.wait before that load and exactly one, after every global store (the flag resets
+    and out; a traced build's rows may follow), the release of dependents after the partial loads, the CTA's vote (bar.red.or) before
+    the epilogue's stores, and the fault record's atom.cas."""
+    failures = []
+    loop = _poll_loop(ptx)
+    if loop is None:
+        return ["no polling loop (a label, ld.relaxed.gpu, a jump back)"]
+    body = ptx[loop[0]:loop[1]]
+    if "%globaltimer" not in body:
+        failures.append("no %globaltimer read inside the polling loop")
+    if "nanosleep.u32" not in body:
+        failures.append("no nanosleep inside the polling loop")
+    if re.search(r"ld\.global\.v4|ld\.global\.u32", body):
+        failures.append("a partial load inside the polling loop")
+    first_load = _first(ptx, PARTIAL_LOADS)
+    fence = ptx.find("fence.acq_rel.gpu", loop[1])
+    if not loop[1] <= fence < first_load:
+        failures.append("no fence.acq_rel.gpu between the polls and the first partial load")
+    if ptx.count("griddepcontrol.wait") != 1:
+        failures.append(f"{ptx.count('griddepcontrol.wait')} griddepcontrol.wait (want one, at the end)")
+    wait = ptx.find("griddepcontrol.wait")
+    if 0 <= wait < first_load:
+        failures.append("griddepcontrol.wait before the first partial load")
+    stores = [m.start() for m in re.finditer(r"st\.global\.(?!u64)", ptx)]  # the trace rows (u64) may follow
+    if stores and wait < max(stores):
+        failures.append("a global store after griddepcontrol.wait")
+    release = ptx.find("griddepcontrol.launch_dependents")
+    if release < max((m.start() for m in re.finditer(PARTIAL_LOADS, ptx)), default=0):
+        failures.append("dependents released before the last partial load")
+    vote = ptx.find("bar.red.or.pred")
+    if vote < 0:
+        failures.append("no bar.red.or.pred (the CTA's vote on a timed-out poll)")
+    elif vote < _first(ptx, "fence.acq_rel.gpu") or vote > _first(ptx, r"cvt\.rn\.bf16x2"):
+        failures.append("the CTA's vote is not between the polls and the epilogue")
+    if "atom.relaxed.gpu.global.cas.b32" not in ptx:
+        failures.append("no atom.cas of the fault record")
+    return failures
+
+
+def _progressive_split_failures(ptx: str) -> list[str]:
+    """What the progressive split kernel's PTX lacks (empty: nothing): one release of dependents,
+    after griddepcontrol.wait and the ring's first copies and before the page loop's first MMA; the
+    row flags' st.release.gpu, after the last partial store and behind a CTA barrier."""
+    failures = []
+    release = [m.start() for m in re.finditer("griddepcontrol.launch_dependents", ptx)]
+    if len(release) != 1:
+        return [f"{len(release)} griddepcontrol.launch_dependents (want one)"]
+    if not ptx.index("griddepcontrol.wait") < ptx.index("cp.async") < release[0] < _first(ptx, MMA_STEP):
+        failures.append("dependents not released between the ring's first copies and the page loop")
+    flag = ptx.find("st.release.gpu.global.u32")
+    partials = [m.start() for m in re.finditer(r"st\.global\.v4\.u32", ptx)]
+    if flag < 0:
+        return failures + ["no st.release.gpu of a row flag"]
+    if not partials or flag < max(partials):
+        failures.append("a row flag before the last partial store")
+    barrier = ptx.rfind("bar.sync", 0, flag)
+    if barrier < 0 or barrier < max(partials, default=0):
+        failures.append("no CTA barrier between the partial stores and the row flag")
+    return failures
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len", PROGRESSIVE)
+def test_the_progressive_combine_polls_then_acquires_then_loads(tmp_path_factory, tmp_path, arch, heads,
+                                                                max_model_len):
+    """The progressive build: the split kernel releases the combine after its prologue and sets the
+    row flags after its partial (a barrier, then st.release.gpu); the combine polls the flags in a
+    loop bounded by %globaltimer, acquires, loads the partials with no PDL wait before them, and
+    waits for the split grid at its very end; neither kernel spills; the split kernel stays within
+    the deployment's register cap. The arithmetic is the deployment's: as many merges' 2^x and
+    epilogue divisions as the deployment's combine, and the split kernel's MMAs."""
+    split, combine = _progressive_ptx(tmp_path_factory, arch, heads, max_model_len)
+    deployed_split, deployed_combine = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)
+    assert _progressive_split_failures(split) == []
+    assert _progressive_combine_failures(combine) == []
+    assert _progressive_split_failures(deployed_split) != []  # the checks see the deployment's order
+    assert _progressive_combine_failures(deployed_combine) != []
+    for pattern in (MERGE_WEIGHT, r"div\.rn\.f32", r"shfl\.sync", MMA_STEP):
+        for mine, theirs in ((split, deployed_split), (combine, deployed_combine)):
+            assert len(re.findall(pattern, mine)) == len(re.findall(pattern, theirs)), pattern
+    for text, name in ((split, "split"), (combine, "combine")):
+        report = assemble(text, arch, tmp_path, f"attn2_progressive_{name}")
+        assert_no_spills(report)
+        if name == "split":
+            registers = int(re.search(r"Used (\d+) registers", report).group(1))
+            assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm(arch)), report
+
+
+def test_the_progressive_checks_fail_on_edited_ptx(tmp_path_factory):
+    """Fault injection for the two checks above: the combine without the timer read in its loop,
+    with a griddepcontrol.wait before its loads, without its acquire fence; the split kernel with
+    its release moved after the page loop, or without the barrier before its flags."""
+    split, combine = _progressive_ptx(tmp_path_factory, "sm_90a", 2, 131072)
+    start, end = _poll_loop(combine)
+    body = combine[start:end]
+    no_timer = combine[:start] + body.replace("mov.u64 %rd", "mov.u64 %rd0, %rd0; // ", 1).replace(
+        "%globaltimer", "%rd0") + combine[end:]
+    assert "no %globaltimer read inside the polling loop" in _progressive_combine_failures(no_timer)
+    early = combine[:start] + "griddepcontrol.wait;\n" + combine[start:]
+    assert "griddepcontrol.wait before the first partial load" in _progressive_combine_failures(early)
+    unfenced = combine.replace("fence.acq_rel.gpu;", "// no fence", 1)
+    assert "no fence.acq_rel.gpu between the polls and the first partial load" in \
+        _progressive_combine_failures(unfenced)
+    late = split.replace("griddepcontrol.launch_dependents;", "", 1)
+    late = late.replace("st.release.gpu", "griddepcontrol.launch_dependents;\n\tst.release.gpu", 1)
+    assert "dependents not released between the ring's first copies and the page loop" in \
+        _progressive_split_failures(late)
+    flag = split.index("st.release.gpu")
+    barrier = split.rindex("bar.sync", 0, flag)
+    unguarded = split[:barrier] + split[barrier:].replace("bar.sync", "// no barrier", 1)
+    assert "no CTA barrier between the partial stores and the row flag" in _progressive_split_failures(unguarded)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_progressive_fault_injection_and_trace_builds_compile(tmp_path_factory, tmp_path, arch):
+    """`drop_flags_of_partial` keeps the one flag store behind a branch on the partial (the same
+    stores otherwise); the traced progressive build reads its clocks and writes its rows from thread
+    0 (the flags and the trace both past the partials); neither spills."""
+    split, combine = _progressive_ptx(tmp_path_factory, arch, 2, 131072)
+    dropped, same_combine = _progressive_ptx(tmp_path_factory, arch, 2, 131072, drop_flags_of_partial=3)
+    assert same_combine == combine  # the injection is the split kernel's alone
+    assert dropped != split and dropped.count("st.release.gpu") == split.count("st.release.gpu") == 1
+    assert len(re.findall(r"\bbra\b", dropped)) == len(re.findall(r"\bbra\b", split)) + 1
+    traced_split, traced_combine = _progressive_ptx(tmp_path_factory, arch, 2, 131072, trace=True)
+    for traced, name in ((traced_split, "split"), (traced_combine, "combine")):
+        assert _thread0_failures(traced) == [], name
+    assert _progressive_combine_failures(traced_combine) == []
+    for text, name in ((dropped, "dropped"), (traced_split, "traced_split"), (traced_combine, "traced_combine")):
+        assert_no_spills(assemble(text, arch, tmp_path, f"attn2_progressive_{name}"))
+
+
+def test_the_deployments_hold_no_progressive_code(tmp_path_factory):
+    """No deployment's kernel polls, sleeps, votes or releases a flag, and the progressive knobs are
+    not in the deployments' compile keys (their PTX is as before the experiment)."""
+    for arch in ("sm_90a", "sm_100a"):
+        for heads, max_model_len, window in DEPLOYMENTS:
+            for text in _ptx(tmp_path_factory, arch, heads, max_model_len, window):
+                if text is not None:
+                    assert not re.search(r"ld\.relaxed|st\.release|nanosleep|bar\.red|fence\.acq_rel", text)
+    for key in attn2.compilation.CACHE.keys():
+        knobs = dict(key[3])
+        if "progressive" not in knobs:
+            continue
+        assert knobs["progressive"] is True, key
+
+
+def test_device_region_offsets_are_the_layouts():
+    """`attn2.region_offsets` (the kernels' arithmetic, on ints here) gives `workspace_regions`'
+    flags, fault and trace offsets for every plan shape, with and without the progressive combine."""
+    for reqs, heads, splits, per_cta in ((1, 2, 256, 1), (3, 1, 256, 1), (2, 4, 256, 2), (1, 2, 4, 1), (5, 8, 2, 1),
+                                         (2, 2, 1, 1)):
+        for progressive in ((False, True) if splits > 1 else (False,)):
+            regions = lay.workspace_regions(reqs, heads, splits, per_cta, progressive=progressive)
+            got = attn2.region_offsets(reqs, heads, splits, splits // per_cta, progressive, wide=int)
+            assert got == (regions.flags, regions.fault, regions.trace), (reqs, heads, splits, per_cta, progressive)
+
+
+def test_progressive_combine_refusals():
+    """Refused before any compile: a non-bool, without PDL, with early_release or loads_only, a
+    timeout or a dropped partial without the progressive combine (an option that would do nothing),
+    a timeout outside 1 .. 10 s, a dropped partial below -1 or not an int; at compile a one-split
+    plan (no combine) and a dropped partial the plan does not have; at launch (CPU tensors, before
+    the device check) a one-split plan."""
+    before = len(attn2.compilation.CACHE)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="progressive_combine must be a bool"):
+            attn2.Attn2Build(progressive_combine=bad)  # type: ignore[arg-type]
+    for build, match in ((dict(enable_pdl=False), "needs enable_pdl"), (dict(early_release=True), "early_release"),
+                         (dict(loads_only=True), "loads_only"), (dict(progressive_timeout_ns=0), "progressive_timeout_ns"),
+                         (dict(progressive_timeout_ns=2.0e6), "progressive_timeout_ns"),
+                         (dict(progressive_timeout_ns=10**11), "progressive_timeout_ns"),
+                         (dict(drop_flags_of_partial=-2), "drop_flags_of_partial"),
+                         (dict(drop_flags_of_partial=True), "drop_flags_of_partial")):
+        with pytest.raises(ValueError, match=match):
+            attn2.Attn2Build(progressive_combine=True, **build)
+    with pytest.raises(ValueError, match="set progressive_combine too"):
+        attn2.Attn2Build(progressive_timeout_ns=2_000_000)
+    with pytest.raises(ValueError, match="set progressive_combine too"):
+        attn2.Attn2Build(drop_flags_of_partial=0)
+    with pytest.raises(ValueError, match="no partials and no combine"):
+        attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", progressive_combine=True))
+    with pytest.raises(ValueError, match="the plan has 128 partials"):
+        attn2.compile_attn2(4, 131072, 0, attn2.Attn2Build(arch="sm_90a", progressive_combine=True,
+                                                           drop_flags_of_partial=128))
+    with pytest.raises(ValueError, match="has no combine"):
+        attn2.launch(**_cpu_launch_args(lay.SHORT_MAX_LEN), progressive_combine=True)
+    with pytest.raises(ValueError, match="progressive_combine must be a bool"):
+        attn2.launch(**_cpu_launch_args(8192), progressive_combine=1)
+    with pytest.raises(ValueError, match="one CUDA device"):  # a split plan: the device check is next
+        attn2.launch(**_cpu_launch_args(8192), progressive_combine=True)
+    assert len(attn2.compilation.CACHE) == before
+
+
+def test_progressive_host_views_read_the_flags_and_the_fault_record():
+    """`progressive_flags` views the flags [requests, KV heads, 64, partials] right after the
+    partials; `progressive_fault` is None on a zeroed workspace and decodes a record (1 + request,
+    KV head, partial, row); both refuse a workspace without the progressive regions."""
+    import torch
+
+    need = lay.workspace_bytes(2, 2, 256, progressive=True)
+    workspace = torch.zeros(need, dtype=torch.uint8)
+    flags = attn2.progressive_flags(workspace, 2, 2, 256)
+    assert tuple(flags.shape) == (2, 2, 64, 256)
+    assert flags.data_ptr() == workspace.data_ptr() + lay.workspace_bytes(2, 2, 256)
+    assert attn2.progressive_fault(workspace, 2, 2, 256) is None
+    record = workspace[need - 16:].view(torch.int32)
+    record.copy_(torch.tensor([2, 1, 37, 63], dtype=torch.int32))
+    assert attn2.progressive_fault(workspace, 2, 2, 256) == attn2.ProgressiveFault(request=1, kv_head=1, partial=37,
+                                                                                   row=63)
+    for view in (attn2.progressive_flags, attn2.progressive_fault):
+        with pytest.raises(ValueError, match="progressive=True"):
+            view(workspace[:need - 16], 2, 2, 256)

@@ -699,3 +699,167 @@ def test_early_release_keeps_every_bit_back_to_back(seq_len, num_kv_heads):
         for out in outs:
             assert torch.equal(out.cpu().view(torch.int16), baseline.view(torch.int16)), \
                 _first_difference(out.cpu(), baseline)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attn2Build.progressive_combine (an experiment): the combine merges each partial as it lands.
+
+
+def _progressive_workspace(p, **experiment) -> torch.Tensor:
+    """A zeroed workspace for the progressive build of the problem's plan (partials, row flags,
+    fault record; with `trace` the trace rows too): the flags' contract is zero before the first
+    launch."""
+    from musebench.kernels import attn2
+
+    splits = experiment.get("num_splits") or cute_ops.attn2_splits(p.max_model_len, p.window, p.num_kv_heads)
+    per_cta = experiment.get("splits_per_cta") or lay.splits_per_cta(p.num_kv_heads, splits)
+    if experiment.get("trace"):
+        need = attn2.traced_workspace_bytes(p.num_reqs, p.num_kv_heads, splits, per_cta, progressive=True)
+    else:
+        need = lay.workspace_bytes(p.num_reqs, p.num_kv_heads, splits, per_cta, progressive=True)
+    return torch.zeros(need, dtype=torch.uint8, device="cuda")
+
+
+def _launch_progressive(problem, workspace=None, **experiment):
+    """(out on the CPU, workspace on the GPU) of one progressive launch (`kernels.attn2.launch` with
+    progressive_combine and `experiment`), synchronized; a fresh zeroed workspace unless given."""
+    from musebench.kernels import attn2
+
+    p = problem.to("cuda")
+    workspace = _progressive_workspace(p, **experiment) if workspace is None else workspace
+    out = torch.full_like(p.q, float("nan"))
+    attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace, max_model_len=p.max_model_len,
+                 window=p.window, progressive_combine=True, **experiment)
+    torch.cuda.synchronize()
+    return out.cpu(), workspace
+
+
+def _progress_state(p, workspace, **experiment):
+    """(how many row flags are set, the fault record) of a progressive workspace after a launch."""
+    from musebench.kernels import attn2
+
+    splits = experiment.get("num_splits") or cute_ops.attn2_splits(p.max_model_len, p.window, p.num_kv_heads)
+    per_cta = experiment.get("splits_per_cta") or lay.splits_per_cta(p.num_kv_heads, splits)
+    flags = attn2.progressive_flags(workspace, p.num_reqs, p.num_kv_heads, splits, per_cta)
+    return int((flags != 0).sum()), attn2.progressive_fault(workspace, p.num_reqs, p.num_kv_heads, splits, per_cta)
+
+
+# tp 8 (2 KV heads), 16 (1) and 4 (4: two splits a CTA, 128 partials) at 128k: one page (L 8), two
+# (17: the first two splits), 257 pages (4099: every split, a lone last page), every page (131072);
+# the window's own plan (4 splits, pages from split 1) at tp 8
+PROGRESSIVE_CASES = [(seq_len, 131072, 0, heads) for heads in (2, 1, 4) for seq_len in (8, 17, 4096 + 3, 131072)]
+PROGRESSIVE_CASES += [(3017, 131072, 100, 2)]
+
+
+@pytest.mark.parametrize("family", ["random", "large"])
+@pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads", PROGRESSIVE_CASES)
+def test_progressive_combine_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads):
+    """The progressive combine's out is the deployment's bit for bit (int16 views; the count of
+    differing elements on failure), on random inputs and on the `large` family's huge scores; the
+    launch leaves every row flag zero and records no fault."""
+    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
+    deployed = _launch(problem)[0]
+    got, workspace = _launch_progressive(problem)
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+    assert _progress_state(problem.to("cuda"), workspace) == (0, None)
+
+
+def test_progressive_comparison_catches_a_changed_bit():
+    """Fault injection for the comparison above: one flipped bit of the progressive output fails it."""
+    problem = make_problem("random", 4099, 131072, num_kv_heads=2)
+    deployed = _launch(problem)[0]
+    got, _ = _launch_progressive(problem)
+    flipped = got.clone()
+    flipped.view(torch.int16)[5, 70] ^= 1
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16))
+    assert not torch.equal(flipped.view(torch.int16), deployed.view(torch.int16))
+
+
+@pytest.mark.parametrize("seq_len, num_kv_heads", [(131072, 2), (4099, 2), (131072, 1), (70001, 4), (8, 2)])
+def test_progressive_launches_back_to_back_in_a_graph(seq_len, num_kv_heads):
+    """Three progressive launches captured back to back in one CUDA graph on ONE workspace (zeroed
+    once, compiled before capture), replayed twice: every launch gives the deployment's eager bits,
+    and after each replay every row flag is zero again and no fault is recorded (each launch's
+    combine resets the flags its split kernel set before the next launch's split kernel sets them)."""
+    from musebench.kernels import attn2
+
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=num_kv_heads)
+    baseline = _launch(problem)[0]
+    p = problem.to("cuda")
+    workspace = _progressive_workspace(p)
+    outs = [torch.full_like(p.q, float("nan")) for _ in range(3)]
+
+    def launches() -> None:
+        for out in outs:
+            attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
+                         max_model_len=p.max_model_len, window=p.window, progressive_combine=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launches()  # compiles, outside the capture
+    stream.synchronize()
+    assert _progress_state(p, workspace) == (0, None)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        launches()
+    for _ in range(2):
+        for out in outs:
+            out.fill_(float("nan"))
+        with torch.cuda.stream(stream):
+            graph.replay()
+        stream.synchronize()
+        for out in outs:
+            assert torch.equal(out.cpu().view(torch.int16), baseline.view(torch.int16)), \
+                _first_difference(out.cpu(), baseline)
+        assert _progress_state(p, workspace) == (0, None)
+
+
+@pytest.mark.parametrize("seq_len, num_kv_heads, dropped", [(131072, 2, 37), (4099, 4, 5), (17, 1, 1)])
+def test_progressive_dropped_flags_time_out_and_name_the_partial(seq_len, num_kv_heads, dropped):
+    """Fault injection (`drop_flags_of_partial`): the split CTAs of one live partial write it but
+    never its flags. With a 2 ms bound the launch returns (no hang), the fault record names request
+    0, one of the KV heads, that partial and a row, no row of out is written (every KV head's
+    combine waits for that partial: they stay NaN), and flags remain set (the timed-out CTAs reset
+    nothing: the all-zero check of the other tests can fail)."""
+    import time
+
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=num_kv_heads)
+    start = time.monotonic()
+    got, workspace = _launch_progressive(problem, progressive_timeout_ns=2_000_000, drop_flags_of_partial=dropped)
+    assert time.monotonic() - start < 60  # compile included; a hang would never return
+    set_flags, fault = _progress_state(problem.to("cuda"), workspace)
+    assert fault is not None and fault.request == 0 and 0 <= fault.kv_head < num_kv_heads
+    assert fault.partial == dropped and 0 <= fault.row < lay.ROWS_PER_KV_HEAD, fault
+    assert bool(torch.isnan(got.float()).all()), "a row was written although its combine timed out"
+    assert set_flags > 0
+
+
+def test_progressive_dropped_flags_of_an_empty_partial_change_nothing():
+    """The control: dropping the flags of a partial without pages (L 8: only partial 0 has one)
+    is never waited for: the deployment's bits, flags zero, no fault."""
+    problem = make_problem("random", 8, 131072, num_kv_heads=2)
+    deployed = _launch(problem)[0]
+    got, workspace = _launch_progressive(problem, progressive_timeout_ns=2_000_000, drop_flags_of_partial=5)
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+    assert _progress_state(problem.to("cuda"), workspace) == (0, None)
+
+
+@pytest.mark.parametrize("full_tree", [False, True])
+def test_progressive_combine_with_trace_and_full_tree(full_tree):
+    """The progressive build keeps `trace` (its rows past the flags, every CTA's written, clocks in
+    order) and `full_tree` working: the deployment's bits either way, flags zero, no fault."""
+    from musebench.kernels import attn2
+
+    problem = make_problem("random", 9000, 131072, num_kv_heads=2)
+    deployed = _launch(problem)[0]
+    got, workspace = _launch_progressive(problem, trace=True, full_tree=full_tree)
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+    assert _progress_state(problem.to("cuda"), workspace) == (0, None)
+    splits = cute_ops.attn2_splits(131072, 0, 2)
+    split_rows, combine_rows = attn2.trace_rows(workspace.cpu(), 1, 2, splits, progressive=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for rows, fields in ((split_rows, attn2.SPLIT_TRACE_FIELDS), (combine_rows, attn2.COMBINE_TRACE_FIELDS)):
+        rows = rows.tolist()
+        assert all(row[fields.index("clock_entry")] != 0 for row in rows)
+        assert _clock_failures(rows, fields, sms) == []
