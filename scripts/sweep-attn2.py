@@ -144,6 +144,9 @@ def main() -> None:
     parser.add_argument("--progressive-combine", action="store_true",
                         help="also time the progressive combine (Attn2Build.progressive_combine) at every point and "
                              "count its differing bits against the deployment's combine")
+    parser.add_argument("--progressive-release", default="prologue",
+                        help="where the progressive build's split kernel releases the combine "
+                             "(Attn2Build.progressive_release): prologue or chain; only with --progressive-combine")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -190,6 +193,11 @@ def main() -> None:
         sys.exit(2)
     if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
         print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
+        sys.exit(2)
+    if args.progressive_release not in attn2.PROGRESSIVE_RELEASES or (
+            args.progressive_release != attn2.PROGRESSIVE_RELEASES[0] and not args.progressive_combine):
+        print(f"--progressive-release: {args.progressive_release!r} is not one of "
+              f"{', '.join(attn2.PROGRESSIVE_RELEASES)}, or is given without --progressive-combine", file=sys.stderr)
         sys.exit(2)
     if args.progressive_combine:
         for refused, why in ((0 in _csv(args.pdl), "--pdl 0: the combine polls while the split kernel runs, which "
@@ -245,7 +253,9 @@ def main() -> None:
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
                                              full_tree=args.full_tree, early_release=args.early_release,
-                                             progressive_combine=progressive)
+                                             progressive_combine=progressive,
+                                             progressive_release=(args.progressive_release if progressive
+                                                                  else attn2.PROGRESSIVE_RELEASES[0]))
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()

@@ -246,6 +246,8 @@ def main() -> None:
                         help="trace the split kernel's page stream alone (Attn2Build.loads_only): a timing probe")
     parser.add_argument("--progressive-combine", action="store_true",
                         help="trace the progressive combine's build (Attn2Build.progressive_combine)")
+    parser.add_argument("--progressive-release", default="prologue", choices=("prologue", "chain"),
+                        help="where that build's split kernel releases the combine (Attn2Build.progressive_release)")
     args = parser.parse_args()
     tps = _csv(args.tp, _tp, "--tp")
     lengths = _csv(args.lengths, _length, "--lengths")
@@ -255,6 +257,8 @@ def main() -> None:
         _refuse(f"--lengths: {max(lengths)} is past --max-model-len {args.max_model_len}")
     if args.splits is not None and not (2 <= args.splits <= 256 and args.splits & (args.splits - 1) == 0):
         _refuse(f"--splits: {args.splits} is not a power of two in [2, 256]")
+    if args.progressive_release != "prologue" and not args.progressive_combine:
+        _refuse("--progressive-release: only with --progressive-combine")
     if args.progressive_combine and args.loads_only:
         _refuse("--progressive-combine: not with --loads-only (the probe times the split kernel's stream alone)")
     if args.progressive_combine and args.splits is None:
@@ -294,7 +298,8 @@ def main() -> None:
                 for workspace in workspaces:
                     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                  max_model_len=p.max_model_len, window=p.window, trace=True, num_splits=splits,
-                                 loads_only=args.loads_only, progressive_combine=args.progressive_combine)
+                                 loads_only=args.loads_only, progressive_combine=args.progressive_combine,
+                                 progressive_release=args.progressive_release)
 
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):

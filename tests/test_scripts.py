@@ -189,6 +189,8 @@ def assert_refused(result, reason: str) -> None:
     (["--progressive-combine", "--pdl", "1,0"], "--progressive-combine: --pdl 0"),
     (["--progressive-combine", "--splits", "1,256"], "--progressive-combine: --splits 1"),
     (["--progressive-combine", "--early-release"], "--progressive-combine: --early-release"),
+    (["--progressive-release", "chain"], "--progressive-release: 'chain' is not one of"),
+    (["--progressive-combine", "--progressive-release", "epilogue"], "--progressive-release: 'epilogue'"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
@@ -392,6 +394,7 @@ def trace_attn2():
     (["--json", "/nonexistent-folder/trace.json"], "--json: the folder of '/nonexistent-folder/trace.json' does not exist"),
     (["--rows", "/nonexistent-folder/rows.json"], "--rows: the folder of '/nonexistent-folder/rows.json' does not exist"),
     (["--progressive-combine", "--loads-only"], "--progressive-combine: not with --loads-only"),
+    (["--progressive-release", "chain"], "--progressive-release: only with --progressive-combine"),
     (["--progressive-combine", "--max-model-len", "64", "--lengths", "8"],
      "--progressive-combine: --max-model-len 64 runs one split: no combine"),
 ])

@@ -248,6 +248,8 @@ WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
 PROGRESSIVE_TIMEOUT_NS = 100_000_000
 PROGRESSIVE_TIMEOUT_MAX_NS = 10_000_000_000
 PROGRESSIVE_POLL_SLEEP_NS = 128
+# `Attn2Build.progressive_release`: where the split kernel releases the progressive combine (the first: default)
+PROGRESSIVE_RELEASES = ("prologue", "chain")
 # `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
 # one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
 L2_PREFETCH_PAGES = 8
@@ -434,6 +436,13 @@ class Attn2Build:
     # (a probe of the split kernel alone), and on a one-split plan (no combine); `trace` and
     # `full_tree` keep working (the combine's clock_waited is then taken after its polls).
     progressive_combine: bool = False
+    # where the progressive combine's split kernel releases its dependents (the combine's launch):
+    # "prologue" (right after it: the combine's CTAs become resident while the pages stream) or
+    # "chain" (after the page chain, the deployment's place: the combine launches when the last
+    # split CTA has streamed its pages, and its polls replace only the wait for the grid's end and
+    # flush). Measured on the H200 (session 11, 3f28415): "prologue" was 4.7-5.2 us slower than the
+    # deployment at tp 8 and 16, 128k (the combine's tree phase took 4.7-6.3 us behind its polls)
+    progressive_release: str = "prologue"
     # the progressive combine's bound on a group's polls, in ns from its first poll (compile-time);
     # only with progressive_combine
     progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS
@@ -460,6 +469,10 @@ class Attn2Build:
                                              "release of the combine: take one")
             _require(not self.loads_only, "progressive_combine with loads_only: the probe times the split kernel's "
                                           "page stream alone, with the deployment's combine")
+        _require(self.progressive_release in PROGRESSIVE_RELEASES,
+                 f"progressive_release must be one of {PROGRESSIVE_RELEASES}, got {self.progressive_release!r}")
+        _require(self.progressive_combine or self.progressive_release == PROGRESSIVE_RELEASES[0],
+                 "progressive_release places the progressive combine's launch: set progressive_combine too")
         timeout = self.progressive_timeout_ns
         _require(type(timeout) is int and 0 < timeout <= PROGRESSIVE_TIMEOUT_MAX_NS,
                  f"progressive_timeout_ns must be an int in 1 .. {PROGRESSIVE_TIMEOUT_MAX_NS}, got {timeout!r}")
@@ -513,7 +526,8 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False, progressive: bool = False, drop_flags_of_partial: int = -1) -> None:
+                 early_release: bool = False, progressive: bool = False, drop_flags_of_partial: int = -1,
+                 progressive_release: str = PROGRESSIVE_RELEASES[0]) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
@@ -563,6 +577,12 @@ class _Attn2Kernel:
                  f"drop_flags_of_partial {drop_flags_of_partial!r}: -1, or a partial index (below "
                  f"{num_splits // splits_per_cta}) of a progressive build")
         self.progressive = progressive
+        _require(progressive_release in PROGRESSIVE_RELEASES and (progressive or progressive_release
+                                                                   == PROGRESSIVE_RELEASES[0]),
+                 f"progressive_release {progressive_release!r}: one of {PROGRESSIVE_RELEASES}, another than the "
+                 "first only with progressive")
+        # where the dependents (the combine) are released: after the prologue or after the chain
+        self.release_after_prologue = progressive and progressive_release == "prologue"
         self.drop_flags_of_partial = drop_flags_of_partial
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
@@ -1308,7 +1328,7 @@ class _Attn2Kernel:
                            tidx)
         if cutlass.const_expr(self.trace):
             clocks["clock_prologue"] = ptx.read_clock64_u64()  # Q, the table and the ring's first copies issued
-        if cutlass.const_expr(self.progressive):
+        if cutlass.const_expr(self.release_after_prologue):
             # the combine's CTAs launch while the pages stream, and become resident as split CTAs exit
             # (every split CTA is resident or done by then: no combine CTA can keep one from running)
             cute.arch.griddepcontrol_launch_dependents()
@@ -1369,7 +1389,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_chained"] = ptx.read_clock64_u64()
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(self.enable_pdl and not self.early_release and not self.progressive):
+        if cutlass.const_expr(self.enable_pdl and not self.early_release and not self.release_after_prologue):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
@@ -2064,6 +2084,8 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         split_knobs["progressive"] = True
         combine_knobs["progressive"] = True
         combine_knobs["timeout_ns"] = build.progressive_timeout_ns
+        if build.progressive_release != PROGRESSIVE_RELEASES[0]:
+            split_knobs["progressive_release"] = build.progressive_release
         if build.drop_flags_of_partial >= 0:
             split_knobs["drop_flags_of_partial"] = build.drop_flags_of_partial
 
@@ -2248,7 +2270,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
            early_release: bool = False, progressive_combine: bool = False,
-           progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS, drop_flags_of_partial: int = -1) -> None:
+           progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS, drop_flags_of_partial: int = -1,
+           progressive_release: str = PROGRESSIVE_RELEASES[0]) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2262,7 +2285,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
     `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
     `progressive_combine` (an experiment, `Attn2Build.progressive_combine`, with its
-    `progressive_timeout_ns` and the fault injection `drop_flags_of_partial`): the combine merges
+    `progressive_timeout_ns`, `progressive_release` and the fault injection `drop_flags_of_partial`): the combine merges
     each partial as it lands. Its workspace holds `attn2_layout.workspace_bytes(..., progressive=True)`
     (with `trace`, `traced_workspace_bytes(..., progressive=True)`), and its flags must be zero before
     the first launch on it (torch.zeros); every launch that records no fault leaves them zero (a
@@ -2272,7 +2295,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
                        early_release=early_release, progressive_combine=progressive_combine,
-                       progressive_timeout_ns=progressive_timeout_ns, drop_flags_of_partial=drop_flags_of_partial)
+                       progressive_timeout_ns=progressive_timeout_ns, drop_flags_of_partial=drop_flags_of_partial,
+                       progressive_release=progressive_release)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace,
                           progressive=progressive_combine)

@@ -1381,6 +1381,30 @@ def test_the_progressive_combine_polls_then_acquires_then_loads(tmp_path_factory
             assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm(arch)), report
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_the_progressive_release_after_the_chain(tmp_path_factory, arch):
+    """`Attn2Build.progressive_release` "chain": the split kernel releases the combine once, after
+    its page loop's last MMA and before its partial stores (the deployment's place), not between
+    the ring's first copies and the loop; the row flags and the combine are the "prologue" build's."""
+    split, combine = _progressive_ptx(tmp_path_factory, arch, 2, 131072, progressive_release="chain")
+    release = [m.start() for m in re.finditer("griddepcontrol.launch_dependents", split)]
+    assert len(release) == 1
+    mmas = [m.start() for m in re.finditer(MMA_STEP, split)]
+    partials = [m.start() for m in re.finditer(r"st\.global\.v4\.u32", split)]
+    assert max(mmas) < release[0] < min(partials)
+    assert _progressive_split_failures(split) == ["dependents not released between the ring's first copies and the "
+                                                  "page loop"]
+    assert _progressive_combine_failures(combine) == []
+    assert combine == _progressive_ptx(tmp_path_factory, arch, 2, 131072)[1]
+
+
+def test_progressive_release_refusals():
+    with pytest.raises(ValueError, match="progressive_release"):
+        attn2.Attn2Build(progressive_combine=True, progressive_release="epilogue")
+    with pytest.raises(ValueError, match="progressive_release"):
+        attn2.Attn2Build(progressive_release="chain")  # without the progressive combine
+
+
 def test_the_progressive_checks_fail_on_edited_ptx(tmp_path_factory):
     """Fault injection for the two checks above: the combine without the timer read in its loop,
     with a griddepcontrol.wait before its loads, without its acquire fence; the split kernel with

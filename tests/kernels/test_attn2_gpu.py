@@ -764,6 +764,17 @@ def test_progressive_combine_keeps_every_bit(family, seq_len, max_model_len, win
     assert _progress_state(problem.to("cuda"), workspace) == (0, None)
 
 
+@pytest.mark.parametrize("seq_len, num_kv_heads", [(8, 2), (4096 + 3, 2), (131072, 2), (131072, 1), (70001, 4)])
+def test_progressive_release_after_the_chain_keeps_every_bit(seq_len, num_kv_heads):
+    """`progressive_release` "chain" (the combine launched after the split CTAs' chains): the
+    deployment's bits, every flag reset, no fault."""
+    problem = make_problem("random", seq_len, 131072, num_kv_heads=num_kv_heads)
+    deployed = _launch(problem)[0]
+    got, workspace = _launch_progressive(problem, progressive_release="chain")
+    assert torch.equal(got.view(torch.int16), deployed.view(torch.int16)), _first_difference(got, deployed)
+    assert _progress_state(problem.to("cuda"), workspace) == (0, None)
+
+
 def test_progressive_comparison_catches_a_changed_bit():
     """Fault injection for the comparison above: one flipped bit of the progressive output fails it."""
     problem = make_problem("random", 4099, 131072, num_kv_heads=2)
