@@ -59,7 +59,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's,
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's
+(`scores_ahead`: the next two-page step's Q K^T issued before this step's softmax, the same bits),
 the pages a softmax step takes (forced against the rule) and the ring's depth
 (`Attn2Build.ring_stages`: 24 stages ran tp 16 at 128k in 19.8 us against 25.8-26.0 at 8, the same
 bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and
@@ -295,7 +296,12 @@ class SplitIssue:
       (pages in flight ahead of a step) and the copy-group count (one group a page, so
       `ring_advance`'s wait) are unchanged; only the barrier comes one step earlier. The same MMAs
       on the same values in the same order as with defer_values alone: the same bits (GPU test).
-      Cost: the next step's 16 scores live through the softmax (registers: `scripts/attn2-sass.py`).
+      Cost (sm_90a, `scripts/attn2-sass.py --issue auto,mask+rescale+lean+keys+defer+ahead`): the
+      next step's 16 scores live through the softmax, 116 registers at tp 8 (110 deployed), 119 at
+      tp 16, 123 with the window forced to two pages a step, no spill (four CTAs an SM's cap: 128);
+      SASS a page on the fastest path 121.0 against 100.5 at tp 8, 119.5 against 101.5 at tp 16
+      (16 moves a step carry the scores round the loop; the next step's stage offsets are a second
+      pair of modulos). Not yet measured on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
