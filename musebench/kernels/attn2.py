@@ -294,7 +294,7 @@ class SplitIssue:
       lookahead + 6, AHEAD_EXTRA_STAGES more than defer_values' lookahead + 4. The copies then go
       into step j - 2's stages (pages i - 4, i - 3), which nobody reads any more. The lookahead
       (pages in flight ahead of a step) and the copy-group count (one group a page, so
-      `ring_advance`'s wait) are unchanged; only the barrier comes one step earlier. The same MMAs
+      `ring_advance`'s wait) are unchanged; only the barrier and its copies come one step earlier. The same MMAs
       on the same values in the same order as with defer_values alone: the same bits (GPU test).
       Cost (sm_90a, `scripts/attn2-sass.py --issue auto,mask+rescale+lean+keys+defer+ahead`): the
       next step's 16 scores live through the softmax, 116 registers at tp 8 (110 deployed), 119 at
