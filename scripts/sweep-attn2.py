@@ -10,8 +10,9 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
 `--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all",
 "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`), or the short names of
-`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch, joined by "+"; a setting
-may end in @wgmma or @sync) against each other on the same plan; they must not change a bit, so
+`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch / ahead, joined by "+"; a setting
+may end in @wgmma or @sync; a setting with ahead that a point cannot run, e.g. two splits a CTA or
+mma.sync, exits 2 before any launch) against each other on the same plan; they must not change a bit, so
 each point also counts the elements that differ from the first --issue setting of its plan
 (`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -209,6 +211,20 @@ def main() -> None:
                 sys.exit(2)
     if not torch.cuda.is_available():  # after every option's check: those refusals come first
         print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)
+        sys.exit(2)
+    try:  # SplitIssue.scores_ahead where a point cannot run it (its target's path, its plan): before any launch
+        major, minor = torch.cuda.get_device_capability()
+        target = os.environ.get("CUTE_DSL_ARCH") or f"sm_{major}{minor}a"
+        for issue, ops in (i for i in issues.values() if i[0] is not None and i[0].scores_ahead):
+            wgmma = attn2.tensor_ops_for(target, ops) == "wgmma"
+            for tp in _csv(args.tp):
+                for splits in _csv(args.splits):
+                    for per_cta_name in per_cta_names:
+                        for per_step_name in per_step_names:
+                            attn2.check_scores_ahead(True, wgmma, _pages_per_step(per_step_name, args.window, splits),
+                                                     _splits_per_cta(per_cta_name, config.NUM_KV_HEADS // tp, splits))
+    except ValueError as e:
+        print(f"--issue: {e}", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)

@@ -59,7 +59,8 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's,
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's
+(`scores_ahead`: the next two-page step's Q K^T issued before this step's softmax, the same bits),
 the pages a softmax step takes (forced against the rule) and the ring's depth
 (`Attn2Build.ring_stages`: 24 stages ran tp 16 at 128k in 19.8 us against 25.8-26.0 at 8, the same
 bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and
@@ -226,6 +227,12 @@ RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)  # lay.DEEP_RING_STAGES amon
 # SplitIssue.defer_values: ring stages beyond PIPELINE_STAGES, so that a step's copies never go
 # into the stages of the step before it (its P V may still be pending)
 DEFER_EXTRA_STAGES = 2
+# SplitIssue.scores_ahead: ring stages beyond defer_values' (PIPELINE_STAGES + DEFER_EXTRA_STAGES):
+# the ring's step for step j + 1 (its barrier and copies) runs before step j's softmax and P V, so
+# the copies go two pages further ahead while step j - 1's P V, step j's P V and step j + 1's Q K^T
+# of some warp may still read their stages; two more stages keep the copies in step j - 2's stages
+# (the argument: `SplitIssue`)
+AHEAD_EXTRA_STAGES = 2
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 # The traced build (`Attn2Build.trace`, an experiment): the int64 words thread 0 of a CTA writes,
@@ -306,6 +313,39 @@ class SplitIssue:
       tensor cores. Measured on the H200, not taken (the deployment's bits: 12 GPU tests;
       records/2026-12-02-h200-ede3d4c-attn2-prefetch-trace-short.json): tp 8 at 128k 32.63 us
       against 28.03, tp 16 18.72 against 17.94, 32k within 0.1 us.
+    - `scores_ahead` (an experiment, in no deployment and not in "all"; only with `defer_values`,
+      so wgmma two-page steps, and one split a CTA: ValueError elsewhere, before compiling):
+      software pipelining of the two-page loop (`ahead_chain`). Why: the page chain is bound by a
+      step's latency (this module's docstring), and in the deferred step the whole latency of its
+      Q K^T sits between its barrier and its softmax. Step j (pages i, i + 1) first runs the
+      ring's step of step j + 1 (`ring_advance(i + 2)`: its cp.async wait, the barrier that makes
+      pages i + 2 and i + 3 visible, the copies it frees), issues and commits step j + 1's Q K^T,
+      and only then runs its own softmax, on the scores it waited for in step j - 1; then one
+      `wgmma.wait_group 0`, the rescale, and its P V, committed without a wait (as defer_values').
+      The chain's first step is preceded by a prologue (its ring step, its Q K^T, a wait); its
+      last has no next step (softmax, the wait for the previous P V, rescale, P V); the chain's
+      end waits for that P V (as defer_values' does), before a lone last page's one-page loop.
+      wgmma groups, per warpgroup in commit order: ... PV(j - 1), QK(j + 1), PV(j), QK(j + 2) ...
+      Step j's wait comes after QK(j + 1)'s commit and the softmax: the groups then pending are
+      PV(j - 1) (O and l, which the rescale and PV(j) read: they pass through the wait) and
+      QK(j + 1) (the scores step j + 1 reads: they pass through it and are carried there), both
+      needed and nothing newer, so the count is 0. The ring: the copies after step j's barrier are
+      pages i + 2 + lookahead and i + 3 + lookahead. When any warp copies, every warp has finished
+      step j - 1 (its wait included: QK(j) and PV(j - 2) are complete) and none has passed step
+      j + 1's barrier, so the reads some warp may still have in flight are PV(j - 1) on pages i - 2,
+      i - 1 (complete only at step j's wait), and, in a faster warp, QK(j + 1) on pages i + 2, i + 3
+      and PV(j) on pages i, i + 1. Pages i - 2 .. i + 3 + lookahead need distinct stages:
+      lookahead + 6, AHEAD_EXTRA_STAGES more than defer_values' lookahead + 4. The copies then go
+      into step j - 2's stages (pages i - 4, i - 3), which nobody reads any more. The lookahead
+      (pages in flight ahead of a step) and the copy-group count (one group a page, so
+      `ring_advance`'s wait) are unchanged; only the barrier and its copies come one step earlier. The same MMAs
+      on the same values in the same order as with defer_values alone: the same bits (GPU test).
+      Cost (sm_90a, `scripts/attn2-sass.py --issue auto,mask+rescale+lean+keys+defer+ahead`): the
+      next step's 16 scores live through the softmax, 116 registers at tp 8 (110 deployed), 119 at
+      tp 16, 123 with the window forced to two pages a step, no spill (four CTAs an SM's cap: 128);
+      SASS a page on the fastest path 121.0 against 100.5 at tp 8, 119.5 against 101.5 at tp 16
+      (16 moves a step carry the scores round the loop; the next step's stage offsets are a second
+      pair of modulos). Not yet measured on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -317,20 +357,27 @@ class SplitIssue:
     ldmatrix_keys: bool = True
     defer_values: bool = False
     prefetch_pages: bool = False
+    scores_ahead: bool = False
+
+    def __post_init__(self) -> None:
+        _require(not self.scores_ahead or self.defer_values,
+                 "SplitIssue.scores_ahead pipelines the deferred two-page step: it needs defer_values too "
+                 "('defer+ahead')")
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False, False)
+        return SplitIssue(False, False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages",
+                   "ahead": "scores_ahead"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (`SplitIssue()`: every switch but `defer_values` and `prefetch_pages`), "none", or
-        short names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys",
-        "defer", "prefetch".
+        """"all" (`SplitIssue()`: every switch but `defer_values`, `prefetch_pages` and
+        `scores_ahead`), "none", or short names joined by "+" (those on, the rest off): "mask",
+        "rescale", "lean", "keys", "defer", "prefetch", "ahead" ("ahead" only beside "defer").
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
@@ -345,6 +392,17 @@ class SplitIssue:
 
     def knobs(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
+
+
+def check_scores_ahead(scores_ahead: bool, wgmma: bool, pages_per_step: int, splits_per_cta: int,
+                       loads_only: bool = False) -> None:
+    """ValueError unless `SplitIssue.scores_ahead` can act on the build: wgmma (sm_90a), two pages a
+    step, one split a CTA, the arithmetic kept (not `Attn2Build.loads_only`). Called by
+    `compile_attn2` before compiling and by the kernel's constructor."""
+    _require(not scores_ahead or (wgmma and pages_per_step == 2 and splits_per_cta == 1 and not loads_only),
+             "SplitIssue.scores_ahead pipelines the wgmma two-page step of one split a CTA: it needs tensor_ops "
+             f"'wgmma' (sm_90a), pages_per_step 2 and splits_per_cta 1 (got {'wgmma' if wgmma else 'sync'}, "
+             f"pages_per_step {pages_per_step}, splits_per_cta {splits_per_cta}{', loads_only' if loads_only else ''})")
 
 
 def named_issue(name: str) -> SplitIssue | None:
@@ -485,6 +543,14 @@ class Attn2Build:
                  "drop_flags_of_partial drops the progressive combine's flags: set progressive_combine too")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
+        if self.issue is not None and self.issue.scores_ahead:
+            # what the build itself names; the target's tensor-core path and the plan's rules are
+            # checked by compile_attn2 (`check_scores_ahead`)
+            _require(self.tensor_ops != "sync" and self.pages_per_step != 1 and self.splits_per_cta != 2
+                     and not self.loads_only,
+                     "SplitIssue.scores_ahead pipelines the wgmma two-page step of one split a CTA: not with "
+                     f"tensor_ops {self.tensor_ops!r}, pages_per_step {self.pages_per_step!r}, splits_per_cta "
+                     f"{self.splits_per_cta!r}, loads_only {self.loads_only!r}")
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
@@ -527,7 +593,7 @@ class _Attn2Kernel:
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
                  early_release: bool = False, progressive: bool = False, drop_flags_of_partial: int = -1,
-                 progressive_release: str = PROGRESSIVE_RELEASES[0]) -> None:
+                 progressive_release: str = PROGRESSIVE_RELEASES[0], scores_ahead: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
@@ -546,8 +612,13 @@ class _Attn2Kernel:
                  "SplitIssue.defer_values defers the two-page step's wgmma P V: it needs tensor_ops 'wgmma' and "
                  f"pages_per_step 2 (got {'wgmma' if wgmma else 'sync'}, pages_per_step {pages_per_step})")
         self.defer_values = defer_values
-        # ring stages: with defer_values two more, so a step's copies skip the previous step's stages
-        self.stages = ring_stages + (DEFER_EXTRA_STAGES if defer_values else 0)
+        check_scores_ahead(scores_ahead, wgmma, pages_per_step, splits_per_cta, loads_only)
+        _require(not scores_ahead or defer_values, "SplitIssue.scores_ahead needs defer_values too ('defer+ahead')")
+        self.scores_ahead = scores_ahead  # `SplitIssue.scores_ahead`: `ahead_chain` runs the two-page steps
+        # ring stages: with defer_values two more, so a step's copies skip the previous step's stages;
+        # with scores_ahead two more again, so the copies a step earlier skip the stages still read
+        self.stages = (ring_stages + (DEFER_EXTRA_STAGES if defer_values else 0)
+                       + (AHEAD_EXTRA_STAGES if scores_ahead else 0))
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -923,13 +994,7 @@ class _Attn2Kernel:
         page its own chain from zero, the mask per page (the unmasked copy when every row sees
         both pages whole), one max over the 32 keys and m, one alpha, O and l rescaled once, then
         P V: page i's p_lo step, its p_hi step, page i + 1's p_lo, its p_hi. Returns (m, o)."""
-        offsets = [(i % self.stages) * lay.PAGE_BYTES, ((i + 1) % self.stages) * lay.PAGE_BYTES]
-        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
-        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
-        stages = [ring_base + offset for offset in offsets]
-        inside = None
-        if cutlass.const_expr(self.mask_edges_only):
-            inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
+        offsets, stages, keys, inside = self.pair_place(i, ring_base, start, seq_len)
         saccs = None
         if cutlass.const_expr(self.defer_values):
             # Q K^T of both pages and its one wait, which also completes the previous step's P V:
@@ -938,9 +1003,36 @@ class _Attn2Kernel:
         m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
                                              inside, m, saccs)
         o = self.step_rescale(alpha, o)
+        return m, self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)
+
+    @cute.jit
+    def pair_offsets(self, i: Int32) -> list:
+        """The ring offsets of the split's pages i and i + 1 (stages i % STAGES, (i + 1) % STAGES)."""
+        return [(i % self.stages) * lay.PAGE_BYTES, ((i + 1) % self.stages) * lay.PAGE_BYTES]
+
+    @cute.jit
+    def pair_place(self, i: Int32, ring_base: Int32, start: Int32, seq_len: Int32):
+        """Where the step of the split's pages i and i + 1 sits: (their ring offsets, their stages'
+        addresses, their first keys (start + i S) 16 and S 16 further, `inside`: every row sees
+        both pages whole, with `mask_edges_only`, else None)."""
+        offsets = self.pair_offsets(i)
+        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
+        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
+        stages = [ring_base + offset for offset in offsets]
+        inside = None
+        if cutlass.const_expr(self.mask_edges_only):
+            inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
+        return offsets, stages, keys, inside
+
+    @cute.jit
+    def pair_values(self, stages: list, offsets: list, v_words, descriptors, g: Int32, c: Int32, ah: list,
+                    al: list, o: list) -> list:
+        """The two-page step's P V into the rescaled accumulators: page i's p_lo step, its p_hi
+        step, page i + 1's p_lo, its p_hi (wgmma: one chain, committed and, without defer_values,
+        waited for; with it the returned accumulators are pending). Returns the accumulators."""
         if cutlass.const_expr(self.wgmma):
             values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
-            # defer_values: committed, not waited for (the next step's Q K^T wait, or pair_chain's end)
+            # defer_values: committed, not waited for (the next step's Q K^T wait, or the chain's end)
             if cutlass.const_expr(self.weight_terms == 2):
                 o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
                                 [values[0], values[0], values[1], values[1]], 1, o, wait=not self.defer_values)
@@ -951,7 +1043,7 @@ class _Attn2Kernel:
             for k in cutlass.range_constexpr(2):
                 o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
                                      al[4 * k:4 * k + 4], o)
-        return m, o
+        return o
 
     @cute.jit
     def pair_scores_chains(self, offsets: list, descriptors, a: list, pending: list = ()):
@@ -960,6 +1052,17 @@ class _Attn2Kernel:
         accumulators, page i + 1's], `pending` after the wait): `pending` (defer_values: the
         accumulators of the previous step's P V, committed earlier, not waited for; empty
         otherwise) pass through the same wait (wait_group 0 completes every earlier group)."""
+        accumulators = self.pair_scores_issue(offsets, descriptors, a)
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + list(pending))
+        half = len(accumulators) // 2
+        return [done[:half], done[half:2 * half]], done[2 * half:]
+
+    @cute.jit
+    def pair_scores_issue(self, offsets: list, descriptors, a: list) -> list:
+        """wgmma: S = Q K^T of two pages (ring offsets `offsets`), each four k16 steps from zero,
+        behind one fence, committed as one group, not waited for: returns the 16 pending
+        accumulators (page i's 8, then page i + 1's), to be read only through a later
+        `wgmma_wait_group_sync_aligned` (`pair_scores_chains`, `ahead_chain`)."""
         fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
         accumulators = []
         for offset in offsets:
@@ -974,9 +1077,7 @@ class _Attn2Kernel:
                     acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
             accumulators += list(acc)
         ptx.wgmma_commit_group_sync_aligned()
-        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + list(pending))
-        half = len(accumulators) // 2
-        return [done[:half], done[half:2 * half]], done[2 * half:]
+        return accumulators
 
     @cute.jit
     def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
@@ -1002,6 +1103,49 @@ class _Attn2Kernel:
                                     own_key, low_key, m, o)
         if cutlass.const_expr(self.defer_values):
             o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V (a no-op after none)
+        return m, o
+
+    @cute.jit
+    def ahead_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
+                    table_smem: Int32, total: Int32, k_words, v_words, descriptors, a: list, g: Int32, c: Int32,
+                    kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32,
+                    low_key: Int32, m: list, o: list):
+        """`pair_chain`'s steps (the same pages, MMAs, values and order: the same bits) with
+        `SplitIssue.scores_ahead`: step j's ring step (wait, barrier, copies) and Q K^T run before
+        step j - 1's softmax, rescale and P V (the group accounting and the ring's stages:
+        `SplitIssue`). One split a CTA (`check_scores_ahead`): the copies are this split's pages.
+
+        Prologue (with any step): the first step's ring step, its Q K^T, wait_group 0 (no group
+        pending before it: the one-page loop before the chain waits for its own). Steps 0 ..
+        steps - 2: the next step's ring step and Q K^T (committed), this step's softmax on the
+        scores carried in, wait_group 0 (the previous P V and the next Q K^T: O and the next scores
+        come out of it), rescale, P V (committed). The last step: softmax, wait_group 0 (the
+        previous P V), rescale, P V; then wait_group 0 for it. Returns (m, o)."""
+        if steps > 0:
+            self.ring_advance(begin, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head,
+                              seq_len, cache_pages, tidx, None)
+            scores = ptx.wgmma_wait_group_sync_aligned(
+                0, self.pair_scores_issue(self.pair_offsets(begin), descriptors, a))
+            for j in cutlass.range(0, steps - 1, unroll=1):
+                i = begin + 2 * j
+                self.ring_advance(i + 2, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head,
+                                  seq_len, cache_pages, tidx, None)
+                ahead = self.pair_scores_issue(self.pair_offsets(i + 2), descriptors, a)  # committed: QK(j + 1)
+                offsets, stages, keys, inside = self.pair_place(i, ring_base, chain_start, seq_len)
+                m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                     low_key, inside, m, [scores[0:8], scores[8:16]])
+                # pending: PV(j - 1) and QK(j + 1), both needed: O and the next step's scores
+                done = ptx.wgmma_wait_group_sync_aligned(0, ahead + list(o))
+                scores = done[0:16]
+                o = self.step_rescale(alpha, done[16:])
+                o = self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)  # committed: PV(j)
+            i = begin + 2 * (steps - 1)  # the last step: no next step to issue
+            offsets, stages, keys, inside = self.pair_place(i, ring_base, chain_start, seq_len)
+            m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
+                                                 low_key, inside, m, [scores[0:8], scores[8:16]])
+            o = self.step_rescale(alpha, ptx.wgmma_wait_group_sync_aligned(0, o))  # the previous P V
+            o = self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)
+            o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V
         return m, o
 
     @cute.jit
@@ -1160,7 +1304,10 @@ class _Attn2Kernel:
         if cutlass.const_expr(begin is None):
             begin = Int32(0)
         m, o = self.split_chain(begin, begin + lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
-        m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
+        if cutlass.const_expr(self.scores_ahead):  # `SplitIssue.scores_ahead` (one split a CTA: no streams)
+            m, o = self.ahead_chain(begin + lead, pairs, chain_start, *chain, m, o)
+        else:
+            m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
         return self.split_chain(begin + lead + 2 * pairs, begin + count, chain_start, None, chain_start, *chain, m, o,
                                 streams=streams)
 
@@ -2039,6 +2186,7 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     bf16 = cutlass.BFloat16
     wgmma = tensor_ops_for(target, build.tensor_ops) == "wgmma"
     issue = build.issue if build.issue is not None else deployment_issue(wgmma, per_step, knobs["splits_per_cta"])
+    check_scores_ahead(issue.scores_ahead, wgmma, per_step, knobs["splits_per_cta"], build.loads_only)
     # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
     ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"],
                                                 deferred=issue.defer_values)

@@ -345,7 +345,8 @@ def test_split_issue_names():
     assert named("mask+rescale+lean+keys") == named("all")
     assert [f.name for f in dataclasses.fields(attn2.SplitIssue)] == ["mask_edges_only", "skip_unit_rescale",
                                                                        "lean_addressing", "ldmatrix_keys",
-                                                                       "defer_values", "prefetch_pages"]
+                                                                       "defer_values", "prefetch_pages",
+                                                                       "scores_ahead"]
     # the experiments are off in "all" (the default) and on only where named
     assert not named("all").defer_values and not named("none").defer_values
     assert named("mask+rescale+lean+keys+defer") == dataclasses.replace(named("all"), defer_values=True)
@@ -1529,3 +1530,171 @@ def test_progressive_host_views_read_the_flags_and_the_fault_record():
     for view in (attn2.progressive_flags, attn2.progressive_fault):
         with pytest.raises(ValueError, match="progressive=True"):
             view(workspace[:need - 16], 2, 2, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# SplitIssue.scores_ahead: the next step's Q K^T issued before this step's softmax (an experiment)
+
+AHEAD = dataclasses.replace(DEFER, scores_ahead=True)
+# (KV heads, max_model_len, window, pages_per_step): tp 8 and 16 at 128k, the 64-split plan (one
+# two-page step a split), the windowed plan with two pages a step forced (a lone first page at an
+# odd place runs the one-page loop before the chain)
+AHEAD_BUILDS = [(2, 131072, 0, None), (1, 131072, 0, None), (2, 2048, 0, None), (2, 131072, 2048, 2)]
+
+
+def _ahead_ptx(tmp_path_factory, heads, max_model_len=131072, window=0, per_step=None, issue=AHEAD):
+    key = ("ahead", heads, max_model_len, window, per_step, issue)
+    if key not in _PTX:
+        folder = tmp_path_factory.mktemp("attn2-ahead")
+        attn2.compile_attn2(heads, max_model_len, window, attn2.Attn2Build(arch="sm_90a", ptx_dir=str(folder),
+                                                                           issue=issue, pages_per_step=per_step))
+        (split,) = folder.glob("*_Attn2Kernel_*.ptx")
+        _PTX[key] = (split.read_text(), None)
+    return _PTX[key][0]
+
+
+def _pair_loop_body(ptx: str) -> str | None:
+    """The two-page step's loop body in a wgmma split kernel's PTX: the text from a label to the
+    first later branch back to it, the loop that holds a step's four P V MMAs (weight_terms 2)."""
+    for label in re.finditer(r"^(\$L__BB\d+_\d+):", ptx, re.M):
+        back = re.search(rf"bra(?:\.uni)?\s+{re.escape(label.group(1))};", ptx[label.end():])
+        if back is not None:
+            body = ptx[label.end():label.end() + back.start()]
+            if body.count(WGMMA_PV) == 4:
+                return body
+    return None
+
+
+def _ahead_order_failures(ptx: str) -> list[str]:
+    """What the scores-ahead order misses in the two-page loop's body: the ring's barrier, then the
+    next step's Q K^T (8 m64n16k16) committed, then this step's softmax (its ex2) before any wgmma
+    wait, then the one wait (wait_group 0: the previous P V and the next scores), then the P V."""
+    body = _pair_loop_body(ptx)
+    if body is None:
+        return ["no two-page loop with four P V MMAs"]
+    scores = [m.start() for m in re.finditer(re.escape(WGMMA_S), body)]
+    if len(scores) != 2 * attn2.K_TILES:
+        return [f"{len(scores)} Q K^T MMAs in the loop, not {2 * attn2.K_TILES}"]
+    failures = []
+    commit = body.find("wgmma.commit_group.sync.aligned", scores[-1])
+    ex2 = body.find("ex2.approx", commit)
+    wait = body.find("wgmma.wait_group.sync.aligned", commit)
+    if not 0 <= body.find("bar.sync") < scores[0]:
+        failures.append("the ring's barrier does not come before the Q K^T")
+    if not 0 <= commit < ex2 < wait:
+        failures.append("the Q K^T's commit is not followed by the softmax's ex2 before a wgmma wait")
+    if re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", body) != ["0"]:
+        failures.append("not one wait_group 0 a step")
+    if not wait < body.find(WGMMA_PV):
+        failures.append("the P V is not after the wait")
+    return failures
+
+
+def test_split_issue_scores_ahead_names_and_refusals():
+    """"ahead" is scores_ahead, off in "all", "none" and every deployment; it needs defer_values
+    (ValueError for the setting alone, named or constructed)."""
+    named = attn2.SplitIssue.named
+    assert named("mask+rescale+lean+keys+defer+ahead") == AHEAD
+    assert named("defer+ahead") == attn2.SplitIssue(False, False, False, False, True, False, True)
+    assert not named("all").scores_ahead and not named("none").scores_ahead
+    for wgmma in (True, False):
+        for per_step in (1, 2):
+            for per_cta in (1, 2):
+                assert not attn2.deployment_issue(wgmma, per_step, per_cta).scores_ahead
+    for bad in ("ahead", "mask+rescale+lean+keys+ahead", "all+ahead", "defer+ahead+ahead"):
+        with pytest.raises(ValueError, match="SplitIssue"):
+            named(bad)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2.SplitIssue(scores_ahead=True)
+
+
+@pytest.mark.parametrize("build", [dict(splits_per_cta=2), dict(pages_per_step=1), dict(tensor_ops="sync"),
+                                   dict(loads_only=True)])
+def test_scores_ahead_refused_by_the_build(build):
+    """Attn2Build refuses scores_ahead beside what it names that the pipelined step cannot run
+    with: two splits a CTA, one page a step, mma.sync, the loads-only probe; so does launch, before
+    the tensors are checked for a device."""
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2.Attn2Build(issue=AHEAD, **build)
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2.launch(**_cpu_launch_args(8192), issue=AHEAD, **build)
+    assert len(attn2.compilation.CACHE) == before
+
+
+@pytest.mark.parametrize("arch, heads, max_model_len, window", [
+    ("sm_100a", 2, 131072, 0),  # no wgmma
+    ("sm_90a", 4, 131072, 0),  # two splits a CTA (tp 4)
+    ("sm_90a", 2, 131072, 2048),  # the window's plan: one page a step
+])
+def test_scores_ahead_refused_before_compiling(arch, heads, max_model_len, window):
+    """Where the target or the plan leaves no wgmma two-page step of one split a CTA, compile_attn2
+    refuses scores_ahead (ValueError naming it) before compiling anything."""
+    before = len(attn2.compilation.CACHE)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2.compile_attn2(heads, max_model_len, window, attn2.Attn2Build(arch=arch, issue=AHEAD))
+    assert len(attn2.compilation.CACHE) == before
+
+
+def test_scores_ahead_refused_by_the_kernel_without_defer_values():
+    knobs = attn2._variant(2, 131072, 0, None, 1)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2._Attn2Kernel(**knobs, enable_pdl=True, wgmma=True, pages_per_step=2, scores_ahead=True)
+    with pytest.raises(ValueError, match="scores_ahead"):
+        attn2._Attn2Kernel(**knobs, enable_pdl=True, wgmma=False, pages_per_step=2, defer_values=False,
+                           scores_ahead=True)
+
+
+@pytest.mark.parametrize("heads, max_model_len, window, per_step", AHEAD_BUILDS)
+def test_scores_ahead_build(tmp_path_factory, tmp_path, heads, max_model_len, window, per_step):
+    """With scores_ahead (sm_90a), where a split has two two-page steps or more (128k; at 2048 and
+    with the window a split has one at most, and the pipelined loop may not be emitted at all): the
+    two-page loop issues and commits the next step's Q K^T between the ring's barrier and the step's
+    softmax, and waits once after the softmax (`_ahead_order_failures`); the chain's prologue adds
+    one Q K^T, its last step one P V, each committed group waited for (as many waits as commits).
+    Every build: the ring is AHEAD_EXTRA_STAGES deeper
+    than defer_values' with the same lookahead (its deepest cp.async wait unchanged), four CTAs
+    still share an SM's shared memory at tp 8; ptxas assembles it without a spill within the
+    register cap of SPLIT_CTAS_PER_SM CTAs an SM (the registers are printed)."""
+    ptx = _ahead_ptx(tmp_path_factory, heads, max_model_len, window, per_step)
+    deferred = _ahead_ptx(tmp_path_factory, heads, max_model_len, window, per_step, issue=DEFER)
+    splits = lay.splits(max_model_len, window, heads)
+    if lay.split_table_entries(max_model_len, window, splits) >= 4:  # splits of two steps and more: the loop
+        assert _ahead_order_failures(ptx) == []
+        assert ptx.count(WGMMA_S) == deferred.count(WGMMA_S) + 2 * attn2.K_TILES
+        assert ptx.count(WGMMA_PV) == deferred.count(WGMMA_PV) + 4
+        commits = ptx.count("wgmma.commit_group.sync.aligned")
+        assert commits == ptx.count("wgmma.wait_group.sync.aligned 0") == deferred.count(
+            "wgmma.commit_group.sync.aligned") + 2
+    ring = lay.ring_stages(window, heads, splits, deferred=True)
+    kernel = attn2._Attn2Kernel(**{**attn2._variant(heads, max_model_len, window, None, None), "enable_pdl": True,
+                                   "wgmma": True, "pages_per_step": 2, "ring_stages": ring, **AHEAD.knobs()})
+    assert kernel.stages == ring + attn2.DEFER_EXTRA_STAGES + attn2.AHEAD_EXTRA_STAGES
+    assert kernel.lookahead == ring - 2 and _ring_of(ptx) == _ring_of(deferred) == ring
+    if heads == 2 and ring == lay.PIPELINE_STAGES:
+        assert kernel.smem_bytes() <= SM90_SMEM_FOR_FOUR, kernel.smem_bytes()
+    report = assemble(ptx, "sm_90a", tmp_path)
+    assert_no_spills(report)
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    print(f"\n[scores_ahead heads {heads} max_model_len {max_model_len} window {window}] {registers} registers, "
+          f"{kernel.stages} stages, {kernel.smem_bytes()} bytes of shared memory")
+    assert registers <= REGISTERS_PER_SM // (lay.CTA_THREADS * lay.split_ctas_per_sm("sm_90a")), report
+
+
+@pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (1, 131072)])
+def test_the_ahead_order_check_fails_on_the_deployment(tmp_path_factory, heads, max_model_len):
+    """Fault injection for `_ahead_order_failures`: the deployment's deferred loop (its Q K^T waited
+    for right after its commit, before the softmax) fails it, and so does the scores-ahead PTX with
+    its wait moved up before the softmax or a second wait added; the deployment's build is the
+    explicit defer_values build (no scores_ahead in it)."""
+    deployed, _ = _ptx(tmp_path_factory, "sm_90a", heads, max_model_len, 0)
+    assert _body(deployed) == _body(_ahead_ptx(tmp_path_factory, heads, max_model_len, issue=DEFER))
+    assert "the Q K^T's commit is not followed by the softmax's ex2 before a wgmma wait" in _ahead_order_failures(
+        deployed)
+    ahead = _ahead_ptx(tmp_path_factory, heads, max_model_len)
+    body = _pair_loop_body(ahead)
+    commit = body.find("wgmma.commit_group.sync.aligned", body.rfind(WGMMA_S))
+    early = body[:commit] + "wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" + body[commit + len(
+        "wgmma.commit_group.sync.aligned;"):]
+    assert _ahead_order_failures(ahead.replace(body, early)) != []
+    assert _ahead_order_failures(ahead.replace(body, body + "\twgmma.wait_group.sync.aligned 1;\n")) != []

@@ -874,3 +874,68 @@ def test_progressive_combine_with_trace_and_full_tree(full_tree):
         rows = rows.tolist()
         assert all(row[fields.index("clock_entry")] != 0 for row in rows)
         assert _clock_failures(rows, fields, sms) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# SplitIssue.scores_ahead at max_model_len 131072 (256 splits, two pages a step, one split a CTA at
+# tp 8 and 16): pages a split 0 or 1 (L 8, 17, 2048 + 5: no two-page step, the chain's `steps > 0`
+# skipped), 1 or 2 (4096 + 3: split 0 runs the prologue and the last step only), 3 or 4 (12307: one
+# loop turn, or one step and a lone last page), 30 or 31 (124485: 15 steps, a lone last page on the
+# first 101 splits), 32 (131072: 16 steps, no masked page); every L but 131072 ends on a masked page
+AHEAD_LENGTHS = [8, 17, 2048 + 5, 4096 + 3, 12307, 124485, 131072]
+
+
+@pytest.mark.parametrize("family", INPUT_FAMILIES)
+@pytest.mark.parametrize("num_kv_heads", [2, 1])  # tp 8, tp 16
+@pytest.mark.parametrize("seq_len", AHEAD_LENGTHS)
+def test_scores_ahead_keeps_the_deployments_bits(family, num_kv_heads, seq_len):
+    """SplitIssue.scores_ahead (the next step's Q K^T issued before this step's softmax, an
+    experiment) on top of the deployment's setting (defer_values at tp 8 and 16) gives the
+    deployment's bits: not one BF16 element differs (int16 views)."""
+    import dataclasses
+
+    from musebench.kernels import attn2
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("scores_ahead is wgmma's (sm_90a)")
+    problem = make_problem(family, seq_len, 131072, num_kv_heads=num_kv_heads)
+    splits = cute_ops.attn2_splits(131072, 0, num_kv_heads)
+    deployed_issue = attn2.deployment_issue(True, lay.pages_per_step(0, splits),
+                                            lay.splits_per_cta(num_kv_heads, splits))
+    assert deployed_issue.defer_values and not deployed_issue.scores_ahead
+    baseline = _launch(problem)[0]
+    got = _launch_issue(problem, dataclasses.replace(deployed_issue, scores_ahead=True))
+    differing = int((got.view(torch.int16) != baseline.view(torch.int16)).sum())
+    assert differing == 0, _first_difference(got, baseline)
+
+
+@pytest.mark.parametrize("family", ["random", "large"])
+@pytest.mark.parametrize("seq_len", [2057, 70001, 131072])
+def test_scores_ahead_with_the_window_keeps_the_deferred_bits(family, seq_len):
+    """The windowed plan (64 splits) with two pages a step forced: a split's first page at an odd
+    place runs the one-page loop before the pipelined chain, its last lone page after it;
+    defer_values with and without scores_ahead give the same bits."""
+    import dataclasses
+
+    from musebench.kernels import attn2
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("scores_ahead is wgmma's (sm_90a)")
+    problem = make_problem(family, seq_len, 131072, window=2048, num_kv_heads=2)
+    deferred = dataclasses.replace(attn2.SplitIssue(), defer_values=True)
+    baseline = _launch(problem, issue=deferred, pages_per_step=2)[0]
+    got = _launch(problem, issue=dataclasses.replace(deferred, scores_ahead=True), pages_per_step=2)[0]
+    differing = int((got.view(torch.int16) != baseline.view(torch.int16)).sum())
+    assert differing == 0, _first_difference(got, baseline)
+
+
+def test_the_scores_ahead_bit_count_sees_other_bits():
+    """The count the scores_ahead tests hold at 0 sees a difference where there is one: one page a
+    step (other bits than the deployment's two, `cpu.attn2.attn2_model(pages_per_step=2)`) against
+    the deployment at tp 8, 128k, large inputs."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the deployment's two-page wgmma step is sm_90a's")
+    problem = make_problem("large", 131072, 131072, num_kv_heads=2)
+    baseline = _launch(problem)[0]
+    other = _launch(problem, pages_per_step=1)[0]
+    assert int((other.view(torch.int16) != baseline.view(torch.int16)).sum()) > 0
