@@ -21,9 +21,7 @@ COMBINE_QUADS lanes (the row's 4 x 16 dims) x groups of consecutive splits (a co
 each, merged in registers), the groups' results then meet level by level through shared memory.
 A split with no page (its partial never written) enters the tree as (0, -inf, 0), which a merge
 passes through exactly, so the combine skips its read. No counter, no atomic, nothing waits on
-anything inside a launch: nothing to bound, nothing to re-arm. (The progressive combine, an
-experiment, is the exception: row flags in the workspace after the partials, polled with a bound,
-reset by the launch that set them: `workspace_regions`.)
+anything inside a launch: nothing to bound, nothing to re-arm.
 """
 
 from __future__ import annotations
@@ -306,96 +304,20 @@ def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | 
     return PIPELINE_STAGES
 
 
-def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None, *,
-                    progressive: bool = False) -> int:
+def workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
     """Bytes of the split kernel's workspace: one partial per (request, KV head, split CTA), a CTA
     running `per_cta` splits (default `splits_per_cta(num_kv_heads, num_splits)`); 0 with one split
-    (nothing to merge). Nothing in the partials needs zeroing: a partial is read only by the combine
-    of the launch that wrote it. `progressive` (the progressive combine, an experiment): the
-    partials, then the row flags and the fault record (`progress_bytes`), which must be zero before
-    the first launch on the workspace (`workspace_regions`)."""
+    (nothing to merge). Nothing in it needs zeroing: a partial is read only by the combine of the
+    launch that wrote it."""
     _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
     if not is_power_of_two(num_splits):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    if not isinstance(progressive, bool):
-        raise ValueError(f"progressive must be a bool, got {progressive!r}")
     if num_splits == 1:
-        if progressive:
-            raise ValueError("the progressive combine needs splits: a one-split plan has no combine")
         return 0
     if per_cta is None:
         per_cta = splits_per_cta(num_kv_heads, num_splits)
     check_splits_per_cta(per_cta, num_splits)
-    partials = num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
-    return partials + (progress_bytes(num_reqs, num_kv_heads, num_splits, per_cta) if progressive else 0)
-
-
-# The progressive combine (an experiment, `kernels.attn2.Attn2Build.progressive_combine`): the
-# combine merges each partial as soon as its split CTA has written it, told by row flags. One
-# uint32 a (request, KV head, row, partial), row-major in that order ([request][KV head][row]
-# [partial]: a combine CTA's polls of consecutive partials, and its resets, are consecutive
-# words); a split CTA sets its partial's 64 row flags to PROGRESS_FLAG_SET after writing the
-# partial, the row's combine CTA resets them to 0 once it has read the partial. Then the fault
-# record, PROGRESS_FAULT_WORDS int32 (16 bytes): 1 + the request, the KV head, the partial and the
-# row of the first poll that timed out; word 0 is 0 while no poll has (the clear value).
-PROGRESS_FLAG_BYTES = 4
-PROGRESS_FLAG_SET = 1
-PROGRESS_FAULT_WORDS = 4
-PROGRESS_FAULT_BYTES = 4 * PROGRESS_FAULT_WORDS
-
-
-def progress_flag_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
-    """Bytes of the progressive combine's row flags: ROWS_PER_KV_HEAD flags of PROGRESS_FLAG_BYTES
-    per (request, KV head, partial); ValueError for a one-split plan (no partials, no combine)."""
-    _check_positive(num_reqs=num_reqs, num_kv_heads=num_kv_heads, num_splits=num_splits)
-    if num_splits == 1 or not is_power_of_two(num_splits):
-        raise ValueError(f"the progressive combine needs a split plan (a power of two above 1), got {num_splits}")
-    if per_cta is None:
-        per_cta = splits_per_cta(num_kv_heads, num_splits)
-    check_splits_per_cta(per_cta, num_splits)
-    return num_reqs * num_kv_heads * ROWS_PER_KV_HEAD * (num_splits // per_cta) * PROGRESS_FLAG_BYTES
-
-
-def progress_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None) -> int:
-    """Bytes the progressive combine adds past the partials: the row flags (`progress_flag_bytes`,
-    a multiple of 256) and the fault record (PROGRESS_FAULT_BYTES)."""
-    return progress_flag_bytes(num_reqs, num_kv_heads, num_splits, per_cta) + PROGRESS_FAULT_BYTES
-
-
-@dataclass(frozen=True)
-class WorkspaceRegions:
-    """Byte offsets of a workspace's regions, in order: the partials from 0, the progressive
-    combine's row flags and fault record (empty, `flags == fault == partials_end`, without it),
-    the trace rows (empty without a trace), then `end` (the bytes a launch needs). Every offset is
-    16-byte aligned (the flags' region is a multiple of 256 bytes)."""
-
-    flags: int  # = the partials' end
-    fault: int
-    trace: int
-    end: int
-
-    def spans(self) -> list[tuple[str, int, int]]:
-        """(name, start, end) of each region, in workspace order."""
-        return [("partials", 0, self.flags), ("flags", self.flags, self.fault), ("fault", self.fault, self.trace),
-                ("trace", self.trace, self.end)]
-
-
-def workspace_regions(num_reqs: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None, *,
-                      progressive: bool = False, trace_bytes: int = 0) -> WorkspaceRegions:
-    """Where each region of a launch's workspace starts (`WorkspaceRegions`): the partials
-    (`workspace_bytes`), with `progressive` the row flags and the fault record (`progress_bytes`),
-    then `trace_bytes` of trace rows (`kernels.attn2.trace_bytes`; 0 without a trace). The kernels
-    compute the same offsets on the device (`kernels.attn2.region_offsets`). ValueError where
-    `workspace_bytes` refuses."""
-    if isinstance(trace_bytes, bool) or not isinstance(trace_bytes, int) or trace_bytes < 0 or trace_bytes % 8:
-        raise ValueError(f"trace_bytes must be a non-negative multiple of 8, got {trace_bytes!r}")
-    partials = workspace_bytes(num_reqs, num_kv_heads, num_splits, per_cta)
-    flags_end = partials
-    trace = partials
-    if progressive:
-        flags_end = partials + progress_flag_bytes(num_reqs, num_kv_heads, num_splits, per_cta)
-        trace = flags_end + PROGRESS_FAULT_BYTES
-    return WorkspaceRegions(flags=partials, fault=flags_end, trace=trace, end=trace + trace_bytes)
+    return num_reqs * num_kv_heads * (num_splits // per_cta) * PARTIAL_BYTES
 
 
 def split_table_entries(max_model_len: int, window: int, num_splits: int) -> int:

@@ -94,8 +94,8 @@ def main() -> None:
     parser.add_argument("--arch", default="sm_90a")
     parser.add_argument("--issue", default="none,all",
                         help="comma list of SplitIssue names: auto (the deployment's), all, none, or mask / rescale / "
-                             "lean / keys / defer / prefetch / ahead (SplitIssue.SHORT_NAMES) joined by + ('mask+lean': "
-                             "those two on, the rest off; ahead only beside defer)")
+                             "lean / keys / defer / prefetch (SplitIssue.SHORT_NAMES) joined by + ('mask+lean': those "
+                             "two on, the rest off)")
     parser.add_argument("--splits-per-cta", type=int, default=None, choices=(1, 2),
                         help="sibling splits a split CTA runs (default: the layout's for the deployment)")
     parser.add_argument("--pages-per-step", type=int, default=None, choices=(1, 2),

@@ -10,9 +10,8 @@ An experiment, not a bench: `musebench bench attn` times the deployment's plan
 
 `--issue none,all,auto` times the split kernel's switches (`kernels.attn2.SplitIssue`: "all",
 "none", "auto" (the deployment's, `kernels.attn2.deployment_issue`), or the short names of
-`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch / ahead, joined by "+"; a setting
-may end in @wgmma or @sync; a setting with ahead that a point cannot run, e.g. two splits a CTA or
-mma.sync, exits 2 before any launch) against each other on the same plan; they must not change a bit, so
+`SplitIssue.SHORT_NAMES`, mask / rescale / lean / keys / defer / prefetch, joined by "+"; a setting
+may end in @wgmma or @sync) against each other on the same plan; they must not change a bit, so
 each point also counts the elements that differ from the first --issue setting of its plan
 (`bits_differing_from_first_issue`), and the run exits 1 if any does.
 
@@ -46,16 +45,6 @@ same lease to compare (each point's `full_tree` and `early_release` say which); 
 held to the deployment's by tests/kernels/test_attn2_gpu.py, not by this script. `--early-release`
 with a 0 in --pdl, and either flag with a 1 in --splits (no combine), exit 2 before any launch.
 
-`--progressive-combine` (`Attn2Build.progressive_combine`: the combine merges each partial as its
-split CTA writes it) times every point twice, side by side: the deployment's combine
-(`progressive_combine` false in the row), then the progressive build on a workspace of its own,
-zeroed once (its row flags' contract; every launch leaves them zero). The progressive row counts
-the elements that differ from the deployment's row of the same point
-(`bits_differing_from_deployment_combine`), and, after its graph replays, the row flags left set
-and the fault record (`progressive_flags_set`, `progressive_fault`); the run exits 1 if any is
-non-zero or a fault was recorded. With a 0 in --pdl, a 1 in --splits, or --early-release, it exits 2
-before any launch (the build refuses them).
-
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -64,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -115,11 +103,6 @@ def _pages_per_step(name: str, window: int, splits: int) -> int:
     return _axis_value(name, lambda: lay.pages_per_step(window, splits), lay.check_pages_per_step)
 
 
-def differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Elements whose bits differ (BF16 as int16)."""
-    return int((a.view(torch.int16) != b.view(torch.int16)).sum())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splits", default="64,128,256")
@@ -143,12 +126,6 @@ def main() -> None:
                         help="the combine's whole upper tree at every point (Attn2Build.full_tree)")
     parser.add_argument("--early-release", action="store_true",
                         help="dependents released right after each kernel's PDL wait (Attn2Build.early_release)")
-    parser.add_argument("--progressive-combine", action="store_true",
-                        help="also time the progressive combine (Attn2Build.progressive_combine) at every point and "
-                             "count its differing bits against the deployment's combine")
-    parser.add_argument("--progressive-release", default="prologue",
-                        help="where the progressive build's split kernel releases the combine "
-                             "(Attn2Build.progressive_release): prologue or chain; only with --progressive-combine")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -196,35 +173,8 @@ def main() -> None:
     if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
         print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
         sys.exit(2)
-    if args.progressive_release not in attn2.PROGRESSIVE_RELEASES or (
-            args.progressive_release != attn2.PROGRESSIVE_RELEASES[0] and not args.progressive_combine):
-        print(f"--progressive-release: {args.progressive_release!r} is not one of "
-              f"{', '.join(attn2.PROGRESSIVE_RELEASES)}, or is given without --progressive-combine", file=sys.stderr)
-        sys.exit(2)
-    if args.progressive_combine:
-        for refused, why in ((0 in _csv(args.pdl), "--pdl 0: the combine polls while the split kernel runs, which "
-                                                   "needs PDL"),
-                             (1 in _csv(args.splits), "--splits 1: a one-split plan has no combine"),
-                             (args.early_release, "--early-release: both move the split kernel's release; take one")):
-            if refused:
-                print(f"--progressive-combine: {why}", file=sys.stderr)
-                sys.exit(2)
     if not torch.cuda.is_available():  # after every option's check: those refusals come first
         print("sweep-attn2.py: needs a CUDA GPU (sm_90a / sm_100a); none is visible", file=sys.stderr)
-        sys.exit(2)
-    try:  # SplitIssue.scores_ahead where a point cannot run it (its target's path, its plan): before any launch
-        major, minor = torch.cuda.get_device_capability()
-        target = os.environ.get("CUTE_DSL_ARCH") or f"sm_{major}{minor}a"
-        for issue, ops in (i for i in issues.values() if i[0] is not None and i[0].scores_ahead):
-            wgmma = attn2.tensor_ops_for(target, ops) == "wgmma"
-            for tp in _csv(args.tp):
-                for splits in _csv(args.splits):
-                    for per_cta_name in per_cta_names:
-                        for per_step_name in per_step_names:
-                            attn2.check_scores_ahead(True, wgmma, _pages_per_step(per_step_name, args.window, splits),
-                                                     _splits_per_cta(per_cta_name, config.NUM_KV_HEADS // tp, splits))
-    except ValueError as e:
-        print(f"--issue: {e}", file=sys.stderr)
         sys.exit(2)
     device = torch.device("cuda")
     stream = torch.cuda.Stream(device)
@@ -252,39 +202,24 @@ def main() -> None:
                                         for n in per_step_names))
                     for (issue_name, issue), (ring_name, ring) in ((i, r) for i in issues.items()
                                                                    for r in rings.items()):
-                        for per_cta_name, (per_step, per_step_name), progressive in (
-                                (n, k, c) for n in per_cta_names for k in per_steps
-                                for c in ((False, True) if args.progressive_combine else (False,))):
+                        for per_cta_name, (per_step, per_step_name) in ((n, k) for n in per_cta_names
+                                                                         for k in per_steps):
                             per_cta = _splits_per_cta(per_cta_name, heads, splits)
-                            # the progressive build's row flags must be zero before its first launch
-                            workspace = torch.zeros(max(16, lay.workspace_bytes(1, heads, splits, per_cta,
-                                                                                progressive=progressive)),
+                            workspace = torch.empty(max(16, lay.workspace_bytes(1, heads, splits, per_cta)),
                                                     dtype=torch.uint8, device=device)
                             out = torch.full_like(p.q, float("nan"))
 
                             def call(splits=splits, pdl=pdl, workspace=workspace, out=out, issue=issue,
-                                     per_cta=per_cta, per_step=per_step, ring=ring, progressive=progressive) -> None:
+                                     per_cta=per_cta, per_step=per_step, ring=ring) -> None:
                                 attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
-                                             full_tree=args.full_tree, early_release=args.early_release,
-                                             progressive_combine=progressive,
-                                             progressive_release=(args.progressive_release if progressive
-                                                                  else attn2.PROGRESSIVE_RELEASES[0]))
+                                             full_tree=args.full_tree, early_release=args.early_release)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
                             finite = bool(torch.isfinite(out.float()).all())
-                            progress = {}
-                            if args.progressive_combine and not progressive:
-                                deployment_combine = out.clone()
-                            if progressive:
-                                flags = attn2.progressive_flags(workspace, 1, heads, splits, per_cta)
-                                fault = attn2.progressive_fault(workspace, 1, heads, splits, per_cta)
-                                progress = dict(bits_differing_from_deployment_combine=differing(out, deployment_combine),
-                                                progressive_flags_set=int((flags != 0).sum()),
-                                                progressive_fault=None if fault is None else vars(fault))
                             if reference is None:
                                 reference = out.clone()
                             first_issue.setdefault((per_cta_name, per_step_name), out.clone())
@@ -296,9 +231,11 @@ def main() -> None:
                             tp_key = (length, splits, pdl, issue_name, ring_name, per_cta_name, per_step_name)
                             first_tp.setdefault(tp_key, head0)
 
+                            def differing(a: torch.Tensor, b: torch.Tensor) -> int:
+                                return int((a.view(torch.int16) != b.view(torch.int16)).sum())
+
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        full_tree=args.full_tree, early_release=args.early_release,
-                                       progressive_combine=progressive,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,
@@ -313,8 +250,7 @@ def main() -> None:
                                        bits_differing_from_pages_per_step_1=(
                                            differing(out, one_page[(issue_name, ring_name, per_cta_name)])
                                            if (issue_name, ring_name, per_cta_name) in one_page else None),
-                                       head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]),
-                                       **progress)
+                                       head0_bits_differing_from_first_tp=differing(head0, first_tp[tp_key]))
                             rows.append(row)
                             print(json.dumps(row), flush=True)
     if args.json:
@@ -322,28 +258,13 @@ def main() -> None:
             json.dump(rows, f, indent=1)
     by_plan: dict = {}
     for r in rows:
-        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["ring_stages"], r["splits_per_cta"], r["pages_per_step"],
-                            r["progressive_combine"]), []).append(r["ratio_to_sdpa"])
-    for (splits, pdl, issue_name, ring_name, per_cta_name, per_step, progressive), ratios in sorted(by_plan.items()):
+        by_plan.setdefault((r["splits"], r["pdl"], r["issue"], r["ring_stages"], r["splits_per_cta"], r["pages_per_step"]),
+                           []).append(r["ratio_to_sdpa"])
+    for (splits, pdl, issue_name, ring_name, per_cta_name, per_step), ratios in sorted(by_plan.items()):
         print(f"splits {splits} pdl {pdl} issue {issue_name} ring {ring_name} splits_per_cta {per_cta_name} "
-              f"pages_per_step {per_step} progressive_combine {progressive}: "
+              f"pages_per_step {per_step}: "
               f"median attn2/SDPA "
               f"{statistics.median(ratios):.3f}, max {max(ratios):.3f}")
-    if args.progressive_combine:
-        pairs = {}
-        for r in rows:
-            pairs.setdefault((r["tp"], r["L"], r["splits"], r["issue"], r["ring_stages"], r["splits_per_cta"],
-                              r["pages_per_step"]), {})[r["progressive_combine"]] = r["us"]
-        for (tp, length, splits, *_), us in sorted(pairs.items()):
-            print(f"tp {tp} L {length} splits {splits}: deployment combine {us[False]:.2f} us, progressive "
-                  f"{us[True]:.2f} us ({us[True] - us[False]:+.2f})")
-        broken = [r for r in rows if r["progressive_combine"] and (r["bits_differing_from_deployment_combine"]
-                                                                   or r["progressive_flags_set"]
-                                                                   or r["progressive_fault"] is not None)]
-        if broken:
-            print(f"FAIL: {len(broken)} progressive points with other bits than the deployment's combine, flags left "
-                  f"set or a fault, first: {broken[0]}", file=sys.stderr)
-            sys.exit(1)
     changed = [r for r in rows if r["bits_differing_from_first_issue"]]
     if changed:
         print(f"FAIL: {len(changed)} points where a SplitIssue setting or ring depth changed bits, first: {changed[0]}",

@@ -2,7 +2,7 @@
 `Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
 
     python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--max-model-len 131072]
-        [--splits N] [--calls 20] [--json PATH] [--rows PATH] [--loads-only] [--progressive-combine]
+        [--splits N] [--calls 20] [--json PATH] [--rows PATH] [--loads-only]
 
 Why: the bench (`musebench bench attn`, CUDA graphs) gives one number a call, and Nsight Compute
 the split kernel alone (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), without the PDL
@@ -30,11 +30,6 @@ pages only: at L 8 one split of 256 has any), CTAs per SM, and the last launch's
 split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond).
 `--json` writes every number; `--rows` every launch's raw rows (for analyses of their own);
 `--loads-only` traces the split kernel's page stream alone (`Attn2Build.loads_only`).
-`--progressive-combine` traces the progressive combine's build (`Attn2Build.progressive_combine`:
-each workspace, zeroed once, also holds the row flags; its trace rows follow them): its combine's
-`pdl_wait` phase then holds its row-flag polls (there is no PDL wait before its loads), and the
-split kernel releases the combine after its prologue. Refused (exit 2) with --loads-only, and for
-a one-split plan.
 Since 2026-12-02 (session 10) the combine computes its 16 sigmoids before its PDL wait: its
 `pdl_wait` phase holds them and its `epilogue` no longer does, so traces before and after that
 change differ in those two phases.
@@ -244,10 +239,6 @@ def main() -> None:
                              "split and combine rows with each split row's KV head, first split and page count)")
     parser.add_argument("--loads-only", action="store_true",
                         help="trace the split kernel's page stream alone (Attn2Build.loads_only): a timing probe")
-    parser.add_argument("--progressive-combine", action="store_true",
-                        help="trace the progressive combine's build (Attn2Build.progressive_combine)")
-    parser.add_argument("--progressive-release", default="prologue", choices=("prologue", "chain"),
-                        help="where that build's split kernel releases the combine (Attn2Build.progressive_release)")
     args = parser.parse_args()
     tps = _csv(args.tp, _tp, "--tp")
     lengths = _csv(args.lengths, _length, "--lengths")
@@ -257,15 +248,6 @@ def main() -> None:
         _refuse(f"--lengths: {max(lengths)} is past --max-model-len {args.max_model_len}")
     if args.splits is not None and not (2 <= args.splits <= 256 and args.splits & (args.splits - 1) == 0):
         _refuse(f"--splits: {args.splits} is not a power of two in [2, 256]")
-    if args.progressive_release != "prologue" and not args.progressive_combine:
-        _refuse("--progressive-release: only with --progressive-combine")
-    if args.progressive_combine and args.loads_only:
-        _refuse("--progressive-combine: not with --loads-only (the probe times the split kernel's stream alone)")
-    if args.progressive_combine and args.splits is None:
-        from musebench import attn2_layout  # no torch
-
-        if attn2_layout.splits(args.max_model_len, 0, 1) == 1:
-            _refuse(f"--progressive-combine: --max-model-len {args.max_model_len} runs one split: no combine")
     if args.calls < 3:
         _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
     for flag, path in (("--json", args.json), ("--rows", args.rows)):
@@ -290,7 +272,7 @@ def main() -> None:
             heads = p.num_kv_heads
             splits = args.splits or lay.splits(p.max_model_len, p.window, heads)
             per_cta = lay.splits_per_cta(heads, splits)
-            need = attn2.traced_workspace_bytes(1, heads, splits, per_cta, progressive=args.progressive_combine)
+            need = attn2.traced_workspace_bytes(1, heads, splits, per_cta)
             workspaces = [torch.zeros(need, dtype=torch.uint8, device=device) for _ in range(args.calls)]
             out = torch.empty_like(p.q)
 
@@ -298,8 +280,7 @@ def main() -> None:
                 for workspace in workspaces:
                     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                  max_model_len=p.max_model_len, window=p.window, trace=True, num_splits=splits,
-                                 loads_only=args.loads_only, progressive_combine=args.progressive_combine,
-                                 progressive_release=args.progressive_release)
+                                 loads_only=args.loads_only)
 
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -319,8 +300,7 @@ def main() -> None:
                      for cta in range(splits // per_cta)] * heads
             per_launch = []
             for workspace in workspaces[1:]:
-                split_rows, combine_rows = attn2.trace_rows(workspace, 1, heads, splits, per_cta,
-                                                            progressive=args.progressive_combine)
+                split_rows, combine_rows = attn2.trace_rows(workspace, 1, heads, splits, per_cta)
                 per_launch.append(dict(
                     split=[dict(zip(attn2.SPLIT_TRACE_FIELDS, r)) for r in split_rows.cpu().tolist()],
                     combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
@@ -336,8 +316,7 @@ def main() -> None:
             table = summarize(per_launch)
             table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, forced_splits=args.splits is not None,
                          kv_heads=heads, splits=splits, splits_per_cta=per_cta,
-                         launches=len(per_launch), loads_only=args.loads_only,
-                         progressive_combine=args.progressive_combine)
+                         launches=len(per_launch), loads_only=args.loads_only)
             report.append(table)
             print(render(tp, length, table), flush=True)
     if args.json:

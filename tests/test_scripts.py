@@ -186,11 +186,6 @@ def assert_refused(result, reason: str) -> None:
     (["--early-release", "--pdl", "1,0"], "--pdl 0 has none to release"),
     (["--full-tree", "--splits", "1,4"], "a one-split plan (--splits 1) has no combine"),
     (["--early-release", "--splits", "1"], "a one-split plan (--splits 1) has no combine"),
-    (["--progressive-combine", "--pdl", "1,0"], "--progressive-combine: --pdl 0"),
-    (["--progressive-combine", "--splits", "1,256"], "--progressive-combine: --splits 1"),
-    (["--progressive-combine", "--early-release"], "--progressive-combine: --early-release"),
-    (["--progressive-release", "chain"], "--progressive-release: 'chain' is not one of"),
-    (["--progressive-combine", "--progressive-release", "epilogue"], "--progressive-release: 'epilogue'"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2
@@ -393,10 +388,6 @@ def trace_attn2():
     (["--calls", "2"], "--calls: 2 leaves fewer than two launches after the first (needs >= 3)"),
     (["--json", "/nonexistent-folder/trace.json"], "--json: the folder of '/nonexistent-folder/trace.json' does not exist"),
     (["--rows", "/nonexistent-folder/rows.json"], "--rows: the folder of '/nonexistent-folder/rows.json' does not exist"),
-    (["--progressive-combine", "--loads-only"], "--progressive-combine: not with --loads-only"),
-    (["--progressive-release", "chain"], "--progressive-release: only with --progressive-combine"),
-    (["--progressive-combine", "--max-model-len", "64", "--lengths", "8"],
-     "--progressive-combine: --max-model-len 64 runs one split: no combine"),
 ])
 def test_trace_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
     """trace-attn2.py: an option it cannot run exits 2 with the reason before the GPU is touched

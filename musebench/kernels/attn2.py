@@ -59,8 +59,7 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    splits a CTA runs does not.
 
 Experiments (`scripts/sweep-attn2.py`, `Attn2Build`; none is a deployment's): the split count,
-the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's
-(`scores_ahead`: the next two-page step's Q K^T issued before this step's softmax, the same bits),
+the splits a CTA runs (forced), the tensor-core path, `SplitIssue` settings other than the rule's,
 the pages a softmax step takes (forced against the rule) and the ring's depth
 (`Attn2Build.ring_stages`: 24 stages ran tp 16 at 128k in 19.8 us against 25.8-26.0 at 8, the same
 bits; tp 8 slower deeper: records/2026-12-02-h200-6073cb6-sweep-attn2-ring.json). Measured and
@@ -105,38 +104,6 @@ both to the same bits). Only quad 0 of warp 0 holds the root: the other quads ru
 never stored (a node of empty leaves, 0 / 0, would take div.rn's slow path and hold the warp: 2.1
 us at 4 splits and L 8, records/2026-12-02-h200-75f5410-*).
 
-Progressive combine (`Attn2Build.progressive_combine`, an experiment, in no deployment: their PTX
-is byte-identical with and without the knob). Why: on the H200 (trace, tp 8 at 128k, 512 split
-CTAs) the split CTAs' chains end between 17.0 us (median) and 21.1 us (max) after they start, and
-the combine starts loading only once the whole split grid has finished (its PDL wait): 0.77 us to
-its first post-wait instant, then 1.88 us of loads, 0.96 of tree and 0.74 of epilogue, about 5.2
-us of a 27.6 us period after the last split CTA ends, though most partials are ready ~4 us before
-the last. So the split kernel releases its dependents right after its prologue (every split CTA is
-then resident or done: a combine CTA can never keep one from running) and, after writing its
-partial, sets the partial's 64 row flags (uint32 in the workspace past the partials,
-`attn2_layout.workspace_regions`); the combine's CTAs become resident as split CTAs exit, and each
-group polls the flags of its live leaves for its row (`load_leaf`'s test: a CTA without pages
-writes no flag, and no one waits for it), all of them each iteration with %globaltimer, a 128 ns
-`nanosleep` between iterations, bounded by `progressive_timeout_ns` (100 ms); then it loads and
-merges them exactly as above (the same `subtree`, `upper_tree` and epilogue: the same bits). One
-`bar.red.or` vote after the tree tells the CTA whether any group timed out (the CTA then writes no
-row and resets nothing; the launch's first such thread records request, KV head, partial and row
-by atom.cas: `progressive_fault`); otherwise the epilogue runs and one thread a partial resets the
-row's flag to 0 (every poll of the CTA is over at the vote). Last, `griddepcontrol.wait`: the
-combine completes only after the split grid, so the next launch, which waits for the combine,
-finds both finished. Its own release stays after its loads (releasing the next launch earlier was
-slower: `early_release`). Contract: the flags are zero before the first launch on a workspace
-(torch.zeros) and every launch without a fault leaves them zero; the next launch's split kernel
-sets them only after its own wait, which sees this combine's resets finished. Memory ordering:
-writer: every thread stores its share of the partial, a CTA barrier (which makes them observed by
-the flag writers), then thread r's `st.release.gpu` of row r's flag (release is cumulative: it
-orders the whole CTA's partial before the flag at GPU scope). Reader: `ld.relaxed.gpu` polls (L2,
-never a stale L1 line), and once every wanted flag was seen set one `fence.acq_rel.gpu` (a relaxed
-read followed by that fence is an acquire), then plain `ld.global` loads of the partials, ordered
-after the acquire. The gate and L are read before any poll, as before the wait in the deployment
-(the same PDL argument: their writers finished before the split kernel passed its wait, and this
-grid launches only after every split CTA released it). Measured: not yet.
-
 Epilogue: o = O / l (div.rn) rounded to BF16, sum of squares in lane order (each of 4 lanes its 16
 dims 8t + 2c + k, t ascending, k = 0 then 1, from +0.0; then the butterfly over xor 1, 2),
 rstd = 1 / sqrt(ss / 64 + eps) (IEEE), sigmoid(g) = 1 / (1 + 2^(-g log2 e)), out = bf16(o rstd
@@ -157,9 +124,7 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work. (The
-progressive combine, an experiment, reads the partials behind row flags instead: its paragraph
-above.)
+combine's wait sees finished and flushed); each releases its dependents after its main work.
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
@@ -198,8 +163,7 @@ from musebench import config
 from musebench.kernels import compilation, division, gmma, ptx
 from musebench.kernels.compilation import compiler, cute_flat, fake_flat
 
-__all__ = ["Attn2Build", "CompiledAttn2", "ProgressiveFault", "SplitIssue", "compile_attn2", "launch", "prepare",
-           "progressive_fault", "progressive_flags"]
+__all__ = ["Attn2Build", "CompiledAttn2", "SplitIssue", "compile_attn2", "launch", "prepare"]
 
 LOG2_E = 1.4426950408889634
 SCALE_LOG2 = config.ATTN_SCALE * LOG2_E  # rounded to binary32 once, when the kernel is built
@@ -227,12 +191,6 @@ RING_STAGES_CHOICES = (4, 6, 8, 10, 12, 16, 20, 24)  # lay.DEEP_RING_STAGES amon
 # SplitIssue.defer_values: ring stages beyond PIPELINE_STAGES, so that a step's copies never go
 # into the stages of the step before it (its P V may still be pending)
 DEFER_EXTRA_STAGES = 2
-# SplitIssue.scores_ahead: ring stages beyond defer_values' (PIPELINE_STAGES + DEFER_EXTRA_STAGES):
-# the ring's step for step j + 1 (its barrier and copies) runs before step j's softmax and P V, so
-# the copies go two pages further ahead while step j - 1's P V, step j's P V and step j + 1's Q K^T
-# of some warp may still read their stages; two more stages keep the copies in step j - 2's stages
-# (the argument: `SplitIssue`)
-AHEAD_EXTRA_STAGES = 2
 # a thread's [16 O, m, l] in shared memory, padded to whole 16-byte vectors (80 bytes)
 COMBINE_SLOT_BYTES = -(-lay.COMBINE_ROW_FLOATS * 4 // VECTOR_BYTES) * VECTOR_BYTES
 # The traced build (`Attn2Build.trace`, an experiment): the int64 words thread 0 of a CTA writes,
@@ -248,15 +206,6 @@ assert len(COMBINE_TRACE_FIELDS) == TRACE_WORDS
 
 
 WEIGHT_TERMS_CHOICES = (1, 2)  # `Attn2Build.weight_terms`
-# `Attn2Build.progressive_combine`: a combine group's polls of its row flags give up this long (ns)
-# after the first (the EP tail's bound is 2 s; a split CTA writes its partial within ~25 us of the
-# combine's launch at 128k), and sleep this long between two polls (`nanosleep`: a flag is seen at
-# most about one sleep plus a load after it is set)
-PROGRESSIVE_TIMEOUT_NS = 100_000_000
-PROGRESSIVE_TIMEOUT_MAX_NS = 10_000_000_000
-PROGRESSIVE_POLL_SLEEP_NS = 128
-# `Attn2Build.progressive_release`: where the split kernel releases the progressive combine (the first: default)
-PROGRESSIVE_RELEASES = ("prologue", "chain")
 # `SplitIssue.prefetch_pages`: how far beyond the ring's copies a step asks L2 for pages (8 pages of
 # one KV head a CTA: 32 KB; 512 CTAs at tp 8 hold 16 MB of the 50 MB L2 ahead)
 L2_PREFETCH_PAGES = 8
@@ -313,39 +262,6 @@ class SplitIssue:
       tensor cores. Measured on the H200, not taken (the deployment's bits: 12 GPU tests;
       records/2026-12-02-h200-ede3d4c-attn2-prefetch-trace-short.json): tp 8 at 128k 32.63 us
       against 28.03, tp 16 18.72 against 17.94, 32k within 0.1 us.
-    - `scores_ahead` (an experiment, in no deployment and not in "all"; only with `defer_values`,
-      so wgmma two-page steps, and one split a CTA: ValueError elsewhere, before compiling):
-      software pipelining of the two-page loop (`ahead_chain`). Why: the page chain is bound by a
-      step's latency (this module's docstring), and in the deferred step the whole latency of its
-      Q K^T sits between its barrier and its softmax. Step j (pages i, i + 1) first runs the
-      ring's step of step j + 1 (`ring_advance(i + 2)`: its cp.async wait, the barrier that makes
-      pages i + 2 and i + 3 visible, the copies it frees), issues and commits step j + 1's Q K^T,
-      and only then runs its own softmax, on the scores it waited for in step j - 1; then one
-      `wgmma.wait_group 0`, the rescale, and its P V, committed without a wait (as defer_values').
-      The chain's first step is preceded by a prologue (its ring step, its Q K^T, a wait); its
-      last has no next step (softmax, the wait for the previous P V, rescale, P V); the chain's
-      end waits for that P V (as defer_values' does), before a lone last page's one-page loop.
-      wgmma groups, per warpgroup in commit order: ... PV(j - 1), QK(j + 1), PV(j), QK(j + 2) ...
-      Step j's wait comes after QK(j + 1)'s commit and the softmax: the groups then pending are
-      PV(j - 1) (O and l, which the rescale and PV(j) read: they pass through the wait) and
-      QK(j + 1) (the scores step j + 1 reads: they pass through it and are carried there), both
-      needed and nothing newer, so the count is 0. The ring: the copies after step j's barrier are
-      pages i + 2 + lookahead and i + 3 + lookahead. When any warp copies, every warp has finished
-      step j - 1 (its wait included: QK(j) and PV(j - 2) are complete) and none has passed step
-      j + 1's barrier, so the reads some warp may still have in flight are PV(j - 1) on pages i - 2,
-      i - 1 (complete only at step j's wait), and, in a faster warp, QK(j + 1) on pages i + 2, i + 3
-      and PV(j) on pages i, i + 1. Pages i - 2 .. i + 3 + lookahead need distinct stages:
-      lookahead + 6, AHEAD_EXTRA_STAGES more than defer_values' lookahead + 4. The copies then go
-      into step j - 2's stages (pages i - 4, i - 3), which nobody reads any more. The lookahead
-      (pages in flight ahead of a step) and the copy-group count (one group a page, so
-      `ring_advance`'s wait) are unchanged; only the barrier and its copies come one step earlier. The same MMAs
-      on the same values in the same order as with defer_values alone: the same bits (GPU test).
-      Cost (sm_90a, `scripts/attn2-sass.py --issue auto,mask+rescale+lean+keys+defer+ahead`): the
-      next step's 16 scores live through the softmax, 116 registers at tp 8 (110 deployed), 119 at
-      tp 16, 123 with the window forced to two pages a step, no spill (four CTAs an SM's cap: 128);
-      SASS a page on the fastest path 121.0 against 100.5 at tp 8, 119.5 against 101.5 at tp 16
-      (16 moves a step carry the scores round the loop; the next step's stage offsets are a second
-      pair of modulos). Not yet measured on a GPU.
 
     `named("all" | "none" | "mask+rescale+lean+keys" | "mask+lean" ...)`: a setting by name
     (the scripts' flags).
@@ -357,27 +273,20 @@ class SplitIssue:
     ldmatrix_keys: bool = True
     defer_values: bool = False
     prefetch_pages: bool = False
-    scores_ahead: bool = False
-
-    def __post_init__(self) -> None:
-        _require(not self.scores_ahead or self.defer_values,
-                 "SplitIssue.scores_ahead pipelines the deferred two-page step: it needs defer_values too "
-                 "('defer+ahead')")
 
     @staticmethod
     def none() -> SplitIssue:
         """Every switch off: the split kernel as it was before them (the A/B baseline)."""
-        return SplitIssue(False, False, False, False, False, False, False)
+        return SplitIssue(False, False, False, False, False, False)
 
     SHORT_NAMES = {"mask": "mask_edges_only", "rescale": "skip_unit_rescale", "lean": "lean_addressing",
-                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages",
-                   "ahead": "scores_ahead"}
+                   "keys": "ldmatrix_keys", "defer": "defer_values", "prefetch": "prefetch_pages"}
 
     @staticmethod
     def named(name: str) -> SplitIssue:
-        """"all" (`SplitIssue()`: every switch but `defer_values`, `prefetch_pages` and
-        `scores_ahead`), "none", or short names joined by "+" (those on, the rest off): "mask",
-        "rescale", "lean", "keys", "defer", "prefetch", "ahead" ("ahead" only beside "defer").
+        """"all" (`SplitIssue()`: every switch but `defer_values` and `prefetch_pages`), "none", or
+        short names joined by "+" (those on, the rest off): "mask", "rescale", "lean", "keys",
+        "defer", "prefetch".
         ValueError for anything else (an unknown or
         repeated name, "all" joined with anything)."""
         if name == "all":
@@ -392,17 +301,6 @@ class SplitIssue:
 
     def knobs(self) -> dict[str, bool]:
         return {name: bool(getattr(self, name)) for name in SplitIssue.SHORT_NAMES.values()}
-
-
-def check_scores_ahead(scores_ahead: bool, wgmma: bool, pages_per_step: int, splits_per_cta: int,
-                       loads_only: bool = False) -> None:
-    """ValueError unless `SplitIssue.scores_ahead` can act on the build: wgmma (sm_90a), two pages a
-    step, one split a CTA, the arithmetic kept (not `Attn2Build.loads_only`). Called by
-    `compile_attn2` before compiling and by the kernel's constructor."""
-    _require(not scores_ahead or (wgmma and pages_per_step == 2 and splits_per_cta == 1 and not loads_only),
-             "SplitIssue.scores_ahead pipelines the wgmma two-page step of one split a CTA: it needs tensor_ops "
-             f"'wgmma' (sm_90a), pages_per_step 2 and splits_per_cta 1 (got {'wgmma' if wgmma else 'sync'}, "
-             f"pages_per_step {pages_per_step}, splits_per_cta {splits_per_cta}{', loads_only' if loads_only else ''})")
 
 
 def named_issue(name: str) -> SplitIssue | None:
@@ -478,35 +376,6 @@ class Attn2Build:
     # combine CTAs share the SMs with the split CTAs' stream), L 8 5.21 / 5.12 against 5.31 / 5.60,
     # tp 16 within noise.
     early_release: bool = False
-    # experiments only: the progressive combine. With splits, the combine merges each partial as soon
-    # as its split CTA has written it instead of after the whole split grid: the split kernel releases
-    # its dependents right after its prologue (so the combine's CTAs become resident as split CTAs
-    # exit) and, after writing its partial, sets the partial's 64 row flags in the workspace (CTA
-    # barrier, then st.release.gpu); each combine group polls its live leaves' flags for its row
-    # (ld.relaxed.gpu, fence.acq_rel.gpu once all are set; nanosleep between polls; bounded by
-    # `progressive_timeout_ns`), loads and merges them as the deployment does (the same bits), and
-    # resets the row's flags after its last poll; its griddepcontrol.wait moves to its very end. The
-    # flags must be zero before the first launch on a workspace (allocate it with torch.zeros:
-    # `attn2_layout.workspace_bytes(..., progressive=True)`); every launch that records no fault
-    # leaves them zero again. A poll that times out records a fault (`progressive_fault`), its CTA
-    # writes no output and resets nothing (zero the workspace again before the next launch).
-    # Refused without PDL, with `early_release` (both move the split kernel's release) or `loads_only`
-    # (a probe of the split kernel alone), and on a one-split plan (no combine); `trace` and
-    # `full_tree` keep working (the combine's clock_waited is then taken after its polls).
-    progressive_combine: bool = False
-    # where the progressive combine's split kernel releases its dependents (the combine's launch):
-    # "prologue" (right after it: the combine's CTAs become resident while the pages stream) or
-    # "chain" (after the page chain, the deployment's place: the combine launches when the last
-    # split CTA has streamed its pages, and its polls replace only the wait for the grid's end and
-    # flush). Measured on the H200 (session 11, 3f28415): "prologue" was 4.7-5.2 us slower than the
-    # deployment at tp 8 and 16, 128k (the combine's tree phase took 4.7-6.3 us behind its polls)
-    progressive_release: str = "prologue"
-    # the progressive combine's bound on a group's polls, in ns from its first poll (compile-time);
-    # only with progressive_combine
-    progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS
-    # fault injection (tests only, with progressive_combine): the split CTAs of this partial index
-    # write their partial but never its flags, so the combine's polls time out; -1: none
-    drop_flags_of_partial: int = -1
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
@@ -518,39 +387,8 @@ class Attn2Build:
         _require(type(self.weight_terms) is int and self.weight_terms in WEIGHT_TERMS_CHOICES,
                  f"weight_terms must be one of {WEIGHT_TERMS_CHOICES}, got {self.weight_terms!r}")
         _require(isinstance(self.loads_only, bool), f"loads_only must be a bool, got {self.loads_only!r}")
-        _require(isinstance(self.progressive_combine, bool),
-                 f"progressive_combine must be a bool, got {self.progressive_combine!r}")
-        if self.progressive_combine:
-            _require(self.enable_pdl, "progressive_combine needs enable_pdl: the combine polls while the split "
-                                      "kernel runs, which only a dependent launch (PDL) allows")
-            _require(not self.early_release, "progressive_combine and early_release both move the split kernel's "
-                                             "release of the combine: take one")
-            _require(not self.loads_only, "progressive_combine with loads_only: the probe times the split kernel's "
-                                          "page stream alone, with the deployment's combine")
-        _require(self.progressive_release in PROGRESSIVE_RELEASES,
-                 f"progressive_release must be one of {PROGRESSIVE_RELEASES}, got {self.progressive_release!r}")
-        _require(self.progressive_combine or self.progressive_release == PROGRESSIVE_RELEASES[0],
-                 "progressive_release places the progressive combine's launch: set progressive_combine too")
-        timeout = self.progressive_timeout_ns
-        _require(type(timeout) is int and 0 < timeout <= PROGRESSIVE_TIMEOUT_MAX_NS,
-                 f"progressive_timeout_ns must be an int in 1 .. {PROGRESSIVE_TIMEOUT_MAX_NS}, got {timeout!r}")
-        _require(self.progressive_combine or timeout == PROGRESSIVE_TIMEOUT_NS,
-                 "progressive_timeout_ns bounds the progressive combine's polls: set progressive_combine too")
-        drop = self.drop_flags_of_partial
-        _require(type(drop) is int and drop >= -1,
-                 f"drop_flags_of_partial must be -1 (none) or a partial index, got {drop!r}")
-        _require(self.progressive_combine or drop == -1,
-                 "drop_flags_of_partial drops the progressive combine's flags: set progressive_combine too")
         _require(self.issue is None or isinstance(self.issue, SplitIssue),
                  f"issue must be a SplitIssue or None (the deployment's), got {self.issue!r}")
-        if self.issue is not None and self.issue.scores_ahead:
-            # what the build itself names; the target's tensor-core path and the plan's rules are
-            # checked by compile_attn2 (`check_scores_ahead`)
-            _require(self.tensor_ops != "sync" and self.pages_per_step != 1 and self.splits_per_cta != 2
-                     and not self.loads_only,
-                     "SplitIssue.scores_ahead pipelines the wgmma two-page step of one split a CTA: not with "
-                     f"tensor_ops {self.tensor_ops!r}, pages_per_step {self.pages_per_step!r}, splits_per_cta "
-                     f"{self.splits_per_cta!r}, loads_only {self.loads_only!r}")
         if self.splits_per_cta is not None:
             lay.check_splits_per_cta(self.splits_per_cta)
         if self.pages_per_step is not None:
@@ -592,8 +430,7 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False, progressive: bool = False, drop_flags_of_partial: int = -1,
-                 progressive_release: str = PROGRESSIVE_RELEASES[0], scores_ahead: bool = False) -> None:
+                 early_release: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
@@ -612,13 +449,8 @@ class _Attn2Kernel:
                  "SplitIssue.defer_values defers the two-page step's wgmma P V: it needs tensor_ops 'wgmma' and "
                  f"pages_per_step 2 (got {'wgmma' if wgmma else 'sync'}, pages_per_step {pages_per_step})")
         self.defer_values = defer_values
-        check_scores_ahead(scores_ahead, wgmma, pages_per_step, splits_per_cta, loads_only)
-        _require(not scores_ahead or defer_values, "SplitIssue.scores_ahead needs defer_values too ('defer+ahead')")
-        self.scores_ahead = scores_ahead  # `SplitIssue.scores_ahead`: `ahead_chain` runs the two-page steps
-        # ring stages: with defer_values two more, so a step's copies skip the previous step's stages;
-        # with scores_ahead two more again, so the copies a step earlier skip the stages still read
-        self.stages = (ring_stages + (DEFER_EXTRA_STAGES if defer_values else 0)
-                       + (AHEAD_EXTRA_STAGES if scores_ahead else 0))
+        # ring stages: with defer_values two more, so a step's copies skip the previous step's stages
+        self.stages = ring_stages + (DEFER_EXTRA_STAGES if defer_values else 0)
         self.wgmma = wgmma
         self.mask_edges_only = mask_edges_only
         self.skip_unit_rescale = skip_unit_rescale
@@ -637,24 +469,6 @@ class _Attn2Kernel:
         _require(isinstance(early_release, bool) and (not early_release or (enable_pdl and num_splits > 1)),
                  f"early_release {early_release!r}: a bool, True only with PDL and splits (Attn2Build.early_release)")
         self.early_release = early_release
-        # `Attn2Build.progressive_combine`: dependents released after the prologue, row flags set after
-        # the partial (`head_result`); `drop_flags_of_partial` (fault injection) skips one partial's flags
-        _require(isinstance(progressive, bool) and (not progressive or (enable_pdl and num_splits > 1
-                                                                        and not early_release)),
-                 f"progressive {progressive!r}: a bool, True only with PDL, splits and no early_release "
-                 "(Attn2Build.progressive_combine)")
-        _require(type(drop_flags_of_partial) is int and (drop_flags_of_partial == -1 or progressive)
-                 and -1 <= drop_flags_of_partial < num_splits // splits_per_cta,
-                 f"drop_flags_of_partial {drop_flags_of_partial!r}: -1, or a partial index (below "
-                 f"{num_splits // splits_per_cta}) of a progressive build")
-        self.progressive = progressive
-        _require(progressive_release in PROGRESSIVE_RELEASES and (progressive or progressive_release
-                                                                   == PROGRESSIVE_RELEASES[0]),
-                 f"progressive_release {progressive_release!r}: one of {PROGRESSIVE_RELEASES}, another than the "
-                 "first only with progressive")
-        # where the dependents (the combine) are released: after the prologue or after the chain
-        self.release_after_prologue = progressive and progressive_release == "prologue"
-        self.drop_flags_of_partial = drop_flags_of_partial
         self.table_entries = lay.split_table_entries(max_model_len, window, num_splits)  # per split
         self.ctas_per_sm = ctas_per_sm
 
@@ -994,7 +808,13 @@ class _Attn2Kernel:
         page its own chain from zero, the mask per page (the unmasked copy when every row sees
         both pages whole), one max over the 32 keys and m, one alpha, O and l rescaled once, then
         P V: page i's p_lo step, its p_hi step, page i + 1's p_lo, its p_hi. Returns (m, o)."""
-        offsets, stages, keys, inside = self.pair_place(i, ring_base, start, seq_len)
+        offsets = [(i % self.stages) * lay.PAGE_BYTES, ((i + 1) % self.stages) * lay.PAGE_BYTES]
+        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
+        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
+        stages = [ring_base + offset for offset in offsets]
+        inside = None
+        if cutlass.const_expr(self.mask_edges_only):
+            inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
         saccs = None
         if cutlass.const_expr(self.defer_values):
             # Q K^T of both pages and its one wait, which also completes the previous step's P V:
@@ -1003,36 +823,9 @@ class _Attn2Kernel:
         m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key, low_key,
                                              inside, m, saccs)
         o = self.step_rescale(alpha, o)
-        return m, self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)
-
-    @cute.jit
-    def pair_offsets(self, i: Int32) -> list:
-        """The ring offsets of the split's pages i and i + 1 (stages i % STAGES, (i + 1) % STAGES)."""
-        return [(i % self.stages) * lay.PAGE_BYTES, ((i + 1) % self.stages) * lay.PAGE_BYTES]
-
-    @cute.jit
-    def pair_place(self, i: Int32, ring_base: Int32, start: Int32, seq_len: Int32):
-        """Where the step of the split's pages i and i + 1 sits: (their ring offsets, their stages'
-        addresses, their first keys (start + i S) 16 and S 16 further, `inside`: every row sees
-        both pages whole, with `mask_edges_only`, else None)."""
-        offsets = self.pair_offsets(i)
-        keys = [(start + i * self.num_splits) * lay.PAGE_TOKENS]
-        keys.append(keys[0] + self.num_splits * lay.PAGE_TOKENS)
-        stages = [ring_base + offset for offset in offsets]
-        inside = None
-        if cutlass.const_expr(self.mask_edges_only):
-            inside = self.page_inside(keys[0], seq_len) & self.page_inside(keys[1], seq_len)
-        return offsets, stages, keys, inside
-
-    @cute.jit
-    def pair_values(self, stages: list, offsets: list, v_words, descriptors, g: Int32, c: Int32, ah: list,
-                    al: list, o: list) -> list:
-        """The two-page step's P V into the rescaled accumulators: page i's p_lo step, its p_hi
-        step, page i + 1's p_lo, its p_hi (wgmma: one chain, committed and, without defer_values,
-        waited for; with it the returned accumulators are pending). Returns the accumulators."""
         if cutlass.const_expr(self.wgmma):
             values = [gmma.advance_values_descriptor(descriptors[1], Int64(offset >> 4)) for offset in offsets]
-            # defer_values: committed, not waited for (the next step's Q K^T wait, or the chain's end)
+            # defer_values: committed, not waited for (the next step's Q K^T wait, or pair_chain's end)
             if cutlass.const_expr(self.weight_terms == 2):
                 o = wgmma_chain(ACCUMULATOR_COLUMNS, [al[0:4], ah[0:4], al[4:8], ah[4:8]],
                                 [values[0], values[0], values[1], values[1]], 1, o, wait=not self.defer_values)
@@ -1043,7 +836,7 @@ class _Attn2Kernel:
             for k in cutlass.range_constexpr(2):
                 o = self.page_values(stages[k], offsets[k], v_words, descriptors, g, c, ah[4 * k:4 * k + 4],
                                      al[4 * k:4 * k + 4], o)
-        return o
+        return m, o
 
     @cute.jit
     def pair_scores_chains(self, offsets: list, descriptors, a: list, pending: list = ()):
@@ -1052,17 +845,6 @@ class _Attn2Kernel:
         accumulators, page i + 1's], `pending` after the wait): `pending` (defer_values: the
         accumulators of the previous step's P V, committed earlier, not waited for; empty
         otherwise) pass through the same wait (wait_group 0 completes every earlier group)."""
-        accumulators = self.pair_scores_issue(offsets, descriptors, a)
-        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + list(pending))
-        half = len(accumulators) // 2
-        return [done[:half], done[half:2 * half]], done[2 * half:]
-
-    @cute.jit
-    def pair_scores_issue(self, offsets: list, descriptors, a: list) -> list:
-        """wgmma: S = Q K^T of two pages (ring offsets `offsets`), each four k16 steps from zero,
-        behind one fence, committed as one group, not waited for: returns the 16 pending
-        accumulators (page i's 8, then page i + 1's), to be read only through a later
-        `wgmma_wait_group_sync_aligned` (`pair_scores_chains`, `ahead_chain`)."""
         fenced = ptx.wgmma_fence_sync_aligned([w for fragment in a for w in fragment])
         accumulators = []
         for offset in offsets:
@@ -1077,7 +859,9 @@ class _Attn2Kernel:
                     acc = ptx.wgmma_mma_async_sync_aligned_m64n16k16_f32_bf16_bf16(fragment, descriptor, acc, 1, 0)
             accumulators += list(acc)
         ptx.wgmma_commit_group_sync_aligned()
-        return accumulators
+        done = ptx.wgmma_wait_group_sync_aligned(0, accumulators + list(pending))
+        half = len(accumulators) // 2
+        return [done[:half], done[half:2 * half]], done[2 * half:]
 
     @cute.jit
     def pair_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
@@ -1103,49 +887,6 @@ class _Attn2Kernel:
                                     own_key, low_key, m, o)
         if cutlass.const_expr(self.defer_values):
             o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V (a no-op after none)
-        return m, o
-
-    @cute.jit
-    def ahead_chain(self, begin: Int32, steps: Int32, chain_start: Int32, ring_base: Int32, cache_base: Int64,
-                    table_smem: Int32, total: Int32, k_words, v_words, descriptors, a: list, g: Int32, c: Int32,
-                    kv_head: Int32, seq_len: Int32, cache_pages: Int32, tidx: Int32, own_key: Int32,
-                    low_key: Int32, m: list, o: list):
-        """`pair_chain`'s steps (the same pages, MMAs, values and order: the same bits) with
-        `SplitIssue.scores_ahead`: step j's ring step (wait, barrier, copies) and Q K^T run before
-        step j - 1's softmax, rescale and P V (the group accounting and the ring's stages:
-        `SplitIssue`). One split a CTA (`check_scores_ahead`): the copies are this split's pages.
-
-        Prologue (with any step): the first step's ring step, its Q K^T, wait_group 0 (no group
-        pending before it: the one-page loop before the chain waits for its own). Steps 0 ..
-        steps - 2: the next step's ring step and Q K^T (committed), this step's softmax on the
-        scores carried in, wait_group 0 (the previous P V and the next Q K^T: O and the next scores
-        come out of it), rescale, P V (committed). The last step: softmax, wait_group 0 (the
-        previous P V), rescale, P V; then wait_group 0 for it. Returns (m, o)."""
-        if steps > 0:
-            self.ring_advance(begin, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head,
-                              seq_len, cache_pages, tidx, None)
-            scores = ptx.wgmma_wait_group_sync_aligned(
-                0, self.pair_scores_issue(self.pair_offsets(begin), descriptors, a))
-            for j in cutlass.range(0, steps - 1, unroll=1):
-                i = begin + 2 * j
-                self.ring_advance(i + 2, 2, None, chain_start, ring_base, cache_base, table_smem, total, kv_head,
-                                  seq_len, cache_pages, tidx, None)
-                ahead = self.pair_scores_issue(self.pair_offsets(i + 2), descriptors, a)  # committed: QK(j + 1)
-                offsets, stages, keys, inside = self.pair_place(i, ring_base, chain_start, seq_len)
-                m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                     low_key, inside, m, [scores[0:8], scores[8:16]])
-                # pending: PV(j - 1) and QK(j + 1), both needed: O and the next step's scores
-                done = ptx.wgmma_wait_group_sync_aligned(0, ahead + list(o))
-                scores = done[0:16]
-                o = self.step_rescale(alpha, done[16:])
-                o = self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)  # committed: PV(j)
-            i = begin + 2 * (steps - 1)  # the last step: no next step to issue
-            offsets, stages, keys, inside = self.pair_place(i, ring_base, chain_start, seq_len)
-            m, ah, al, alpha = self.step_softmax(stages, offsets, k_words, descriptors, a, g, c, keys, own_key,
-                                                 low_key, inside, m, [scores[0:8], scores[8:16]])
-            o = self.step_rescale(alpha, ptx.wgmma_wait_group_sync_aligned(0, o))  # the previous P V
-            o = self.pair_values(stages, offsets, v_words, descriptors, g, c, ah, al, o)
-            o = ptx.wgmma_wait_group_sync_aligned(0, o)  # the last step's P V
         return m, o
 
     @cute.jit
@@ -1304,10 +1045,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(begin is None):
             begin = Int32(0)
         m, o = self.split_chain(begin, begin + lead, chain_start, None, chain_start, *chain, m, o, streams=streams)
-        if cutlass.const_expr(self.scores_ahead):  # `SplitIssue.scores_ahead` (one split a CTA: no streams)
-            m, o = self.ahead_chain(begin + lead, pairs, chain_start, *chain, m, o)
-        else:
-            m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
+        m, o = self.pair_chain(begin + lead, pairs, chain_start, *chain, m, o, streams=streams)
         return self.split_chain(begin + lead + 2 * pairs, begin + count, chain_start, None, chain_start, *chain, m, o,
                                 streams=streams)
 
@@ -1380,25 +1118,6 @@ class _Attn2Kernel:
                 ptx.st_global_v4_u32(slot + Int64(lay.PARTIAL_O_VECTORS * lay.CTA_THREADS + tidx) * VECTOR_BYTES,
                                      ptx.bitcast_f32_to_u32(m[0]), ptx.bitcast_f32_to_u32(m[1]),
                                      ptx.bitcast_f32_to_u32(lsum[0]), ptx.bitcast_f32_to_u32(lsum[1]))
-                if cutlass.const_expr(self.progressive):
-                    self.set_row_flags(workspace, req, kv_head, partial, tidx)
-
-    @cute.jit
-    def set_row_flags(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, tidx: Int32) -> None:
-        """The progressive build: this partial's 64 row flags, set once every thread of the CTA has
-        stored its share of the partial. The CTA barrier makes every thread's stores observed by the
-        flag writers (thread r sets row r's flag), and each flag is a release at GPU scope, cumulative:
-        a combine thread that reads the flag set and then fences (acquire) sees the whole partial.
-        `drop_flags_of_partial` (fault injection): that partial's flags are never set."""
-        cute.arch.barrier()
-        if tidx < lay.ROWS_PER_KV_HEAD:
-            address = row_flag_address(workspace, cute.arch.grid_dim()[2], req, kv_head, tidx, partial,
-                                       self.num_kv_heads, self.num_splits, self.partials)
-            if cutlass.const_expr(self.drop_flags_of_partial >= 0):
-                if partial != Int32(self.drop_flags_of_partial):
-                    ptx.st_release_gpu_global_u32(address, Uint32(lay.PROGRESS_FLAG_SET))
-            else:
-                ptx.st_release_gpu_global_u32(address, Uint32(lay.PROGRESS_FLAG_SET))
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor, page_table: cute.Tensor,
@@ -1475,10 +1194,6 @@ class _Attn2Kernel:
                            tidx)
         if cutlass.const_expr(self.trace):
             clocks["clock_prologue"] = ptx.read_clock64_u64()  # Q, the table and the ring's first copies issued
-        if cutlass.const_expr(self.release_after_prologue):
-            # the combine's CTAs launch while the pages stream, and become resident as split CTAs exit
-            # (every split CTA is resident or done by then: no combine CTA can keep one from running)
-            cute.arch.griddepcontrol_launch_dependents()
 
         # lean_addressing: this thread's fragment addresses in stage 0 (a page adds its stage's offset)
         k_words = None
@@ -1536,7 +1251,7 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_chained"] = ptx.read_clock64_u64()
         cute.arch.cp_async_wait_group(0)
-        if cutlass.const_expr(self.enable_pdl and not self.early_release and not self.release_after_prologue):
+        if cutlass.const_expr(self.enable_pdl and not self.early_release):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.splits_per_cta > 1):
             m, o = self.merge_pending(pending_base, tidx, m, o)
@@ -1548,8 +1263,7 @@ class _Attn2Kernel:
                 num_reqs = cute.arch.grid_dim()[2]
                 index = (req * self.num_kv_heads + kv_head) * self.partials + partial
                 trace_row = (Int64(workspace.iterator.toint())
-                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials,
-                                            self.progressive)
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
                              + Int64(index) * TRACE_ROW_BYTES)
                 write_trace_row(trace_row, SPLIT_TRACE_FIELDS, clocks)
 
@@ -1695,37 +1409,12 @@ def live_groups(first_page: Int32, end_page: Int32, num_splits: cutlass.Constexp
     return cutlass.select_(lo == 0, prefix, Int32(groups))
 
 
-def region_offsets(num_reqs, num_kv_heads: int, num_splits: int, partials: int, progressive: bool, wide=Int64):
-    """Device side (inlined into a kernel): the byte offsets (flags, fault, trace) of the workspace's
-    regions past the partials, `attn2_layout.workspace_regions`' on the device (`num_reqs`: the
-    grid's Int32; `wide`: Int64 in a kernel, int in the CPU test that holds the two to each other).
-    Without `progressive` all three are the partials' end; with one split, 0."""
-    if num_splits == 1:
-        return wide(0), wide(0), wide(0)
-    end = wide(num_reqs * (num_kv_heads * partials)) * lay.PARTIAL_BYTES
-    if not progressive:
-        return end, end, end
-    fault = end + wide(num_reqs * (num_kv_heads * lay.ROWS_PER_KV_HEAD * partials)) * lay.PROGRESS_FLAG_BYTES
-    return end, fault, fault + lay.PROGRESS_FAULT_BYTES
-
-
-def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int,
-                 progressive: bool = False) -> Int64:
+def trace_offset(num_reqs: Int32, num_kv_heads: int, num_splits: int, partials: int) -> Int64:
     """Device side (inlined into a traced kernel): the first trace row's byte offset in the
-    workspace, past the partials (none with one split) and, progressive, the flags and the fault
-    record (`region_offsets`), as `trace_rows` reads it."""
-    return region_offsets(num_reqs, num_kv_heads, num_splits, partials, progressive)[2]
-
-
-@cute.jit
-def row_flag_address(workspace: cute.Tensor, num_reqs: Int32, req: Int32, kv_head: Int32, row: Int32, partial: Int32,
-                     num_kv_heads: cutlass.Constexpr, num_splits: cutlass.Constexpr,
-                     partials: cutlass.Constexpr) -> Int64:
-    """The address of the progressive combine's flag of (req, kv_head, row, partial): the flags
-    follow the partials, [request][KV head][row][partial] (`attn2_layout.workspace_regions`)."""
-    flags, _, _ = region_offsets(num_reqs, num_kv_heads, num_splits, partials, True)
-    index = ((req * num_kv_heads + kv_head) * lay.ROWS_PER_KV_HEAD + row) * partials + partial
-    return Int64(workspace.iterator.toint()) + flags + Int64(index) * lay.PROGRESS_FLAG_BYTES
+    workspace, past the partials (none with one split), as `trace_rows` reads it."""
+    if num_splits == 1:
+        return Int64(0)
+    return Int64(num_reqs * (num_kv_heads * partials)) * lay.PARTIAL_BYTES
 
 
 def write_trace_row(row: Int64, fields: tuple[str, ...], clocks: dict) -> None:
@@ -1803,8 +1492,7 @@ class _Attn2CombineKernel:
 
     def __init__(self, *, num_kv_heads: int, num_splits: int, max_model_len: int, window: int, eps: float,
                  enable_pdl: bool, splits_per_cta: int = 1, trace: bool = False, full_tree: bool = False,
-                 early_release: bool = False, progressive: bool = False,
-                 timeout_ns: int = PROGRESSIVE_TIMEOUT_NS) -> None:
+                 early_release: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits) and num_splits > 1, "bad attn2 configuration")
         _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
         _require(isinstance(full_tree, bool), f"full_tree must be a bool, got {full_tree!r}")
@@ -1829,15 +1517,6 @@ class _Attn2CombineKernel:
         _require(isinstance(early_release, bool) and (not early_release or enable_pdl),
                  f"early_release {early_release!r}: a bool, True only with PDL (Attn2Build.early_release)")
         self.early_release = early_release  # `Attn2Build.early_release`
-        # `Attn2Build.progressive_combine`: each group polls its leaves' row flags (bounded by
-        # `timeout_ns`) in place of the PDL wait before its loads; the wait moves to the end
-        _require(isinstance(progressive, bool) and (not progressive or (enable_pdl and not early_release)),
-                 f"progressive {progressive!r}: a bool, True only with PDL and no early_release "
-                 "(Attn2Build.progressive_combine)")
-        _require(type(timeout_ns) is int and 0 < timeout_ns <= PROGRESSIVE_TIMEOUT_MAX_NS,
-                 f"timeout_ns must be an int in 1 .. {PROGRESSIVE_TIMEOUT_MAX_NS}, got {timeout_ns!r}")
-        self.progressive = progressive
-        self.timeout_ns = timeout_ns
 
     def smem_bytes(self) -> int:
         return self.warps * lay.COMBINE_QUADS * COMBINE_SLOT_BYTES
@@ -1855,82 +1534,17 @@ class _Attn2CombineKernel:
         )
 
     @cute.jit
-    def partial_live(self, partial: Int32, first_page: Int32, end_page: Int32):
-        """Whether partial `partial` was written: any of its splits' first pages (`page_range`)
-        below the end (the split kernel's test: a CTA without pages writes nothing)."""
-        live = None
+    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
+                  end_page: Int32, source: Int32, half: Int32) -> list:
+        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
+        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
+        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's."""
+        leaf = empty_node(lay.LANE_DIMS)
+        live = None  # any of its splits' first pages (`page_range`) below the end
         for j in cutlass.range_constexpr(self.splits_per_cta):
             split = partial * self.splits_per_cta + j
             has_pages = first_page + ((split - first_page) & (self.num_splits - 1)) < end_page
             live = has_pages if live is None else live | has_pages
-        return live
-
-    @cute.jit
-    def await_leaves(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, row_index: Int32, group: Int32,
-                     first_page: Int32, end_page: Int32) -> Int32:
-        """The progressive build: wait until every live leaf of this thread's group (`partial_live`)
-        has its row flag set, then acquire (1), or until `timeout_ns` has passed since the first poll
-        (0: then the first thread of the launch to time out records the fault: 1 + req, kv_head, the
-        group's lowest partial still unset, the row). Each iteration polls every leaf's flag
-        (ld.relaxed.gpu: never a stale L1 line) and reads %globaltimer; `nanosleep` between
-        iterations. After the loop one fence.acq_rel.gpu: with the relaxed reads that saw the flags
-        set it is an acquire, so this thread's loads of the partials see what their split CTAs
-        released (`_Attn2Kernel.set_row_flags`)."""
-        num_reqs = cute.arch.grid_dim()[2]
-        first = group * self.leaves
-        flag0 = row_flag_address(workspace, num_reqs, req, kv_head, row_index, first, self.num_kv_heads,
-                                 self.num_splits, self.partials)
-        wanted = [self.partial_live(first + i, first_page, end_page) for i in range(self.leaves)]
-        started = ptx.read_globaltimer_u64()
-        missing = Int32(0)  # bit i: leaf i is live and its flag was clear at the last poll
-        polling = Int32(1)
-        while polling != 0:
-            # the timer is read in the same iteration as the flags: the wait is bounded
-            now = ptx.read_globaltimer_u64()
-            missing = Int32(0)
-            for i in cutlass.range_constexpr(self.leaves):
-                flag = ptx.ld_relaxed_gpu_global_u32(flag0 + i * lay.PROGRESS_FLAG_BYTES)
-                unset = wanted[i] & (flag == Uint32(0))
-                missing = missing | (cutlass.select_(unset, Int32(1), Int32(0)) << i)
-            polling = Int32(missing != 0) & Int32(now - started <= Int64(self.timeout_ns))
-            if polling != 0:
-                ptx.nanosleep_u32(PROGRESSIVE_POLL_SLEEP_NS)
-        ptx.fence_acq_rel_gpu()
-        if missing != 0:
-            lowest = Int32(0)
-            for i in cutlass.range_constexpr(self.leaves - 1, -1, -1):
-                lowest = cutlass.select_(((missing >> i) & Int32(1)) != 0, Int32(i), lowest)
-            _, fault, _ = region_offsets(num_reqs, self.num_kv_heads, self.num_splits, self.partials, True)
-            record = Int64(workspace.iterator.toint()) + fault
-            previous = ptx.atom_cas_relaxed_gpu_global_b32(record, Int32(0), req + 1)
-            if previous == Int32(0):  # the launch's first timed-out thread names what it waited for
-                ptx.st_global_u32(record + WORD_BYTES, Uint32(kv_head))
-                ptx.st_global_u32(record + 2 * WORD_BYTES, Uint32(first + lowest))
-                ptx.st_global_u32(record + 3 * WORD_BYTES, Uint32(row_index))
-        return Int32(missing == 0)
-
-    @cute.jit
-    def reset_row_flags(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, row_index: Int32,
-                        tidx: Int32) -> None:
-        """The progressive build, after every thread's last poll (a CTA barrier): the row's flags of
-        every partial back to 0, one thread a partial (the next launch's split CTAs set them again,
-        behind this grid's completion)."""
-        if tidx < self.partials:
-            address = row_flag_address(workspace, cute.arch.grid_dim()[2], req, kv_head, row_index, tidx,
-                                       self.num_kv_heads, self.num_splits, self.partials)
-            ptx.st_global_u32(address, Uint32(0))
-
-    @cute.jit
-    def load_leaf(self, workspace: cute.Tensor, req: Int32, kv_head: Int32, partial: Int32, first_page: Int32,
-                  end_page: Int32, source: Int32, half: Int32, ready=None) -> list:
-        """[16 dims of O, m, l] of the row in partial `partial` ((0.., -inf, 0) if none of its splits
-        has a page: the merge of empty leaves): the source lane's vectors 2p + half, p = 0 .. 3, so
-        O comes in `attn2_layout.lane_dims(c)`'s order, the epilogue's. `ready` (the progressive
-        build, `await_leaves`): 0 reads nothing (the group timed out: its leaves stay empty)."""
-        leaf = empty_node(lay.LANE_DIMS)
-        live = self.partial_live(partial, first_page, end_page)
-        if cutlass.const_expr(ready is not None):
-            live = live & (ready != Int32(0))
         if live:
             slot = partial_slot(workspace, req, kv_head, partial, self.num_kv_heads, self.partials)
             for pp in cutlass.range_constexpr(V_TILE_PAIRS):
@@ -2024,22 +1638,6 @@ class _Attn2CombineKernel:
             mine = self.subtree(nodes, 0, self.warps)
         return mine
 
-    @cute.jit
-    def root_epilogue(self, mine: list, sigmoids: list, out: cute.Tensor, row: Int32, head: Int32, c: Int32,
-                      group: Int32, tidx: Int32) -> None:
-        """The epilogue on the root: warp 0 (all of it, or every thread of a smaller CTA) runs it,
-        quad 0 (group 0, which holds the root) stores the row."""
-        if tidx < 32:
-            # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
-            # quads' values never reach a stored bit. They run the epilogue on ones instead of their
-            # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
-            # slow path (`division.quotients_rn`), and the warp would wait for it (2.1 us at 4 splits, L 8).
-            root = group == 0
-            values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
-            lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
-            row_epilogue(values, lsum, sigmoids, out, row, head, c, self.num_kv_heads, self.eps,
-                         cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
-
     @cute.kernel
     def kernel(self, gate: cute.Tensor, seq_lens: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor,
                gate_row_words: Int32) -> None:
@@ -2067,18 +1665,13 @@ class _Attn2CombineKernel:
         head = kv_head * lay.HEADS_PER_KV_HEAD + 2 * w + half
         sigmoids = gate_sigmoids(load_gate_words(gate, row, head, c, gate_row_words))  # gate only: before the wait
         _, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
-        ready = None
-        if cutlass.const_expr(self.progressive):
-            # each partial once its split CTA has set its flag; the PDL wait moves to the end
-            ready = self.await_leaves(workspace, req, kv_head, row_index, group, first_page, end_page)
-        elif cutlass.const_expr(self.enable_pdl):
+        if cutlass.const_expr(self.enable_pdl):
             cute.arch.griddepcontrol_wait()  # the split kernel's partials, finished and flushed
         if cutlass.const_expr(self.early_release):
             cute.arch.griddepcontrol_launch_dependents()
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
-        leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half,
-                                 ready)
+        leaves = [self.load_leaf(workspace, req, kv_head, group * self.leaves + i, first_page, end_page, source, half)
                   for i in range(self.leaves)]
         mine = self.subtree(leaves, 0, self.leaves)
         if cutlass.const_expr(self.trace):
@@ -2097,18 +1690,16 @@ class _Attn2CombineKernel:
             mine = self.upper_tree(mine, slot_base, tidx, c)
         if cutlass.const_expr(self.trace):
             clocks["clock_merged"] = ptx.read_clock64_u64()  # the tree above the groups (warp 0: its root)
-        if cutlass.const_expr(self.progressive):
-            # One CTA barrier: every thread's polls are over (the flags may be reset) and the CTA
-            # learns whether any group timed out: then it writes no output and resets nothing.
-            failed = ptx.bar_red_or_pred(Int32(1) - ready)
-            if failed == Int32(0):
-                self.root_epilogue(mine, sigmoids, out, row, head, c, group, tidx)
-                self.reset_row_flags(workspace, req, kv_head, row_index, tidx)
-            # this grid completes only after the split grid: the next launch's kernels, which wait
-            # for this one, find both finished
-            cute.arch.griddepcontrol_wait()
-        else:
-            self.root_epilogue(mine, sigmoids, out, row, head, c, group, tidx)
+        if tidx < 32:  # warp 0 (all of it, or every thread of a smaller CTA) runs the root's epilogue, quad 0 stores
+            # Only quad 0 (group 0) holds the root; the butterfly stays inside each quad, so the other
+            # quads' values never reach a stored bit. They run the epilogue on ones instead of their
+            # node: a node of empty leaves (0 / 0) would send their whole list through div.rn.f32's
+            # slow path (`division.quotients_rn`), and the warp would wait for it (2.1 us at 4 splits, L 8).
+            root = group == 0
+            values = [cutlass.select_(root, v, Float32(1.0)) for v in mine[:lay.LANE_DIMS]]
+            lsum = cutlass.select_(root, mine[lay.LANE_DIMS + 1], Float32(1.0))
+            row_epilogue(values, lsum, sigmoids, out, row, head, c, self.num_kv_heads, self.eps,
+                         cutlass.select_(root, Int32(1), Int32(0)), min(32, self.threads))
         if cutlass.const_expr(self.trace):
             clocks["clock_end"] = ptx.read_clock64_u64()
             clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
@@ -2116,8 +1707,7 @@ class _Attn2CombineKernel:
                 num_reqs = cute.arch.grid_dim()[2]
                 index = (req * self.num_kv_heads + kv_head) * lay.ROWS_PER_KV_HEAD + row_index
                 trace_row = (Int64(workspace.iterator.toint())
-                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials,
-                                            self.progressive)
+                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
                              + Int64(num_reqs * (self.num_kv_heads * self.partials)) * TRACE_ROW_BYTES
                              + Int64(index) * TRACE_ROW_BYTES)
                 write_trace_row(trace_row, COMBINE_TRACE_FIELDS, clocks)
@@ -2186,7 +1776,6 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     bf16 = cutlass.BFloat16
     wgmma = tensor_ops_for(target, build.tensor_ops) == "wgmma"
     issue = build.issue if build.issue is not None else deployment_issue(wgmma, per_step, knobs["splits_per_cta"])
-    check_scores_ahead(issue.scores_ahead, wgmma, per_step, knobs["splits_per_cta"], build.loads_only)
     # the ring's depth: the build's (an experiment) or the deployment's rule (`attn2_layout.ring_stages`)
     ring = build.ring_stages or lay.ring_stages(window, num_kv_heads, knobs["num_splits"], knobs["splits_per_cta"],
                                                 deferred=issue.defer_values)
@@ -2222,20 +1811,6 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
-    if build.progressive_combine:  # the deployments' keys stay as they were
-        partials = knobs["num_splits"] // knobs["splits_per_cta"]
-        _require(knobs["num_splits"] > 1,
-                 "progressive_combine merges partials as they land: a one-split plan (max_model_len "
-                 f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1) has no partials and no combine")
-        _require(build.drop_flags_of_partial < partials,
-                 f"drop_flags_of_partial {build.drop_flags_of_partial}: the plan has {partials} partials")
-        split_knobs["progressive"] = True
-        combine_knobs["progressive"] = True
-        combine_knobs["timeout_ns"] = build.progressive_timeout_ns
-        if build.progressive_release != PROGRESSIVE_RELEASES[0]:
-            split_knobs["progressive_release"] = build.progressive_release
-        if build.drop_flags_of_partial >= 0:
-            split_knobs["drop_flags_of_partial"] = build.drop_flags_of_partial
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -2282,93 +1857,41 @@ def trace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int, splits_per_ct
 
 
 def traced_workspace_bytes(num_reqs: int, num_kv_heads: int, num_splits: int,
-                           splits_per_cta: int | None = None, *, progressive: bool = False) -> int:
+                           splits_per_cta: int | None = None) -> int:
     """The workspace a traced launch needs: the partials (`attn2_layout.workspace_bytes`, 0 with one
-    split), with `progressive` the flags and the fault record, then the trace rows (`trace_bytes`;
-    `attn2_layout.workspace_regions`)."""
-    return lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive,
-                                 trace_bytes=trace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)).end
+    split), then the trace rows (`trace_bytes`)."""
+    return (lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
+            + trace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta))
 
 
 def trace_rows(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
-               splits_per_cta: int | None = None, *, progressive: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               splits_per_cta: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Views of a traced launch's rows in its workspace (uint8, at least `traced_workspace_bytes`):
     (split rows int64 [split CTAs, TRACE_WORDS], SPLIT_TRACE_FIELDS, row (request x KV heads + KV
     head) x partials + partial; combine rows int64 [combine CTAs, TRACE_WORDS], COMBINE_TRACE_FIELDS,
     row (request x KV heads + KV head) x 64 + the CTA's row, or None with one split). A split CTA's
-    row is written whether or not it has pages; a launch writes every row of both. `progressive`:
-    the launch's build was the progressive combine's (its rows follow the flags)."""
-    need = traced_workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive)
+    row is written whether or not it has pages; a launch writes every row of both."""
+    need = traced_workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
     _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
              and workspace.numel() >= need and workspace.is_contiguous() and workspace.data_ptr() % 8 == 0,
              f"workspace must be a contiguous uint8 tensor of >= {need} bytes (traced_workspace_bytes)")
-    start = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=progressive).trace
+    start = lay.workspace_bytes(num_reqs, num_kv_heads, num_splits, splits_per_cta)
     split_ctas, _ = _trace_ctas(num_reqs, num_kv_heads, num_splits, splits_per_cta)
     rows = workspace[start:need].view(torch.int64).view(-1, TRACE_WORDS)
     return rows[:split_ctas], (rows[split_ctas:] if num_splits > 1 else None)
 
 
-def progressive_flags(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
-                      splits_per_cta: int | None = None) -> torch.Tensor:
-    """A view of the progressive combine's row flags in a workspace (uint8, at least
-    `attn2_layout.workspace_bytes(..., progressive=True)`): int32 [requests, KV heads, 64 rows,
-    partials]; PROGRESS_FLAG_SET where a split CTA set a flag the combine did not reset. All zero
-    before the first launch and after every launch that recorded no fault (read it after a
-    synchronize)."""
-    regions = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=True)
-    _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
-             and workspace.numel() >= regions.trace and workspace.is_contiguous(),
-             f"workspace must be a contiguous uint8 tensor of >= {regions.trace} bytes "
-             "(attn2_layout.workspace_bytes(..., progressive=True))")
-    per_cta = lay.splits_per_cta(num_kv_heads, num_splits) if splits_per_cta is None else splits_per_cta
-    return workspace[regions.flags:regions.fault].view(torch.int32).view(
-        num_reqs, num_kv_heads, lay.ROWS_PER_KV_HEAD, num_splits // per_cta)
-
-
-@dataclass(frozen=True)
-class ProgressiveFault:
-    """The first poll of a progressive combine that timed out: its request, KV head, the partial
-    whose row flag it still found unset (the lowest of its group's) and the row."""
-
-    request: int
-    kv_head: int
-    partial: int
-    row: int
-
-
-def progressive_fault(workspace: torch.Tensor, num_reqs: int, num_kv_heads: int, num_splits: int,
-                      splits_per_cta: int | None = None) -> ProgressiveFault | None:
-    """The progressive combine's fault record in a workspace (`attn2_layout.workspace_regions`),
-    read after a synchronize: None while word 0 holds the clear value 0 (no poll timed out since the
-    workspace was zeroed), else the `ProgressiveFault` it names. Copies 16 bytes to the host."""
-    regions = lay.workspace_regions(num_reqs, num_kv_heads, num_splits, splits_per_cta, progressive=True)
-    _require(isinstance(workspace, torch.Tensor) and workspace.dtype == torch.uint8 and workspace.dim() == 1
-             and workspace.numel() >= regions.trace and workspace.is_contiguous(),
-             f"workspace must be a contiguous uint8 tensor of >= {regions.trace} bytes "
-             "(attn2_layout.workspace_bytes(..., progressive=True))")
-    words = workspace[regions.fault:regions.trace].view(torch.int32).tolist()
-    if words[0] == 0:
-        return None
-    return ProgressiveFault(request=words[0] - 1, kv_head=words[1], partial=words[2], row=words[3])
-
-
 def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None, *, max_model_len: int,
                  window: int, num_splits: int | None = None, splits_per_cta: int | None = None,
-                 trace: bool = False, progressive: bool = False) -> int:
+                 trace: bool = False) -> int:
     """Refuse (ValueError) arguments outside `cute_ops.launch_attn2`'s contract; the split count.
     `trace` (the traced build): the workspace must also hold the trace rows
-    (`traced_workspace_bytes`, with one split as well). `progressive` (the progressive combine):
-    the workspace must also hold its flags and fault record (`attn2_layout.workspace_regions`)."""
+    (`traced_workspace_bytes`, with one split as well)."""
     _require(isinstance(trace, bool), f"trace must be a bool, got {trace!r}")
-    _require(isinstance(progressive, bool), f"progressive_combine must be a bool, got {progressive!r}")
     variant = _variant(int(kv_cache.shape[1]) if kv_cache.dim() == 4 else -1, max_model_len, window, num_splits,
                        splits_per_cta)
     heads = variant["num_kv_heads"]
-    _require(not progressive or variant["num_splits"] > 1,
-             "progressive_combine merges partials as they land: a one-split plan "
-             f"(max_model_len {max_model_len} <= SHORT_MAX_LEN, or num_splits 1) has no combine")
     bf16 = torch.bfloat16
     _require(kv_cache.dtype == bf16 and kv_cache.dim() == 4 and tuple(kv_cache.shape[2:]) == (lay.PAGE_TOKENS,
              lay.SLOT_WIDTH) and kv_cache.is_contiguous(),
@@ -2392,10 +1915,10 @@ def check_launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, pa
     devices = {t.device for t in (q, gate, kv_cache, page_table, seq_lens, out)}
     _require(len(devices) == 1 and next(iter(devices)).type == "cuda", "every tensor must be on one CUDA device")
     splits = variant["num_splits"]
-    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"], progressive=progressive)
-    what = " (the partials, the progressive combine's flags and fault record)" if progressive else ""
+    need = lay.workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
+    what = ""
     if trace:
-        need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"], progressive=progressive)
+        need = traced_workspace_bytes(reqs, heads, splits, variant["splits_per_cta"])
         what = " (traced: the partials, then the trace rows, traced_workspace_bytes)"
     if need:
         _require(workspace is not None and workspace.dtype == torch.uint8 and workspace.numel() >= need
@@ -2417,9 +1940,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
-           early_release: bool = False, progressive_combine: bool = False,
-           progressive_timeout_ns: int = PROGRESSIVE_TIMEOUT_NS, drop_flags_of_partial: int = -1,
-           progressive_release: str = PROGRESSIVE_RELEASES[0]) -> None:
+           early_release: bool = False) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2431,23 +1952,13 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
     not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
     `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
-    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
-    `progressive_combine` (an experiment, `Attn2Build.progressive_combine`, with its
-    `progressive_timeout_ns`, `progressive_release` and the fault injection `drop_flags_of_partial`): the combine merges
-    each partial as it lands. Its workspace holds `attn2_layout.workspace_bytes(..., progressive=True)`
-    (with `trace`, `traced_workspace_bytes(..., progressive=True)`), and its flags must be zero before
-    the first launch on it (torch.zeros); every launch that records no fault leaves them zero (a
-    CUDA graph of back-to-back launches on one workspace replays as often as wanted). After a fault
-    (`progressive_fault` names it; that CTA's row of out is not written) zero the workspace again."""
+    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
-                       early_release=early_release, progressive_combine=progressive_combine,
-                       progressive_timeout_ns=progressive_timeout_ns, drop_flags_of_partial=drop_flags_of_partial,
-                       progressive_release=progressive_release)
+                       early_release=early_release)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
-                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace,
-                          progressive=progressive_combine)
+                          window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)
     if not trace and (workspace is None or splits == 1):
         workspace = out.view(torch.uint8)  # never read with one split: any 16-byte aligned tensor serves

@@ -511,44 +511,6 @@ def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
     _asm(None, [], "fence.acq_rel.gpu;", "", side_effects=True, loc=loc, ip=ip)
 
 
-@dsl_user_op
-def ld_relaxed_gpu_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
-    """`ld.relaxed.gpu.global.u32`: one word, strong at GPU scope (a flag another CTA sets while
-    this one polls: re-read every time, never from a stale L1 line). An acquire pattern is this
-    read followed by `fence_acq_rel_gpu` (attn2's progressive combine)."""
-    return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.relaxed.gpu.global.u32 $0, [$1];", "=r,l",
-                       side_effects=True, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def st_release_gpu_global_u32(address: Int64, value: Uint32, *, loc=None, ip=None) -> None:
-    """`st.release.gpu.global.u32`: one word, released at GPU scope: every write this thread has
-    made or observed before it (cumulative: other threads' writes behind a CTA barrier included) is
-    visible to a thread that acquires the word (attn2's progressive row flags)."""
-    _asm(None, [_ir(Int64(address), loc, ip), _ir(Uint32(value), loc, ip)], "st.release.gpu.global.u32 [$0], $1;",
-         "l,r", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def nanosleep_u32(nanoseconds: int, *, loc=None, ip=None) -> None:
-    """`nanosleep.u32 t`: suspend the thread for about `nanoseconds` (a compile-time constant, at most
-    1 ms; the hardware may wake it earlier or later): a polling loop's backoff."""
-    if isinstance(nanoseconds, bool) or not isinstance(nanoseconds, int) or not 0 <= nanoseconds <= 1_000_000:
-        raise ValueError(f"nanosleep takes 0 .. 1000000 ns as an int, got {nanoseconds!r}")
-    _asm(None, [], f"nanosleep.u32 {nanoseconds};", "", side_effects=True, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def bar_red_or_pred(flag: Int32, *, loc=None, ip=None) -> Int32:
-    """`bar.red.or.pred` on barrier 0 over the whole CTA: a CTA barrier (as `cute.arch.barrier`)
-    whose result, in every thread, is 1 if `flag` is non-zero in any thread, else 0 (setp before it
-    and selp after it move the predicate in and out of a register). Every thread of the CTA must
-    execute it."""
-    text = ("{\n.reg .pred p, q;\nsetp.ne.b32 q, $1, 0;\nbar.red.or.pred p, 0, q;\n"
-            "selp.b32 $0, 1, 0, p;\n}")
-    return Int32(_asm(T.i32(), [_ir(Int32(flag), loc, ip)], text, "=r,r", side_effects=True, loc=loc, ip=ip))
-
-
 def is_sentinel_word_u32(word):
     """1 if the 32-bit word is the TP sentinel 0x80008000 (two BF16 -0.0), else 0 (branch-free:
     d | -d has its top bit set exactly when d != 0)."""
