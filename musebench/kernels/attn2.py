@@ -67,6 +67,15 @@ removed (records/, 2026-12-01 af718e6): an mbarrier ring with no CTA barrier a p
 the next page's Q K^T issued before this page's softmax on it (it changed bits: removed with its
 bug), a combine trimmed to the live subtree (no faster), and several KV heads a CTA (no faster:
 the heads' chains ran one after the other, each restarting the ring).
+Measured and removed on 2026-12-02 (session 11, branch attn2-s11-experiments; the deployment's
+bits every time): the next step's Q K^T issued before this step's softmax, now without the bit
+change (`SplitIssue.scores_ahead`: 121 against 100.5 SASS a page for the 16 moves that carry the
+scores; tp 8 / 16 at 128k 30.43 / 18.86 us against 28.55 / 17.73,
+records/2026-12-02-h200-68f8fa8-attn2-scores-ahead.json), and a combine that merges each partial
+as it lands, behind row flags the split CTAs set (`progressive_combine`, the combine launched after
+the split kernel's prologue or after its chain: 32.90 / 30.83 us against 28.15 / 29.37 at tp 8
+and 128k; the flags' release costs the last split CTA about 1 us, as the grid's flush did,
+records/2026-12-02-h200-3f28415-attn2-progressive-combine.json).
 
 Where tp 8's 128k time goes (H200, records/2026-12-02-h200-*: 4426823 trace rows, 93d25a5
 ncu loads-only, 081ea38 stalls and read floor, fb41107 weight terms). The graph period is 28.1 us
