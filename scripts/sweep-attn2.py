@@ -45,6 +45,10 @@ same lease to compare (each point's `full_tree` and `early_release` say which); 
 held to the deployment's by tests/kernels/test_attn2_gpu.py, not by this script. `--early-release`
 with a 0 in --pdl, and either flag with a 1 in --splits (no combine), exit 2 before any launch.
 
+`--empty-ctas-stay` (`Attn2Build.empty_ctas_exit` False) keeps every split CTA without pages running
+its whole prologue: the baseline of the deployment's early end (the same bits). With a 1 in --splits
+it exits 2.
+
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
 """
@@ -126,6 +130,9 @@ def main() -> None:
                         help="the combine's whole upper tree at every point (Attn2Build.full_tree)")
     parser.add_argument("--early-release", action="store_true",
                         help="dependents released right after each kernel's PDL wait (Attn2Build.early_release)")
+    parser.add_argument("--empty-ctas-stay", action="store_true",
+                        help="split CTAs without pages run their whole prologue (Attn2Build.empty_ctas_exit False: "
+                             "the baseline of the deployment's early end) at every point")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -169,6 +176,9 @@ def main() -> None:
         sys.exit(2)
     if args.early_release and 0 in _csv(args.pdl):
         print("--early-release: releases dependents after the PDL wait; --pdl 0 has none to release", file=sys.stderr)
+        sys.exit(2)
+    if args.empty_ctas_stay and 1 in _csv(args.splits):
+        print("--empty-ctas-stay: a one-split plan (--splits 1) has no CTA without pages", file=sys.stderr)
         sys.exit(2)
     if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
         print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
@@ -215,7 +225,8 @@ def main() -> None:
                                              max_model_len=p.max_model_len, window=p.window, enable_pdl=bool(pdl),
                                              num_splits=splits, issue=issue[0], tensor_ops=issue[1],
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
-                                             full_tree=args.full_tree, early_release=args.early_release)
+                                             full_tree=args.full_tree, early_release=args.early_release,
+                                             empty_ctas_exit=False if args.empty_ctas_stay else None)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -236,6 +247,7 @@ def main() -> None:
 
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        full_tree=args.full_tree, early_release=args.early_release,
+                                       empty_ctas_stay=args.empty_ctas_stay,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

@@ -50,7 +50,9 @@ order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
    whole take an unmasked copy of the scores, a warp whose alphas are all 1.0 skips the rescale,
    and (mma.sync) the fragment addresses are per-thread constants plus the stage's offset.
 4. With one split: the epilogue. Otherwise a CTA with pages writes its partial (O, m, l) to its
-   workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing. With two splits
+   workspace slot (`attn2_layout`) and ends; a CTA without pages writes nothing and (every
+   deployment, `Attn2Build.empty_ctas_exit`) ends right after L's load, before its Q and table
+   loads, which would only compete with the CTAs that have pages. With two splits
    a CTA (`attn2_layout.splits_per_cta`: tp 4 and 2 at 256 splits; `Attn2Build.splits_per_cta`), splits 2j and 2j + 1,
    the first split's state waits in shared memory (`hold_pending`) while the second runs from a
    fresh (m, O, l), and the CTA merges them (`merge_pending`: `merge_into`, left child first,
@@ -385,9 +387,17 @@ class Attn2Build:
     # combine CTAs share the SMs with the split CTAs' stream), L 8 5.21 / 5.12 against 5.31 / 5.60,
     # tp 16 within noise.
     early_release: bool = False
+    # split plans: a split CTA whose splits have no page (`page_range`: L and the window say so,
+    # CTA-uniform) ends right after its PDL wait and L's load, before its Q fragments, its table
+    # entries and its barrier (None: the deployment's rule, on with splits; False: every CTA runs
+    # the whole prologue and writes nothing, as before: the A/B baseline). It writes nothing either
+    # way, so the bits are the same. Refused (True) on a one-split plan: its CTA always has pages.
+    empty_ctas_exit: bool | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
+        _require(self.empty_ctas_exit is None or isinstance(self.empty_ctas_exit, bool),
+                 f"empty_ctas_exit must be a bool or None (the deployment's rule), got {self.empty_ctas_exit!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
         _require(isinstance(self.early_release, bool), f"early_release must be a bool, got {self.early_release!r}")
         _require(not self.early_release or self.enable_pdl,
@@ -439,8 +449,12 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False) -> None:
+                 early_release: bool = False, empty_ctas_exit: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        # `Attn2Build.empty_ctas_exit`: a CTA without pages ends after L's load (split plans only)
+        _require(isinstance(empty_ctas_exit, bool) and (not empty_ctas_exit or num_splits > 1),
+                 f"empty_ctas_exit {empty_ctas_exit!r}: a bool, True only with splits (Attn2Build.empty_ctas_exit)")
+        self.empty_ctas_exit = empty_ctas_exit
         _require(weight_terms in WEIGHT_TERMS_CHOICES and (weight_terms == 2 or wgmma),
                  f"weight_terms {weight_terms!r}: 2, or 1 with tensor_ops 'wgmma' (Attn2Build.weight_terms)")
         self.weight_terms = weight_terms
@@ -1180,6 +1194,45 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.splits_per_cta > 1):
             total = counts[0] + counts[1]
 
+        work = (q, gate, kv_cache, page_table, out, workspace, q_row_words, gate_row_words, kv_head, partial, req,
+                tidx, warp, lane, g, c, ring_base, ones_base, table_smem, pending_base, seq_len, starts, counts, total)
+        if cutlass.const_expr(self.empty_ctas_exit):
+            # A CTA without pages (CTA-uniform) ends here: it would write nothing, and its Q and table
+            # loads only compete with the CTAs that have pages (at L 128 of 128k, 496 of 512 CTAs)
+            if total > 0:
+                self.split_work(clocks, *work)
+            else:
+                if cutlass.const_expr(self.trace):
+                    self.empty_trace_row(clocks, workspace, kv_head, partial, req, tidx)
+        else:
+            self.split_work(clocks, *work)
+
+    @cute.jit
+    def empty_trace_row(self, clocks: dict, workspace: cute.Tensor, kv_head: Int32, partial: Int32, req: Int32,
+                        tidx: Int32) -> None:
+        """The traced build: the trace row of a CTA that ended without pages (`empty_ctas_exit`):
+        its prologue, chain and write phases end where it ended."""
+        now = ptx.read_clock64_u64()
+        for field in ("clock_prologue", "clock_chained", "clock_written"):
+            clocks[field] = now
+        clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
+        if tidx == 0:
+            num_reqs = cute.arch.grid_dim()[2]
+            index = (req * self.num_kv_heads + kv_head) * self.partials + partial
+            trace_row = (Int64(workspace.iterator.toint())
+                         + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
+                         + Int64(index) * TRACE_ROW_BYTES)
+            write_trace_row(trace_row, SPLIT_TRACE_FIELDS, clocks)
+
+    @cute.jit
+    def split_work(self, clocks: dict, q: cute.Tensor, gate: cute.Tensor, kv_cache: cute.Tensor,
+                   page_table: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
+                   gate_row_words: Int32, kv_head: Int32, partial: Int32, req: Int32, tidx: Int32, warp: Int32,
+                   lane: Int32, g: Int32, c: Int32, ring_base: Int32, ones_base: Int32, table_smem: Int32,
+                   pending_base: Int32, seq_len: Int32, starts: list, counts: list, total: Int32) -> None:
+        """A split CTA's work after L's load: its Q fragments, table entries and the ring's
+        prologue, its page chain(s), its partial (or the one-split epilogue) and, traced, its trace
+        row. `kernel` skips it for a CTA without pages where `empty_ctas_exit` says so."""
         a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
 
         own_key = seq_len - lay.QUERY_LEN + g  # both rows of this thread are token g
@@ -1820,6 +1873,13 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
+    _require(knobs["num_splits"] > 1 or not build.empty_ctas_exit,
+             "empty_ctas_exit: a one-split plan's CTA always has pages (max_model_len "
+             f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1)")
+    # `Attn2Build.empty_ctas_exit`: None is the deployment's rule, on for split plans
+    exit_empty = knobs["num_splits"] > 1 if build.empty_ctas_exit is None else build.empty_ctas_exit
+    if exit_empty:  # one-split deployments' keys stay as they were
+        split_knobs["empty_ctas_exit"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -1949,7 +2009,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
-           early_release: bool = False) -> None:
+           early_release: bool = False, empty_ctas_exit: bool | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -1961,11 +2021,13 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     (a timing probe, `Attn2Build.loads_only`): the split kernel without its arithmetic; `out` is then
     not attention. `weight_terms` 1 (an experiment, `Attn2Build.weight_terms`): P V from p_hi alone.
     `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
-    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait."""
+    `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
+    `empty_ctas_exit` (`Attn2Build.empty_ctas_exit`; None: the deployment's rule): False keeps the
+    split CTAs without pages running the whole prologue (the A/B baseline); the same bits."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
-                       early_release=early_release)
+                       early_release=early_release, empty_ctas_exit=empty_ctas_exit)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

@@ -1219,6 +1219,63 @@ def test_the_combine_shortcut_runs_each_upper_level_behind_its_branch(tmp_path_f
         assert_no_spills(assemble(text, arch, tmp_path))
 
 
+# Attn2Build.empty_ctas_exit: a split CTA without pages ends after L's load
+
+
+def _exit_branch(split_ptx: str) -> str | None:
+    """The split kernel's branch between L's load (the first ld.global after griddepcontrol.wait)
+    and the next ld.global (the Q fragments'), if that branch leads straight to `ret` (None
+    otherwise): the empty CTAs' exit."""
+    wait = split_ptx.index("griddepcontrol.wait")
+    loads = [m.start() for m in re.finditer(r"ld\.global", split_ptx[wait:])][:2]
+    if len(loads) < 2:
+        return None
+    between = split_ptx[wait + loads[0]:wait + loads[1]]
+    branch = re.search(r"@%p\d+ bra\s+(\$L__BB\d+_\d+);", between)
+    if branch is None:
+        return None
+    label = split_ptx.index(branch.group(1) + ":")
+    after = [line.strip() for line in split_ptx[label:].splitlines()[1:4] if line.strip()]
+    return branch.group(1) if after and after[0].startswith("ret") else None
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, window", [(2, 131072, 0), (1, 131072, 0), (4, 131072, 0),
+                                                          (2, 131072, 2048), (2, 128, 0)])
+def test_split_ctas_without_pages_end_after_the_length(tmp_path_factory, tmp_path, arch, heads, max_model_len,
+                                                        window):
+    """The deployment's split kernel of a split plan branches to its end right after L's load, before
+    the Q fragments' loads; the baseline (`empty_ctas_exit=False`) does not; the one-split plan has
+    no such branch; no spills."""
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
+    assert _exit_branch(deployed) is not None
+    folder = tmp_path_factory.mktemp("attn2-stay")
+    attn2.compile_attn2(heads, max_model_len, window,
+                        attn2.Attn2Build(arch=arch, ptx_dir=str(folder), empty_ctas_exit=False))
+    (stay,) = folder.glob("*_Attn2Kernel_*.ptx")
+    assert _exit_branch(stay.read_text()) is None
+    assert_no_spills(assemble(deployed, arch, tmp_path))
+    one_split, _ = _ptx(tmp_path_factory, arch, heads, 64, 0)
+    assert _exit_branch(one_split) is None
+
+
+def test_the_exit_branch_check_can_fail(tmp_path_factory):
+    """Fault injection for the check above: the deployment's PTX with the branch's target moved off
+    its `ret` is not seen as the exit."""
+    deployed, _ = _ptx(tmp_path_factory, "sm_90a", 2, 131072, 0)
+    label = _exit_branch(deployed)
+    edited = deployed.replace(label + ":", label + ":\n\tbar.sync 0;", 1)
+    assert _exit_branch(edited) is None
+
+
+def test_empty_ctas_exit_refusals():
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="empty_ctas_exit must be a bool or None"):
+            attn2.Attn2Build(empty_ctas_exit=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty_ctas_exit: a one-split plan"):
+        attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", empty_ctas_exit=True))
+
+
 def test_full_tree_is_refused_unless_a_bool():
     for bad in (1, 0, None, "yes"):
         with pytest.raises(ValueError, match="full_tree must be a bool"):
