@@ -6,7 +6,9 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
 Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
-head, split, request). Warp w computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g =
+head, split, request). In split plans grid index y runs partial bitrev(y) (`Attn2Build.spread_splits`):
+the GPU hands consecutive CTAs to the same few SMs, and at small L the splits with pages are the
+lowest, so in grid order they would share SMs. Warp w computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g =
 lane // 4 the token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give
 the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
 registers and B (K, V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no
@@ -393,9 +395,18 @@ class Attn2Build:
     # the whole prologue and writes nothing, as before: the A/B baseline). It writes nothing either
     # way, so the bits are the same. Refused (True) on a one-split plan: its CTA always has pages.
     empty_ctas_exit: bool | None = None
+    # split plans: the split CTA at grid index y runs partial bitrev(y) (its log2(partials) bits
+    # reversed), so that the splits with pages at small L (the lowest partials) are far apart in the
+    # order the GPU hands CTAs to SMs, which packs consecutive CTAs onto the same few SMs (trace: the
+    # first 16 CTAs of a tp 8 launch on 4 SMs). A CTA's split, pages and partial slot are the same
+    # whichever CTA runs them: the same bits. None: the deployment's rule (on with splits); False:
+    # grid index y runs partial y (the A/B baseline). Refused (True) on a one-split plan.
+    spread_splits: bool | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
+        _require(self.spread_splits is None or isinstance(self.spread_splits, bool),
+                 f"spread_splits must be a bool or None (the deployment's rule), got {self.spread_splits!r}")
         _require(self.empty_ctas_exit is None or isinstance(self.empty_ctas_exit, bool),
                  f"empty_ctas_exit must be a bool or None (the deployment's rule), got {self.empty_ctas_exit!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
@@ -449,8 +460,12 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False, empty_ctas_exit: bool = False) -> None:
+                 early_release: bool = False, empty_ctas_exit: bool = False, spread_splits: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
+        # `Attn2Build.spread_splits`: grid index y runs partial bitrev(y) (split plans only)
+        _require(isinstance(spread_splits, bool) and (not spread_splits or num_splits > 1),
+                 f"spread_splits {spread_splits!r}: a bool, True only with splits (Attn2Build.spread_splits)")
+        self.spread_splits = spread_splits
         # `Attn2Build.empty_ctas_exit`: a CTA without pages ends after L's load (split plans only)
         _require(isinstance(empty_ctas_exit, bool) and (not empty_ctas_exit or num_splits > 1),
                  f"empty_ctas_exit {empty_ctas_exit!r}: a bool, True only with splits (Attn2Build.empty_ctas_exit)")
@@ -1151,6 +1166,10 @@ class _Attn2Kernel:
             clocks["globaltimer_entry"] = ptx.read_globaltimer_u64()
             clocks["clock_entry"] = ptx.read_clock64_u64()
         kv_head, partial, req = cute.arch.block_idx()
+        if cutlass.const_expr(self.spread_splits and self.partials > 1):
+            # grid index y runs partial bitrev(y) over log2(partials) bits (`Attn2Build.spread_splits`)
+            shift = 32 - int(math.log2(self.partials))
+            partial = Int32(ptx.brev_b32(Uint32(partial)) >> Uint32(shift))
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = cute.arch.lane_idx()
@@ -1880,6 +1899,12 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     exit_empty = knobs["num_splits"] > 1 if build.empty_ctas_exit is None else build.empty_ctas_exit
     if exit_empty:  # one-split deployments' keys stay as they were
         split_knobs["empty_ctas_exit"] = True
+    _require(knobs["num_splits"] > 1 or not build.spread_splits,
+             "spread_splits: a one-split plan has one CTA a KV head and request (max_model_len "
+             f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1)")
+    spread = knobs["num_splits"] > 1 if build.spread_splits is None else build.spread_splits
+    if spread:  # one-split deployments' keys stay as they were
+        split_knobs["spread_splits"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
@@ -2009,7 +2034,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            issue: SplitIssue | None = None, tensor_ops: str | None = None, splits_per_cta: int | None = None,
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
-           early_release: bool = False, empty_ctas_exit: bool | None = None) -> None:
+           early_release: bool = False, empty_ctas_exit: bool | None = None,
+           spread_splits: bool | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2023,11 +2049,13 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `full_tree` (an experiment, `Attn2Build.full_tree`): the combine's whole upper tree always.
     `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
     `empty_ctas_exit` (`Attn2Build.empty_ctas_exit`; None: the deployment's rule): False keeps the
-    split CTAs without pages running the whole prologue (the A/B baseline); the same bits."""
+    split CTAs without pages running the whole prologue (the A/B baseline); the same bits.
+    `spread_splits` (`Attn2Build.spread_splits`; None: the deployment's rule): False runs partial y
+    on grid index y (the A/B baseline); the same bits."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
-                       early_release=early_release, empty_ctas_exit=empty_ctas_exit)
+                       early_release=early_release, empty_ctas_exit=empty_ctas_exit, spread_splits=spread_splits)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

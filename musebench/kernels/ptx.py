@@ -635,6 +635,13 @@ def st_shared_u32(shared_address: Int32, value: Uint32, *, loc=None, ip=None) ->
 
 
 @dsl_user_op
+def brev_b32(value: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`brev.b32`: the 32 bits of `value` in reverse order (bit i to bit 31 - i)."""
+    return Uint32(_asm(T.i32(), [_ir(Uint32(value), loc, ip)], "brev.b32 $0, $1;", "=r,r", side_effects=False,
+                       loc=loc, ip=ip))
+
+
+@dsl_user_op
 def ld_global_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
     """`ld.global.u32`: one word, weak (data a finished kernel wrote)."""
     return Uint32(_asm(T.i32(), [_ir(Int64(address), loc, ip)], "ld.global.u32 $0, [$1];", "=r,l",

@@ -1268,12 +1268,33 @@ def test_the_exit_branch_check_can_fail(tmp_path_factory):
     assert _exit_branch(edited) is None
 
 
-def test_empty_ctas_exit_refusals():
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("heads, max_model_len, partials", [(2, 131072, 256), (4, 131072, 128), (2, 128, 4)])
+def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, heads, max_model_len, partials):
+    """The deployment's split kernel of a split plan reverses the grid index's bits (brev.b32, then a
+    logical shift right by 32 - log2(partials)); the baseline (`spread_splits=False`) and the
+    one-split plan do not."""
+    deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)
+    shift = 32 - partials.bit_length() + 1
+    assert re.search(rf"brev\.b32\s+(%r\d+), %r\d+;(?:.|\n){{0,200}}?shr\.u32\s+%r\d+, \1, {shift};", deployed)
+    folder = tmp_path_factory.mktemp("attn2-order")
+    attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), spread_splits=False))
+    (ordered,) = folder.glob("*_Attn2Kernel_*.ptx")
+    assert "brev.b32" not in ordered.read_text()
+    assert "brev.b32" not in _ptx(tmp_path_factory, arch, heads, 64, 0)[0]
+
+
+def test_empty_ctas_exit_and_spread_splits_refusals():
     for bad in (1, "yes"):
         with pytest.raises(ValueError, match="empty_ctas_exit must be a bool or None"):
             attn2.Attn2Build(empty_ctas_exit=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty_ctas_exit: a one-split plan"):
         attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", empty_ctas_exit=True))
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="spread_splits must be a bool or None"):
+            attn2.Attn2Build(spread_splits=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="spread_splits: a one-split plan"):
+        attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", spread_splits=True))
 
 
 def test_full_tree_is_refused_unless_a_bool():

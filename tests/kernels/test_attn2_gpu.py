@@ -185,25 +185,30 @@ def _launch(problem, num_splits=None, **experiment):
     return out.cpu(), workspace.cpu()
 
 
-# Attn2Build.empty_ctas_exit: the deployment's split CTAs without pages end after L's load; the
-# baseline (False) runs their whole prologue. Few splits with pages (L 8, 17, 128 at 128k: 1, 2, 8
-# of 256), every split (4099, 131072), the window's (its first live split past 0), tp 8, 16, 4 (two
-# splits a CTA), the 64-split plan at 2048
+# Attn2Build.empty_ctas_exit (the deployment's split CTAs without pages end after L's load) and
+# Attn2Build.spread_splits (grid index y runs partial bitrev(y)), each against its baseline. Few splits
+# with pages (L 8, 17, 128 at 128k: 1, 2, 8 of 256), every split (4099, 131072), the window's (its
+# first live split past 0), tp 8, 16, 4 (two splits a CTA), the 64-split plan at 2048
 EMPTY_EXIT_CASES = [(8, 131072, 0, 2), (17, 131072, 0, 2), (128, 131072, 0, 2), (4099, 131072, 0, 2),
                     (131072, 131072, 0, 2), (128, 131072, 0, 1), (70001, 131072, 0, 4), (300, 131072, 0, 4),
                     (3017, 131072, 100, 2), (2055, 4096, 2048, 2), (129, 2048, 0, 2)]
+BASELINES = {"empty_ctas_stay": dict(empty_ctas_exit=False), "split_order": dict(spread_splits=False),
+             "both": dict(empty_ctas_exit=False, spread_splits=False)}
 
 
+@pytest.mark.parametrize("baseline", list(BASELINES))
 @pytest.mark.parametrize("family", ["random", "tiny"])
 @pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads", EMPTY_EXIT_CASES)
-def test_empty_ctas_exit_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads):
-    """The deployment (empty CTAs end early) and the baseline give the same out and the same
-    workspace bytes (a zeroed workspace: no CTA without pages writes, either way)."""
+def test_empty_exit_and_spread_splits_keep_every_bit(baseline, family, seq_len, max_model_len, window,
+                                                     num_kv_heads):
+    """The deployment (empty CTAs end early, partials in bit-reversed grid order) and each baseline
+    give the same out and the same workspace bytes (zeroed first: every partial in its own slot, no
+    CTA without pages writes)."""
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
     deployed, deployed_workspace = _launch(problem)
-    stay, stay_workspace = _launch(problem, empty_ctas_exit=False)
-    assert torch.equal(deployed.view(torch.int16), stay.view(torch.int16)), _first_difference(deployed, stay)
-    assert torch.equal(deployed_workspace, stay_workspace)
+    other, other_workspace = _launch(problem, **BASELINES[baseline])
+    assert torch.equal(deployed.view(torch.int16), other.view(torch.int16)), _first_difference(deployed, other)
+    assert torch.equal(deployed_workspace, other_workspace)
 
 
 def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
