@@ -32,7 +32,9 @@ split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a mic
 `--loads-only` traces the split kernel's page stream alone (`Attn2Build.loads_only`).
 Since 2026-12-02 (session 10) the combine computes its 16 sigmoids before its PDL wait: its
 `pdl_wait` phase holds them and its `epilogue` no longer does, so traces before and after that
-change differ in those two phases.
+change differ in those two phases. Since session 11 a split CTA without pages ends after L's load
+(`Attn2Build.empty_ctas_exit`): its prologue, chain and write phases are zero-length, so at small L
+the medians over every split CTA differ from earlier traces; the `with_pages` ones do not.
 Exit 2 on a bad option or without a GPU, before any GPU work.
 """
 

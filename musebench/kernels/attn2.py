@@ -6,10 +6,10 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
 Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
-head, split, request). In split plans grid index y runs partial bitrev(y) (`Attn2Build.spread_splits`):
-the GPU hands consecutive CTAs to the same few SMs, and at small L the splits with pages are the
-lowest, so in grid order they would share SMs. Warp w computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g =
-lane // 4 the token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give
+head, split, request). In split plans grid index y runs partial bitrev(y)
+(`Attn2Build.spread_splits`): the GPU hands consecutive CTAs to the same few SMs, and at small L
+the splits with pages are the lowest, so in grid order they would share SMs. Warp w computes rows
+of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give
 the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
 registers and B (K, V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no
 wgmma) `mma.sync.m16n8k16` with B fragments through `ldmatrix`. Each k16 step of wgmma equals
@@ -73,13 +73,13 @@ bug), a combine trimmed to the live subtree (no faster), and several KV heads a 
 the heads' chains ran one after the other, each restarting the ring).
 Measured and removed on 2026-12-02 (session 11, branch attn2-s11-experiments; the deployment's
 bits every time): the next step's Q K^T issued before this step's softmax, now without the bit
-change (`SplitIssue.scores_ahead`: 121 against 100.5 SASS a page for the 16 moves that carry the
-scores; tp 8 / 16 at 128k 30.43 / 18.86 us against 28.55 / 17.73,
+change (that branch's SplitIssue.scores_ahead: 121 against 100.5 SASS a page for the 16 moves that
+carry the scores; tp 8 / 16 at 128k 30.43 / 18.86 us against 28.55 / 17.73,
 records/2026-12-02-h200-68f8fa8-attn2-scores-ahead.json), and a combine that merges each partial
-as it lands, behind row flags the split CTAs set (`progressive_combine`, the combine launched after
-the split kernel's prologue or after its chain: 32.90 / 30.83 us against 28.15 / 29.37 at tp 8
-and 128k; the flags' release costs the last split CTA about 1 us, as the grid's flush did,
-records/2026-12-02-h200-3f28415-attn2-progressive-combine.json).
+as it lands, behind row flags the split CTAs set (that branch's progressive_combine, the combine
+launched after the split kernel's prologue or after its chain: 32.90 / 30.83 us against 28.15 /
+29.37 at tp 8 and 128k; the flags' release costs the last split CTA about 1 us, as the grid's flush
+did, records/2026-12-02-h200-3f28415-attn2-progressive-combine.json).
 
 Where tp 8's 128k time goes (H200, records/2026-12-02-h200-*: 4426823 trace rows, 93d25a5
 ncu loads-only, 081ea38 stalls and read floor, fb41107 weight terms). The graph period is 28.1 us
@@ -137,7 +137,8 @@ and merges them in the same tree.
 
 Memory ordering: PDL. Every global read of either kernel follows its `griddepcontrol.wait` (Q,
 the gate and the cache are the QKV front's outputs; the partials are the split kernel's, which the
-combine's wait sees finished and flushed); each releases its dependents after its main work.
+combine's wait sees finished and flushed); each releases its dependents after its main work (a
+split CTA without pages by ending after L's load, which PDL counts as a release).
 
 Trace (compile-time `Attn2Build.trace`, an experiment: `launch(..., trace=True)`,
 `scripts/trace-attn2.py`; no deployment builds it, and the deployments' PTX is the same as without
@@ -151,6 +152,9 @@ and after the partial write (or the one-split epilogue); (combine, COMBINE_TRACE
 group's partial loads and subtree, after the tree above the groups, and at the end. Every thread
 reads the clocks (no branch in the page loop); only thread 0 writes. The bits of `out` and of the
 partials are the untraced build's: the trace adds reads of special registers and its own stores.
+Since 2026-12-02 (session 11) a split CTA without pages ends after L's load (`empty_ctas_exit`): its
+prologue, chain and write phases end there, at zero length, so medians over every CTA are not
+comparable with earlier traces at small L; those over the CTAs with pages are.
 
 Cost (scripts/attn2-sass.py, sm_90a, a page every row sees whole, no rescale): 131 SASS
 instructions a warp, from 346 with mma.sync, word loads and FP32 accumulation (b8721c8); no
@@ -1168,7 +1172,7 @@ class _Attn2Kernel:
         kv_head, partial, req = cute.arch.block_idx()
         if cutlass.const_expr(self.spread_splits and self.partials > 1):
             # grid index y runs partial bitrev(y) over log2(partials) bits (`Attn2Build.spread_splits`)
-            shift = 32 - int(math.log2(self.partials))
+            shift = 32 - (self.partials.bit_length() - 1)
             partial = Int32(ptx.brev_b32(Uint32(partial)) >> Uint32(shift))
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -1215,26 +1219,36 @@ class _Attn2Kernel:
 
         work = (q, gate, kv_cache, page_table, out, workspace, q_row_words, gate_row_words, kv_head, partial, req,
                 tidx, warp, lane, g, c, ring_base, ones_base, table_smem, pending_base, seq_len, starts, counts, total)
-        if cutlass.const_expr(self.empty_ctas_exit):
+        if cutlass.const_expr(not self.empty_ctas_exit):
+            self.split_work(clocks, *work)
+        elif cutlass.const_expr(not self.trace):
             # A CTA without pages (CTA-uniform) ends here: it would write nothing, and its Q and table
             # loads only compete with the CTAs that have pages (at L 128 of 128k, 496 of 512 CTAs)
             if total > 0:
                 self.split_work(clocks, *work)
-            else:
-                if cutlass.const_expr(self.trace):
-                    self.empty_trace_row(clocks, workspace, kv_head, partial, req, tidx)
         else:
-            self.split_work(clocks, *work)
+            # the traced build: one row a CTA, written in one place; a CTA without pages ends its
+            # prologue, chain and write phases where it ends (the branch's results, defined before it)
+            prologue = Int64(0)
+            chained = Int64(0)
+            written = Int64(0)
+            ended = Int64(0)
+            if total > 0:
+                prologue, chained, written, ended = self.split_work(clocks, *work)
+            else:
+                prologue = ptx.read_clock64_u64()
+                chained = prologue
+                written = prologue
+                ended = ptx.read_globaltimer_u64()
+            clocks.update(clock_prologue=prologue, clock_chained=chained, clock_written=written,
+                          globaltimer_end=ended)
+        if cutlass.const_expr(self.trace):
+            self.write_split_trace_row(clocks, workspace, kv_head, partial, req, tidx)
 
     @cute.jit
-    def empty_trace_row(self, clocks: dict, workspace: cute.Tensor, kv_head: Int32, partial: Int32, req: Int32,
-                        tidx: Int32) -> None:
-        """The traced build: the trace row of a CTA that ended without pages (`empty_ctas_exit`):
-        its prologue, chain and write phases end where it ended."""
-        now = ptx.read_clock64_u64()
-        for field in ("clock_prologue", "clock_chained", "clock_written"):
-            clocks[field] = now
-        clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
+    def write_split_trace_row(self, clocks: dict, workspace: cute.Tensor, kv_head: Int32, partial: Int32,
+                              req: Int32, tidx: Int32) -> None:
+        """The traced build: thread 0 writes the CTA's row (partial `partial`'s: the logical one)."""
         if tidx == 0:
             num_reqs = cute.arch.grid_dim()[2]
             index = (req * self.num_kv_heads + kv_head) * self.partials + partial
@@ -1248,10 +1262,11 @@ class _Attn2Kernel:
                    page_table: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                    gate_row_words: Int32, kv_head: Int32, partial: Int32, req: Int32, tidx: Int32, warp: Int32,
                    lane: Int32, g: Int32, c: Int32, ring_base: Int32, ones_base: Int32, table_smem: Int32,
-                   pending_base: Int32, seq_len: Int32, starts: list, counts: list, total: Int32) -> None:
+                   pending_base: Int32, seq_len: Int32, starts: list, counts: list, total: Int32):
         """A split CTA's work after L's load: its Q fragments, table entries and the ring's
-        prologue, its page chain(s), its partial (or the one-split epilogue) and, traced, its trace
-        row. `kernel` skips it for a CTA without pages where `empty_ctas_exit` says so."""
+        prologue, its page chain(s), its partial (or the one-split epilogue). `kernel` skips it for a
+        CTA without pages where `empty_ctas_exit` says so. Traced: returns the clocks it read after
+        the prologue, the chains and the write, and the end's %globaltimer (`kernel` writes the row)."""
         a = self.load_q_fragments(q, kv_head, warp, req, g, c, q_row_words)
 
         own_key = seq_len - lay.QUERY_LEN + g  # both rows of this thread are token g
@@ -1340,13 +1355,8 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_written"] = ptx.read_clock64_u64()
             clocks["globaltimer_end"] = ptx.read_globaltimer_u64()
-            if tidx == 0:
-                num_reqs = cute.arch.grid_dim()[2]
-                index = (req * self.num_kv_heads + kv_head) * self.partials + partial
-                trace_row = (Int64(workspace.iterator.toint())
-                             + trace_offset(num_reqs, self.num_kv_heads, self.num_splits, self.partials)
-                             + Int64(index) * TRACE_ROW_BYTES)
-                write_trace_row(trace_row, SPLIT_TRACE_FIELDS, clocks)
+            return (clocks["clock_prologue"], clocks["clock_chained"], clocks["clock_written"],
+                    clocks["globaltimer_end"])
 
 
 @cute.jit

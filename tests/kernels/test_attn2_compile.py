@@ -999,25 +999,29 @@ def _thread0_failures(ptx: str, words: int = attn2.TRACE_WORDS) -> list[str]:
 def test_the_traced_build_reads_the_clocks_and_writes_from_thread_0(tmp_path_factory, tmp_path, arch, heads,
                                                                     max_model_len, window):
     """Split kernel: %globaltimer at entry and end, %clock64 at entry, after the PDL wait, after the
-    prologue, after the chains and after the partial write (five), %smid once; combine: the same
-    counts (entry, wait, loads, tree, end). Eight 64-bit stores a CTA, all from thread 0's branch,
-    after the kernel's own last store; the partials' and out's stores as the deployment's, one
-    branch more than the deployment's (thread 0's: none in the page loop), ptxas without spills and
-    within the split kernel's register cap."""
+    prologue, after the chains and after the partial write (five), %smid once; in split plans one
+    %globaltimer and one %clock64 more, the end of a CTA without pages (`empty_ctas_exit`), and one
+    branch more (the traced build's else); combine: the same counts as the one-split split kernel
+    (entry, wait, loads, tree, end). Eight 64-bit stores a CTA, all from thread 0's one branch, after
+    the kernel's own last store; the partials' and out's stores as the deployment's, one branch more
+    than the deployment's (thread 0's: none in the page loop), ptxas without spills and within the
+    split kernel's register cap."""
     ptx, combine = _traced_ptx(tmp_path_factory, arch, heads, max_model_len, window)
     plain, plain_combine = _ptx(tmp_path_factory, arch, heads, max_model_len, window)
     for traced, deployed, name in ((ptx, plain, "split"), (combine, plain_combine, "combine")):
         if traced is None:
             assert deployed is None
             continue
-        assert traced.count("%globaltimer") == 2 and traced.count("%clock64") == 5 and traced.count("%smid") == 1, name
+        empty_end = 1 if name == "split" and combine is not None else 0  # split plans: an empty CTA's end
+        assert traced.count("%globaltimer") == 2 + empty_end and traced.count("%clock64") == 5 + empty_end, name
+        assert traced.count("%smid") == 1, name
         assert _thread0_failures(traced) == [], name
         assert traced.index("griddepcontrol.wait") < [m.start() for m in re.finditer("%clock64", traced)][1]
         for store in ("st.global.v4.u32", "st.global.u32", "st.global.v2.u32"):
             assert traced.count(store) == deployed.count(store), (name, store)
         last_own = max(m.start() for m in re.finditer(r"st\.global\.(v4|v2)?\.?u32", traced))
         assert last_own < traced.index("st.global.u64"), name
-        assert len(re.findall(r"\bbra\b", traced)) == len(re.findall(r"\bbra\b", deployed)) + 1, name
+        assert len(re.findall(r"\bbra\b", traced)) == len(re.findall(r"\bbra\b", deployed)) + 1 + empty_end, name
         report = assemble(traced, arch, tmp_path, f"attn2_traced_{name}")
         assert_no_spills(report)
         if name == "split":
@@ -1268,6 +1272,13 @@ def test_the_exit_branch_check_can_fail(tmp_path_factory):
     assert _exit_branch(edited) is None
 
 
+def _reverses_the_grid_index(split_ptx: str, shift: int) -> bool:
+    """Whether the PTX reverses a register's bits (brev.b32) and shifts the result right, logically,
+    by `shift` (32 - log2(partials): the partial of grid index y, `Attn2Build.spread_splits`)."""
+    return re.search(rf"brev\.b32\s+(%r\d+), %r\d+;(?:.|\n){{0,200}}?shr\.u32\s+%r\d+, \1, {shift};",
+                     split_ptx) is not None
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, partials", [(2, 131072, 256), (4, 131072, 128), (2, 128, 4)])
 def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, heads, max_model_len, partials):
@@ -1275,8 +1286,11 @@ def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, h
     logical shift right by 32 - log2(partials)); the baseline (`spread_splits=False`) and the
     one-split plan do not."""
     deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)
-    shift = 32 - partials.bit_length() + 1
-    assert re.search(rf"brev\.b32\s+(%r\d+), %r\d+;(?:.|\n){{0,200}}?shr\.u32\s+%r\d+, \1, {shift};", deployed)
+    shift = 32 - (partials.bit_length() - 1)
+    assert _reverses_the_grid_index(deployed, shift)
+    # the check fails on an arithmetic shift and on a shift by another count
+    assert not _reverses_the_grid_index(deployed.replace("shr.u32", "shr.s32"), shift)
+    assert not _reverses_the_grid_index(deployed, shift - 1)
     folder = tmp_path_factory.mktemp("attn2-order")
     attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), spread_splits=False))
     (ordered,) = folder.glob("*_Attn2Kernel_*.ptx")

@@ -187,11 +187,12 @@ def _launch(problem, num_splits=None, **experiment):
 
 # Attn2Build.empty_ctas_exit (the deployment's split CTAs without pages end after L's load) and
 # Attn2Build.spread_splits (grid index y runs partial bitrev(y)), each against its baseline. Few splits
-# with pages (L 8, 17, 128 at 128k: 1, 2, 8 of 256), every split (4099, 131072), the window's (its
-# first live split past 0), tp 8, 16, 4 (two splits a CTA), the 64-split plan at 2048
+# with pages (L 8, 17, 128 at 128k: 1, 2, 8 of 256), every split (4099, 131072), windows (3017 / 100
+# and 2055 / 2048: every split has pages, its first live split past 0; 300 / 2048 at 4096: 19 pages
+# of the window's split plan, the rest empty), tp 8, 16, 4 (two splits a CTA), the 64-split plan at 2048
 EMPTY_EXIT_CASES = [(8, 131072, 0, 2), (17, 131072, 0, 2), (128, 131072, 0, 2), (4099, 131072, 0, 2),
                     (131072, 131072, 0, 2), (128, 131072, 0, 1), (70001, 131072, 0, 4), (300, 131072, 0, 4),
-                    (3017, 131072, 100, 2), (2055, 4096, 2048, 2), (129, 2048, 0, 2)]
+                    (3017, 131072, 100, 2), (2055, 4096, 2048, 2), (300, 4096, 2048, 2), (129, 2048, 0, 2)]
 BASELINES = {"empty_ctas_stay": dict(empty_ctas_exit=False), "split_order": dict(spread_splits=False),
              "both": dict(empty_ctas_exit=False, spread_splits=False)}
 
@@ -202,13 +203,22 @@ BASELINES = {"empty_ctas_stay": dict(empty_ctas_exit=False), "split_order": dict
 def test_empty_exit_and_spread_splits_keep_every_bit(baseline, family, seq_len, max_model_len, window,
                                                      num_kv_heads):
     """The deployment (empty CTAs end early, partials in bit-reversed grid order) and each baseline
-    give the same out and the same workspace bytes (zeroed first: every partial in its own slot, no
-    CTA without pages writes)."""
+    give the same out and the same workspace bytes (zeroed first: every partial in its own slot),
+    and the deployment leaves the slot of every partial without pages zero (no such CTA writes)."""
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
     deployed, deployed_workspace = _launch(problem)
     other, other_workspace = _launch(problem, **BASELINES[baseline])
     assert torch.equal(deployed.view(torch.int16), other.view(torch.int16)), _first_difference(deployed, other)
     assert torch.equal(deployed_workspace, other_workspace)
+    splits = cute_ops.attn2_splits(max_model_len, window, num_kv_heads)
+    per_cta = lay.splits_per_cta(num_kv_heads, splits)
+    first, end = lay.visible_keys(seq_len, window)
+    first_page, end_page = first // lay.PAGE_TOKENS, lay.max_pages(end)
+    slots = deployed_workspace[:lay.workspace_bytes(1, num_kv_heads, splits)].view(num_kv_heads, -1, lay.PARTIAL_BYTES)
+    empty = [p for p in range(splits // per_cta)
+             if not any(len(lay.split_pages(p * per_cta + j, splits, first_page, end_page)) for j in range(per_cta))]
+    for p in empty:
+        assert int(slots[:, p].count_nonzero()) == 0, f"partial {p} has no pages but its slot was written"
 
 
 def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
