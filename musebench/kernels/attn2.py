@@ -1902,19 +1902,16 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
-    _require(knobs["num_splits"] > 1 or not build.empty_ctas_exit,
-             "empty_ctas_exit: a one-split plan's CTA always has pages (max_model_len "
-             f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1)")
-    # `Attn2Build.empty_ctas_exit`: None is the deployment's rule, on for split plans
-    exit_empty = knobs["num_splits"] > 1 if build.empty_ctas_exit is None else build.empty_ctas_exit
-    if exit_empty:  # one-split deployments' keys stay as they were
-        split_knobs["empty_ctas_exit"] = True
-    _require(knobs["num_splits"] > 1 or not build.spread_splits,
-             "spread_splits: a one-split plan has one CTA a KV head and request (max_model_len "
-             f"{max_model_len} <= SHORT_MAX_LEN, or num_splits 1)")
-    spread = knobs["num_splits"] > 1 if build.spread_splits is None else build.spread_splits
-    if spread:  # one-split deployments' keys stay as they were
-        split_knobs["spread_splits"] = True
+    # the split kernel's split-plan rules (`Attn2Build.empty_ctas_exit`, `spread_splits`): None is the
+    # deployment's rule, on for split plans; True is refused on a one-split plan
+    split_plan = knobs["num_splits"] > 1
+    for name, why in (("empty_ctas_exit", "its CTA always has pages"),
+                      ("spread_splits", "it has one CTA a KV head and request")):
+        requested = getattr(build, name)
+        _require(split_plan or not requested, f"{name}: a one-split plan (max_model_len {max_model_len} <= "
+                                              f"SHORT_MAX_LEN, or num_splits 1): {why}")
+        if split_plan if requested is None else requested:  # one-split deployments' keys stay as they were
+            split_knobs[name] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(
