@@ -8,8 +8,9 @@ the geometry and the split plan are `musebench.attn2_layout`'s.
 Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
 head, split, request), grid index y running partial y (an experiment, `Attn2Build.spread_splits`,
 runs partial bitrev(y): the GPU hands consecutive CTAs to the same few SMs, and at small L the
-splits with pages are the lowest, so in grid order they share SMs; not yet run on a GPU). Warp w computes rows
-of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give
+splits with pages are the lowest, so in grid order they share SMs; not yet run on a GPU). Warp w
+computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the token); the 64
+rows of a KV head are one M = 64 tile. Two tensor-core paths give
 the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
 registers and B (K, V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no
 wgmma) `mma.sync.m16n8k16` with B fragments through `ldmatrix`. Each k16 step of wgmma equals
