@@ -6,9 +6,9 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
 Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
-head, split, request), grid index y running partial y (an experiment, `Attn2Build.spread_splits`,
-runs partial bitrev(y): the GPU hands consecutive CTAs to the same few SMs, and at small L the
-splits with pages are the lowest, so in grid order they share SMs; not yet run on a GPU). Warp w
+head, split, request), grid index y running partial bitrev(y) in every split plan (`Attn2Build.spread_splits`:
+the GPU hands consecutive CTAs to the same few SMs, and at small L the splits with pages are the
+lowest, so in grid order they shared SMs; spread, tp 8 L 128 ran 5.4 us against 6.7). Warp w
 computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the token); the 64
 rows of a KV head are one M = 64 tile. Two tensor-core paths give
 the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
@@ -400,18 +400,21 @@ class Attn2Build:
     # the whole prologue and writes nothing, as before: the A/B baseline). It writes nothing either
     # way, so the bits are the same. Refused (True) on a one-split plan: its CTA always has pages.
     empty_ctas_exit: bool | None = None
-    # experiments only (split plans): the split CTA at grid index y runs partial bitrev(y) (its
-    # log2(partials) bits reversed), so that the splits with pages at small L (the lowest partials)
-    # are far apart in the order the GPU hands CTAs to SMs, which packs consecutive CTAs onto the
-    # same few SMs (trace: the first 16 CTAs of a tp 8 launch on 4 SMs). A CTA's split, pages and
-    # partial slot are the same whichever CTA runs them: the same bits. Not yet run on a GPU (no
-    # device was lent after it was written, session 11), so no deployment takes it. Refused on a
-    # one-split plan.
-    spread_splits: bool = False
+    # split plans: the split CTA at grid index y runs partial bitrev(y) (its log2(partials) bits
+    # reversed), so that the splits with pages at small L (the lowest partials) are far apart in the
+    # order the GPU hands CTAs to SMs, which packs consecutive CTAs onto the same few SMs (trace: the
+    # first 16 CTAs of a tp 8 launch on 4 SMs). A CTA's split, pages and partial slot are the same
+    # whichever CTA runs them: the same bits. None: the deployment's rule, on with splits; False:
+    # grid order, the A/B baseline. Measured on the H200, two rounds, tp 8 (records/
+    # 2026-12-02-h200-43832c5-attn2-spread-splits-ab.json): L 128 5.42 / 5.36 us against 6.65 / 6.68
+    # in grid order, L 512 6.32 / 6.24 against 7.57 / 7.57, L 2048 8.49 / 8.54 against 8.90 / 8.86;
+    # 32k, 128k and tp 16 within noise or slightly faster. Refused (True) on a one-split plan.
+    spread_splits: bool | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
-        _require(isinstance(self.spread_splits, bool), f"spread_splits must be a bool, got {self.spread_splits!r}")
+        _require(self.spread_splits is None or isinstance(self.spread_splits, bool),
+                 f"spread_splits must be a bool or None (the deployment's rule), got {self.spread_splits!r}")
         _require(self.empty_ctas_exit is None or isinstance(self.empty_ctas_exit, bool),
                  f"empty_ctas_exit must be a bool or None (the deployment's rule), got {self.empty_ctas_exit!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
@@ -1903,8 +1906,8 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
-    # the split kernel's split-plan switches (`Attn2Build.empty_ctas_exit`: None is the deployment's rule,
-    # on for split plans; `spread_splits`: an experiment, off unless asked); True is refused on a one-split plan
+    # the split kernel's split-plan switches (`Attn2Build.empty_ctas_exit`, `Attn2Build.spread_splits`):
+    # None is the deployment's rule, on for split plans; True is refused on a one-split plan
     split_plan = knobs["num_splits"] > 1
     for name, why in (("empty_ctas_exit", "its CTA always has pages"),
                       ("spread_splits", "it has one CTA a KV head and request")):
@@ -2043,7 +2046,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
            early_release: bool = False, empty_ctas_exit: bool | None = None,
-           spread_splits: bool = False) -> None:
+           spread_splits: bool | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2058,8 +2061,8 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
     `empty_ctas_exit` (`Attn2Build.empty_ctas_exit`; None: the deployment's rule): False keeps the
     split CTAs without pages running the whole prologue (the A/B baseline); the same bits.
-    `spread_splits` (an experiment, `Attn2Build.spread_splits`): grid index y runs partial bitrev(y);
-    the same bits."""
+    `spread_splits` (`Attn2Build.spread_splits`; None: the deployment's rule): False runs partial y
+    at grid index y (the A/B baseline of bitrev(y)); the same bits."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,

@@ -1282,18 +1282,19 @@ def _reverses_the_grid_index(split_ptx: str, shift: int) -> bool:
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, partials", [(2, 131072, 256), (4, 131072, 128), (2, 128, 4)])
 def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, heads, max_model_len, partials):
-    """The `spread_splits` experiment's split kernel reverses the grid index's bits (brev.b32, then a
-    logical shift right by 32 - log2(partials)); the deployment and the one-split plan do not."""
-    folder = tmp_path_factory.mktemp("attn2-spread")
-    attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), spread_splits=True))
-    (spread,) = folder.glob("*_Attn2Kernel_*.ptx")
-    spread = spread.read_text()
+    """The deployment's split kernel of a split plan reverses the grid index's bits (brev.b32, then a
+    logical shift right by 32 - log2(partials), `Attn2Build.spread_splits`); its baseline
+    (`spread_splits=False`, grid order) and the one-split plan do not."""
+    spread = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)[0]
     shift = 32 - (partials.bit_length() - 1)
     assert _reverses_the_grid_index(spread, shift)
     # the check fails on an arithmetic shift and on a shift by another count
     assert not _reverses_the_grid_index(spread.replace("shr.u32", "shr.s32"), shift)
     assert not _reverses_the_grid_index(spread, shift - 1)
-    assert "brev.b32" not in _ptx(tmp_path_factory, arch, heads, max_model_len, 0)[0]
+    folder = tmp_path_factory.mktemp("attn2-grid-order")
+    attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), spread_splits=False))
+    (grid_order,) = folder.glob("*_Attn2Kernel_*.ptx")
+    assert "brev.b32" not in grid_order.read_text()
     assert "brev.b32" not in _ptx(tmp_path_factory, arch, heads, 64, 0)[0]
 
 
@@ -1303,8 +1304,8 @@ def test_empty_ctas_exit_and_spread_splits_refusals():
             attn2.Attn2Build(empty_ctas_exit=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty_ctas_exit: a one-split plan"):
         attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", empty_ctas_exit=True))
-    for bad in (1, "yes", None):
-        with pytest.raises(ValueError, match="spread_splits must be a bool"):
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="spread_splits must be a bool or None"):
             attn2.Attn2Build(spread_splits=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="spread_splits: a one-split plan"):
         attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", spread_splits=True))
