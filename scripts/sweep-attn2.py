@@ -48,9 +48,7 @@ with a 0 in --pdl, and either flag with a 1 in --splits (no combine), exit 2 bef
 `--empty-ctas-stay` (`Attn2Build.empty_ctas_exit` False) keeps every split CTA without pages running
 its whole prologue: the baseline of the deployment's early end (the same bits). `--grid-order`
 (`Attn2Build.spread_splits` False) runs partial y on grid index y: the baseline of the deployment's
-bitrev(y) (the same bits). `--table-ahead` (`Attn2Build.table_ahead`, an experiment) loads a split
-CTA's table entries with L (the same bits). With a 1 in --splits any of them exits 2, and
-`--table-ahead` with a window too.
+bitrev(y) (the same bits). With a 1 in --splits either exits 2.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -139,9 +137,6 @@ def main() -> None:
     parser.add_argument("--grid-order", action="store_true",
                         help="grid index y runs partial y (Attn2Build.spread_splits False: the baseline of the "
                              "deployment's bitrev(y)) at every point")
-    parser.add_argument("--table-ahead", action="store_true",
-                        help="split CTAs load their table entries with L (Attn2Build.table_ahead, an experiment) at "
-                             "every point")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -188,10 +183,6 @@ def main() -> None:
         sys.exit(2)
     if args.empty_ctas_stay and 1 in _csv(args.splits):
         print("--empty-ctas-stay: a one-split plan (--splits 1) has no CTA without pages", file=sys.stderr)
-        sys.exit(2)
-    if args.table_ahead and (1 in _csv(args.splits) or args.window):
-        print("--table-ahead: needs splits (no 1 in --splits) and no --window: with a window a split's entries "
-              "depend on L", file=sys.stderr)
         sys.exit(2)
     if args.grid_order and 1 in _csv(args.splits):
         print("--grid-order: a one-split plan (--splits 1) has one CTA a KV head: no order", file=sys.stderr)
@@ -243,8 +234,7 @@ def main() -> None:
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
                                              full_tree=args.full_tree, early_release=args.early_release,
                                              empty_ctas_exit=False if args.empty_ctas_stay else None,
-                                             spread_splits=False if args.grid_order else None,
-                                             table_ahead=args.table_ahead)
+                                             spread_splits=False if args.grid_order else None)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -266,7 +256,6 @@ def main() -> None:
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        full_tree=args.full_tree, early_release=args.early_release,
                                        empty_ctas_stay=args.empty_ctas_stay, grid_order=args.grid_order,
-                                       table_ahead=args.table_ahead,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

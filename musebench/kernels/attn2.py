@@ -410,13 +410,6 @@ class Attn2Build:
     # in grid order, L 512 6.32 / 6.24 against 7.57 / 7.57, L 2048 8.49 / 8.54 against 8.90 / 8.86;
     # 32k, 128k and tp 16 within noise or slightly faster. Refused (True) on a one-split plan.
     spread_splits: bool | None = None
-    # experiments only (split plans without a window): the split CTA loads its page-table entries
-    # together with L, right after its PDL wait and before the early end's branch, instead of after
-    # that branch and its Q loads: the ring's first copies wait for one global round trip, not two.
-    # Without a window a split's first page is its own index (page_range's first page is 0), so its
-    # entries are known before L; a CTA without pages loads them and ends (a few sectors of the
-    # table). The same bits. Refused with a window or a one-split plan.
-    table_ahead: bool = False
 
     def __post_init__(self) -> None:
         _require(isinstance(self.trace, bool), f"trace must be a bool, got {self.trace!r}")
@@ -425,7 +418,6 @@ class Attn2Build:
         _require(self.empty_ctas_exit is None or isinstance(self.empty_ctas_exit, bool),
                  f"empty_ctas_exit must be a bool or None (the deployment's rule), got {self.empty_ctas_exit!r}")
         _require(isinstance(self.full_tree, bool), f"full_tree must be a bool, got {self.full_tree!r}")
-        _require(isinstance(self.table_ahead, bool), f"table_ahead must be a bool, got {self.table_ahead!r}")
         _require(isinstance(self.early_release, bool), f"early_release must be a bool, got {self.early_release!r}")
         _require(not self.early_release or self.enable_pdl,
                  "early_release moves griddepcontrol.launch_dependents: it needs enable_pdl (without PDL there is "
@@ -476,13 +468,8 @@ class _Attn2Kernel:
                  wgmma: bool = False, splits_per_cta: int = 1, pages_per_step: int = 1,
                  defer_values: bool = False, ring_stages: int = lay.PIPELINE_STAGES, trace: bool = False,
                  loads_only: bool = False, weight_terms: int = 2, prefetch_pages: bool = False,
-                 early_release: bool = False, empty_ctas_exit: bool = False, spread_splits: bool = False,
-                 table_ahead: bool = False) -> None:
+                 early_release: bool = False, empty_ctas_exit: bool = False, spread_splits: bool = False) -> None:
         _require(num_kv_heads >= 1 and lay.is_power_of_two(num_splits), "bad attn2 configuration")
-        # `Attn2Build.table_ahead`: the table entries loaded with L (split plans without a window only)
-        _require(isinstance(table_ahead, bool) and (not table_ahead or (num_splits > 1 and window == 0)),
-                 f"table_ahead {table_ahead!r}: a bool, True only with splits and no window (Attn2Build.table_ahead)")
-        self.table_ahead = table_ahead
         # `Attn2Build.spread_splits`: grid index y runs partial bitrev(y) (split plans only)
         _require(isinstance(spread_splits, bool) and (not spread_splits or num_splits > 1),
                  f"spread_splits {spread_splits!r}: a bool, True only with splits (Attn2Build.spread_splits)")
@@ -992,27 +979,6 @@ class _Attn2Kernel:
                 ptx.st_shared_u32(table_smem + index * WORD_BYTES, entry)
 
     @cute.jit
-    def load_table(self, page_table: cute.Tensor, req: Int32, start: Int32, tidx: Int32) -> list:
-        """`Attn2Build.table_ahead`: a split's page-table entries (its page i is start + i S) into
-        registers, one per CTA_THREADS entries a thread (`store_table` puts them in shared memory)."""
-        table_base = Int64(page_table.iterator.toint()) + Int64(req) * (self.max_pages * WORD_BYTES)
-        entries = []
-        for r in cutlass.range_constexpr((self.table_entries + lay.CTA_THREADS - 1) // lay.CTA_THREADS):
-            index = tidx + r * lay.CTA_THREADS
-            page = start + index * self.num_splits
-            wanted = (index < self.table_entries) & (page < self.max_pages)
-            entries.append(ptx.ld_global_u32(table_base + Int64(cutlass.select_(wanted, page, Int32(0))) * WORD_BYTES))
-        return entries
-
-    @cute.jit
-    def store_table(self, entries: list, table_smem: Int32, tidx: Int32) -> None:
-        """`load_table`'s entries into shared memory from `table_smem` (`prefetch_table`'s layout)."""
-        for r in cutlass.range_constexpr(len(entries)):
-            index = tidx + r * lay.CTA_THREADS
-            if index < self.table_entries:
-                ptx.st_shared_u32(table_smem + index * WORD_BYTES, entries[r])
-
-    @cute.jit
     def stream_page(self, n: Int32, starts: list, counts: list):
         """(table index, logical page) of the CTA's n-th page: its splits' pages one split after the
         other (split j's page i is starts[j] + i S; its table entries from j x table_entries)."""
@@ -1242,11 +1208,6 @@ class _Attn2Kernel:
         if cutlass.const_expr(self.trace):
             clocks["clock_waited"] = ptx.read_clock64_u64()
 
-        ahead = None
-        if cutlass.const_expr(self.table_ahead):
-            # no window: split j's first page is its own index, so its entries are known before L
-            ahead = [self.load_table(page_table, req, partial * self.splits_per_cta + j, tidx)
-                     for j in range(self.splits_per_cta)]
         # The CTA's splits: partial x splits_per_cta + j, j ascending (siblings of the merge tree)
         seq_len, first_page, end_page = page_range(seq_lens, req, self.max_model_len, self.window)
         starts = []
@@ -1261,8 +1222,7 @@ class _Attn2Kernel:
             total = counts[0] + counts[1]
 
         work = (q, gate, kv_cache, page_table, out, workspace, q_row_words, gate_row_words, kv_head, partial, req,
-                tidx, warp, lane, g, c, ring_base, ones_base, table_smem, pending_base, seq_len, starts, counts, total,
-                ahead)
+                tidx, warp, lane, g, c, ring_base, ones_base, table_smem, pending_base, seq_len, starts, counts, total)
         if cutlass.const_expr(not self.empty_ctas_exit):
             self.split_work(clocks, *work)
         elif cutlass.const_expr(not self.trace):
@@ -1306,7 +1266,7 @@ class _Attn2Kernel:
                    page_table: cute.Tensor, out: cute.Tensor, workspace: cute.Tensor, q_row_words: Int32,
                    gate_row_words: Int32, kv_head: Int32, partial: Int32, req: Int32, tidx: Int32, warp: Int32,
                    lane: Int32, g: Int32, c: Int32, ring_base: Int32, ones_base: Int32, table_smem: Int32,
-                   pending_base: Int32, seq_len: Int32, starts: list, counts: list, total: Int32, ahead):
+                   pending_base: Int32, seq_len: Int32, starts: list, counts: list, total: Int32):
         """A split CTA's work after L's load: its Q fragments, table entries and the ring's
         prologue, its page chain(s), its partial (or the one-split epilogue). `kernel` skips it for a
         CTA without pages where `empty_ctas_exit` says so. Traced: returns the clocks it read after
@@ -1323,10 +1283,7 @@ class _Attn2Kernel:
         cache_base = Int64(kv_cache.iterator.toint())
         cache_pages = Int32(kv_cache.shape[0] // (self.num_kv_heads * (lay.PAGE_BYTES // BF16_BYTES)))
         for j in cutlass.range_constexpr(self.splits_per_cta):
-            if cutlass.const_expr(ahead is None):
-                self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j], tidx)
-            else:  # `Attn2Build.table_ahead`: loaded with L
-                self.store_table(ahead[j], table_smem + j * self.table_entries * WORD_BYTES, tidx)
+            self.prefetch_table(page_table, table_smem + j * self.table_entries * WORD_BYTES, req, starts[j], tidx)
         if cutlass.const_expr(self.wgmma):
             for r in cutlass.range_constexpr(gmma.ONES_BYTES // (VECTOR_BYTES * lay.CTA_THREADS)):
                 one = Uint32(gmma.BF16_ONES_WORD)
@@ -1949,11 +1906,6 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
     if build.early_release:  # the deployments' keys stay as they were
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
-    if build.table_ahead:  # the deployments' keys stay as they were
-        _require(knobs["num_splits"] > 1 and window == 0,
-                 f"table_ahead: the table entries of a split are known before L only in a split plan without a "
-                 f"window (max_model_len {max_model_len}, window {window}, {knobs['num_splits']} splits)")
-        split_knobs["table_ahead"] = True
     # the split kernel's split-plan switches (`Attn2Build.empty_ctas_exit`, `Attn2Build.spread_splits`):
     # None is the deployment's rule, on for split plans; True is refused on a one-split plan
     split_plan = knobs["num_splits"] > 1
@@ -2094,7 +2046,7 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
            pages_per_step: int | None = None, ring_stages: int | None = None, trace: bool = False,
            loads_only: bool = False, weight_terms: int = 2, full_tree: bool = False,
            early_release: bool = False, empty_ctas_exit: bool | None = None,
-           spread_splits: bool | None = None, table_ahead: bool = False) -> None:
+           spread_splits: bool | None = None) -> None:
     """`cute_ops.launch_attn2` (its docstring is the contract): the split kernel, then with splits
     the combine, on the current stream. `num_splits`, `issue` (None: the deployment's,
     `deployment_issue`), `tensor_ops`, `splits_per_cta`,
@@ -2110,13 +2062,11 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `empty_ctas_exit` (`Attn2Build.empty_ctas_exit`; None: the deployment's rule): False keeps the
     split CTAs without pages running the whole prologue (the A/B baseline); the same bits.
     `spread_splits` (`Attn2Build.spread_splits`; None: the deployment's rule): False runs partial y
-    at grid index y (the A/B baseline of bitrev(y)); the same bits. `table_ahead` (an experiment,
-    `Attn2Build.table_ahead`): the table entries loaded with L; the same bits."""
+    at grid index y (the A/B baseline of bitrev(y)); the same bits."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,
-                       early_release=early_release, empty_ctas_exit=empty_ctas_exit, spread_splits=spread_splits,
-                       table_ahead=table_ahead)
+                       early_release=early_release, empty_ctas_exit=empty_ctas_exit, spread_splits=spread_splits)
     splits = check_launch(q, gate, kv_cache, page_table, seq_lens, out, workspace, max_model_len=max_model_len,
                           window=window, num_splits=num_splits, splits_per_cta=splits_per_cta, trace=trace)
     compiled = compile_attn2(int(kv_cache.shape[1]), max_model_len, window, build)

@@ -1311,41 +1311,6 @@ def test_empty_ctas_exit_and_spread_splits_refusals():
         attn2.compile_attn2(2, 64, 0, attn2.Attn2Build(arch="sm_90a", spread_splits=True))
 
 
-def _loads_before_the_exit(split_ptx: str) -> int:
-    """ld.global instructions between griddepcontrol.wait and the empty CTAs' exit branch."""
-    wait = split_ptx.index("griddepcontrol.wait")
-    branch = re.search(r"@%p\d+ bra\s+\$L__BB\d+_\d+;", split_ptx[wait:])
-    return len(re.findall(r"ld\.global", split_ptx[wait:wait + branch.start()]))
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("heads, max_model_len", [(2, 131072), (4, 131072), (2, 2048)])
-def test_table_ahead_loads_the_table_with_the_length(tmp_path_factory, tmp_path, arch, heads, max_model_len):
-    """The `table_ahead` experiment's split kernel loads its table entries (one a thread per 128
-    entries, per split of the CTA) beside L's, before the exit branch; the deployment loads L alone
-    there; no spills."""
-    deployed, _ = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)
-    folder = tmp_path_factory.mktemp("attn2-ahead")
-    attn2.compile_attn2(heads, max_model_len, 0, attn2.Attn2Build(arch=arch, ptx_dir=str(folder), table_ahead=True))
-    (ahead,) = folder.glob("*_Attn2Kernel_*.ptx")
-    ahead = ahead.read_text()
-    splits = lay.splits(max_model_len, 0, heads)
-    per_cta = lay.splits_per_cta(heads, splits)
-    entries = lay.split_table_entries(max_model_len, 0, splits)
-    assert _loads_before_the_exit(deployed) == 1
-    assert _loads_before_the_exit(ahead) == 1 + per_cta * -(-entries // lay.CTA_THREADS)
-    assert_no_spills(assemble(ahead, arch, tmp_path))
-
-
-def test_table_ahead_refusals():
-    for bad in (1, None, "yes"):
-        with pytest.raises(ValueError, match="table_ahead must be a bool"):
-            attn2.Attn2Build(table_ahead=bad)  # type: ignore[arg-type]
-    for max_model_len, window in ((64, 0), (131072, 2048)):
-        with pytest.raises(ValueError, match="table_ahead: the table entries of a split are known before L only"):
-            attn2.compile_attn2(2, max_model_len, window, attn2.Attn2Build(arch="sm_90a", table_ahead=True))
-
-
 def test_full_tree_is_refused_unless_a_bool():
     for bad in (1, 0, None, "yes"):
         with pytest.raises(ValueError, match="full_tree must be a bool"):

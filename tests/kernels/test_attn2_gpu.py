@@ -222,19 +222,6 @@ def test_empty_exit_and_spread_splits_keep_every_bit(baseline, family, seq_len, 
         assert int(slots[:, p].count_nonzero()) == 0, f"partial {p} has no pages but its slot was written"
 
 
-@pytest.mark.parametrize("family", ["random", "tiny"])
-@pytest.mark.parametrize("seq_len, max_model_len, window, num_kv_heads",
-                         [case for case in EMPTY_EXIT_CASES if case[2] == 0])
-def test_table_ahead_keeps_every_bit(family, seq_len, max_model_len, window, num_kv_heads):
-    """The `Attn2Build.table_ahead` experiment (table entries loaded with L) gives the deployment's out
-    and workspace bytes in every split plan without a window (one and two splits a CTA)."""
-    problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
-    deployed, deployed_workspace = _launch(problem)
-    ahead, ahead_workspace = _launch(problem, table_ahead=True)
-    assert torch.equal(deployed.view(torch.int16), ahead.view(torch.int16)), _first_difference(deployed, ahead)
-    assert torch.equal(deployed_workspace, ahead_workspace)
-
-
 def _launch_issue(problem, issue, num_splits=None, tensor_ops=None):
     """The split plan's output with one `SplitIssue` setting and tensor-core path (`_launch`)."""
     return _launch(problem, num_splits, issue=issue, tensor_ops=tensor_ops)[0]
