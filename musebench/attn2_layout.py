@@ -265,6 +265,23 @@ def pages_per_step(window: int, num_splits: int) -> int:
     return 2 if num_splits > 1 and window == 0 else 1
 
 
+def spread_splits(window: int, num_splits: int) -> bool:
+    """A deployment's split order (`kernels.attn2.Attn2Build.spread_splits`): True (grid index y runs
+    partial bitrev(y)) for a split plan (num_splits > 1) without a window (window 0), else False (grid
+    order). Order only: a partial's pages, slot and bits are the same either way. Measured on the
+    H200, CUDA-graph medians: without a window, two rounds against grid order in one lease
+    (records/2026-12-02-h200-43832c5-attn2-spread-splits-ab.json), tp 8 L 128 / 512 / 2048 5.36-5.42 /
+    6.24-6.32 / 8.49-8.54 us against 6.65-6.68 / 7.57 / 8.86-8.90, the rest within noise; with the
+    2048 window (64 splits) `bench attn` at tp 8 was slower spread at L 512 .. 128k, 8.00 / 9.31 /
+    9.35 / 9.45 / 9.61 us against 7.31 / 8.44 / 8.53 / 8.54 / 8.85 in grid order (tp 16 within noise;
+    -9b893c6-bench-attn.summary.json against -43832c5-attn2-spread-splits-ab.json's bench, one run
+    each, two leases). ValueError for a bad value."""
+    _check_positive(num_splits=num_splits)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
+    return num_splits > 1 and window == 0
+
+
 # DEEP_RING_STAGES: the split kernel's ring depth (4 KB pages in flight a CTA, `ring_stages`) where a
 # launch's split CTAs are few enough that an SM holds at most two (DEEP_RING_MAX_CTAS: two on each
 # of the H200's 132 SMs; the GB200's 148 hold them as well): there the two CTAs' chains cannot hide

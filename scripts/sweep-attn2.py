@@ -47,8 +47,10 @@ with a 0 in --pdl, and either flag with a 1 in --splits (no combine), exit 2 bef
 
 `--empty-ctas-stay` (`Attn2Build.empty_ctas_exit` False) keeps every split CTA without pages running
 its whole prologue: the baseline of the deployment's early end (the same bits). `--grid-order`
-(`Attn2Build.spread_splits` False) runs partial y on grid index y: the baseline of the deployment's
-bitrev(y) (the same bits). With a 1 in --splits either exits 2.
+(`Attn2Build.spread_splits` False) runs partial y at grid index y: the baseline of the deployment's
+bitrev(y) without a window; with a window, grid order is the deployment's and `--spread-splits`
+(`Attn2Build.spread_splits` True) its baseline (the same bits). With a 1 in --splits any of them exits 2,
+and the two orders together too.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
 writes them as a list of dicts.
@@ -137,6 +139,9 @@ def main() -> None:
     parser.add_argument("--grid-order", action="store_true",
                         help="grid index y runs partial y (Attn2Build.spread_splits False: the baseline of the "
                              "deployment's bitrev(y)) at every point")
+    parser.add_argument("--spread-splits", action="store_true",
+                        help="grid index y runs partial bitrev(y) (Attn2Build.spread_splits True: the baseline of "
+                             "the window plans' grid order) at every point")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     try:
@@ -184,9 +189,13 @@ def main() -> None:
     if args.empty_ctas_stay and 1 in _csv(args.splits):
         print("--empty-ctas-stay: a one-split plan (--splits 1) has no CTA without pages", file=sys.stderr)
         sys.exit(2)
-    if args.grid_order and 1 in _csv(args.splits):
-        print("--grid-order: a one-split plan (--splits 1) has one CTA a KV head: no order", file=sys.stderr)
+    if args.grid_order and args.spread_splits:
+        print("--grid-order and --spread-splits: one split order at a time", file=sys.stderr)
         sys.exit(2)
+    for flag, asked in (("--grid-order", args.grid_order), ("--spread-splits", args.spread_splits)):
+        if asked and 1 in _csv(args.splits):
+            print(f"{flag}: a one-split plan (--splits 1) has one CTA a KV head: no order", file=sys.stderr)
+            sys.exit(2)
     if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
         print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
         sys.exit(2)
@@ -234,7 +243,8 @@ def main() -> None:
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
                                              full_tree=args.full_tree, early_release=args.early_release,
                                              empty_ctas_exit=False if args.empty_ctas_stay else None,
-                                             spread_splits=False if args.grid_order else None)
+                                             spread_splits=(False if args.grid_order else
+                                                            True if args.spread_splits else None))
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -256,6 +266,7 @@ def main() -> None:
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        full_tree=args.full_tree, early_release=args.early_release,
                                        empty_ctas_stay=args.empty_ctas_stay, grid_order=args.grid_order,
+                                       spread_splits=args.spread_splits,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

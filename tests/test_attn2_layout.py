@@ -214,6 +214,24 @@ def test_pages_per_step_rule_values():
     assert lay.pages_per_step(2048, 256) == 1
 
 
+@pytest.mark.parametrize("max_model_len, window", DEPLOYMENT_PLANS)
+def test_spread_splits_rule_is_on_for_split_plans_without_a_window(max_model_len, window):
+    """`spread_splits`: True exactly for a split plan without a window, the same at every tp."""
+    values = {lay.spread_splits(window, lay.splits(max_model_len, window, heads)) for heads in (1, 2, 4, 8, 16)}
+    assert values == {lay.splits(max_model_len, window, 1) > 1 and window == 0}
+
+
+def test_spread_splits_rule_values_and_refusals():
+    assert [lay.spread_splits(0, lay.splits(n, 0, 2)) for n in (64, 65, 2048, 131072)] == [False, True, True, True]
+    assert lay.spread_splits(2048, lay.splits(131072, 2048, 2)) is False
+    assert lay.spread_splits(0, 1) is False and lay.spread_splits(1, 256) is False
+    for window in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="window"):
+            lay.spread_splits(window, 256)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        lay.spread_splits(0, 0)
+
+
 def test_pages_per_step_rule_can_fail():
     """Fault injection: a rule keyed on tp (two pages only where one split runs a CTA, as the
     refusal before it had it) gives tp 4 and tp 8 different values, which the tp-independence

@@ -188,6 +188,8 @@ def assert_refused(result, reason: str) -> None:
     (["--early-release", "--splits", "1"], "a one-split plan (--splits 1) has no combine"),
     (["--empty-ctas-stay", "--splits", "1,256"], "--empty-ctas-stay: a one-split plan (--splits 1) has no CTA"),
     (["--grid-order", "--splits", "1"], "--grid-order: a one-split plan (--splits 1) has one CTA"),
+    (["--spread-splits", "--splits", "1"], "--spread-splits: a one-split plan (--splits 1) has one CTA"),
+    (["--spread-splits", "--grid-order"], "--grid-order and --spread-splits: one split order at a time"),
 ])
 def test_sweep_attn2_refuses_bad_splits_per_cta_before_any_gpu_work(args, reason):
     """sweep-attn2.py --splits-per-cta / --splits / --pages-per-step / --ring-stages: a value it cannot run exits 2

@@ -6,14 +6,15 @@ Public API (behind `musebench.cute_ops`): `prepare`, `launch`, `compile_attn2`. 
 the geometry and the split plan are `musebench.attn2_layout`'s.
 
 Two kernels, one class each. The split kernel: one CTA of 128 threads (one warpgroup) per (KV
-head, split, request), grid index y running partial bitrev(y) in every split plan (`Attn2Build.spread_splits`:
-the GPU hands consecutive CTAs to the same few SMs, and at small L the splits with pages are the
-lowest, so in grid order they shared SMs; spread, tp 8 L 128 ran 5.4 us against 6.7). Warp w
-computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the token); the 64
-rows of a KV head are one M = 64 tile. Two tensor-core paths give
-the same bits (`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from
-registers and B (K, V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no
-wgmma) `mma.sync.m16n8k16` with B fragments through `ldmatrix`. Each k16 step of wgmma equals
+head, split, request), grid index y running partial bitrev(y) in split plans without a window and
+partial y otherwise (`Attn2Build.spread_splits`, the rule `attn2_layout.spread_splits`: the GPU hands
+consecutive CTAs to the same few SMs, and at small L the splits with pages are the lowest, so in
+grid order they shared SMs; spread ran tp 8 L 128 in 5.4 us against 6.7, but the window's plan
+slower). Warp w computes rows of heads 2w, 2w + 1 (rows g and g + 8 of its 16, g = lane // 4 the
+token); the 64 rows of a KV head are one M = 64 tile. Two tensor-core paths give the same bits
+(`Attn2Build.tensor_ops`, `TENSOR_OPS`): on sm_90a `wgmma` with A (Q, P) from registers and B (K,
+V) from shared memory by descriptor (`kernels.gmma`); elsewhere (sm_100a: no wgmma)
+`mma.sync.m16n8k16` with B fragments through `ldmatrix`. Each k16 step of wgmma equals
 mma.sync's on the H200 (`kernels.gmma_probe`), and both paths run the same chains in the same
 order (tests/kernels/test_attn2_gpu.py compares them bit for bit):
 
@@ -404,11 +405,9 @@ class Attn2Build:
     # reversed), so that the splits with pages at small L (the lowest partials) are far apart in the
     # order the GPU hands CTAs to SMs, which packs consecutive CTAs onto the same few SMs (trace: the
     # first 16 CTAs of a tp 8 launch on 4 SMs). A CTA's split, pages and partial slot are the same
-    # whichever CTA runs them: the same bits. None: the deployment's rule, on with splits; False:
-    # grid order, the A/B baseline. Measured on the H200, two rounds, tp 8 (records/
-    # 2026-12-02-h200-43832c5-attn2-spread-splits-ab.json): L 128 5.42 / 5.36 us against 6.65 / 6.68
-    # in grid order, L 512 6.32 / 6.24 against 7.57 / 7.57, L 2048 8.49 / 8.54 against 8.90 / 8.86;
-    # 32k, 128k and tp 16 within noise or slightly faster. Refused (True) on a one-split plan.
+    # whichever CTA runs them: the same bits. None: the deployment's rule (`attn2_layout.spread_splits`,
+    # with the measurements behind it: on for split plans without a window); False: grid order, the
+    # A/B baseline; True: spread in any split plan. Refused (True) on a one-split plan.
     spread_splits: bool | None = None
 
     def __post_init__(self) -> None:
@@ -1907,14 +1906,16 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
     # the split kernel's split-plan switches (`Attn2Build.empty_ctas_exit`, `Attn2Build.spread_splits`):
-    # None is the deployment's rule, on for split plans; True is refused on a one-split plan
+    # None is the deployment's rule (the early end for split plans; the spread, `attn2_layout.spread_splits`,
+    # for split plans without a window); True is refused on a one-split plan
     split_plan = knobs["num_splits"] > 1
-    for name, why in (("empty_ctas_exit", "its CTA always has pages"),
-                      ("spread_splits", "it has one CTA a KV head and request")):
+    for name, why, rule in (("empty_ctas_exit", "its CTA always has pages", split_plan),
+                            ("spread_splits", "it has one CTA a KV head and request",
+                             lay.spread_splits(window, knobs["num_splits"]))):
         requested = getattr(build, name)
         _require(split_plan or not requested, f"{name}: a one-split plan (max_model_len {max_model_len} <= "
                                               f"SHORT_MAX_LEN, or num_splits 1): {why}")
-        if split_plan if requested is None else requested:  # one-split deployments' keys stay as they were
+        if rule if requested is None else requested:  # the keys of deployments without it stay as they were
             split_knobs[name] = True
 
     def compile_combine() -> Any:

@@ -1282,9 +1282,10 @@ def _reverses_the_grid_index(split_ptx: str, shift: int) -> bool:
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 @pytest.mark.parametrize("heads, max_model_len, partials", [(2, 131072, 256), (4, 131072, 128), (2, 128, 4)])
 def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, heads, max_model_len, partials):
-    """The deployment's split kernel of a split plan reverses the grid index's bits (brev.b32, then a
-    logical shift right by 32 - log2(partials), `Attn2Build.spread_splits`); its baseline
-    (`spread_splits=False`, grid order) and the one-split plan do not."""
+    """The deployment's split kernel of a split plan without a window reverses the grid index's bits
+    (brev.b32, then a logical shift right by 32 - log2(partials), `Attn2Build.spread_splits`); its
+    baseline (`spread_splits=False`, grid order), the one-split plan and the window's plan do not,
+    unless spread is asked for."""
     spread = _ptx(tmp_path_factory, arch, heads, max_model_len, 0)[0]
     shift = 32 - (partials.bit_length() - 1)
     assert _reverses_the_grid_index(spread, shift)
@@ -1296,6 +1297,16 @@ def test_split_ctas_run_partials_in_bit_reversed_order(tmp_path_factory, arch, h
     (grid_order,) = folder.glob("*_Attn2Kernel_*.ptx")
     assert "brev.b32" not in grid_order.read_text()
     assert "brev.b32" not in _ptx(tmp_path_factory, arch, heads, 64, 0)[0]
+    # a window's plan runs in grid order unless spread is asked for
+    window = min(2048, max_model_len // 2)
+    assert "brev.b32" not in _ptx(tmp_path_factory, arch, heads, max_model_len, window)[0]
+    folder = tmp_path_factory.mktemp("attn2-window-spread")
+    attn2.compile_attn2(heads, max_model_len, window,
+                        attn2.Attn2Build(arch=arch, ptx_dir=str(folder), spread_splits=True))
+    (window_spread,) = folder.glob("*_Attn2Kernel_*.ptx")
+    window_partials = lay.splits(max_model_len, window, heads) // lay.splits_per_cta(
+        heads, lay.splits(max_model_len, window, heads))
+    assert _reverses_the_grid_index(window_spread.read_text(), 32 - (window_partials.bit_length() - 1))
 
 
 def test_empty_ctas_exit_and_spread_splits_refusals():
