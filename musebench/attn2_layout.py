@@ -275,7 +275,10 @@ def spread_splits(window: int, num_splits: int) -> bool:
     2048 window (64 splits) `bench attn` at tp 8 was slower spread at L 512 .. 128k, 8.00 / 9.31 /
     9.35 / 9.45 / 9.61 us against 7.31 / 8.44 / 8.53 / 8.54 / 8.85 in grid order (tp 16 within noise;
     -9b893c6-bench-attn.summary.json against -43832c5-attn2-spread-splits-ab.json's bench, one run
-    each, two leases). ValueError for a bad value."""
+    each, two leases and two commits: weaker evidence than a same-lease A/B, which
+    `sweep-attn2.py --window 2048 --splits 64 --spread-splits` against its default would give). The
+    smaller split plans without a window (4 to 64 splits, max_model_len 128 to 2048) take the 256-split
+    plan's order unmeasured. ValueError for a bad value."""
     _check_positive(num_splits=num_splits)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")

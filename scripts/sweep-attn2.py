@@ -53,7 +53,9 @@ bitrev(y) without a window; with a window, grid order is the deployment's and `-
 and the two orders together too.
 
 Prints one line per point (µs per call, K + V GB/s, the roofline at 4.2 TB/s) and, with --json,
-writes them as a list of dicts.
+writes them as a list of dicts; a dict's `split_order` is the order the point ran ("spread" or
+"grid", the flags or the deployment's rule), its `grid_order` and `spread_splits` the flags alone
+(since 2026-12-02 session 12: before it, `spread_splits` true was the experiment and false grid order).
 """
 
 from __future__ import annotations
@@ -102,6 +104,14 @@ def _splits_per_cta(name: str, heads: int, splits: int) -> int:
     """A --splits-per-cta value at `heads` KV heads and `splits` splits (`attn2_layout.splits_per_cta`
     for auto; `check_splits_per_cta` refuses what a plan cannot run)."""
     return _axis_value(name, lambda: lay.splits_per_cta(heads, splits), lambda v: lay.check_splits_per_cta(v, splits))
+
+
+def _split_order(args: argparse.Namespace, splits: int) -> str:
+    """The split order a point ran: "spread" (grid index y runs partial bitrev(y)) or "grid", from
+    --grid-order / --spread-splits, else the deployment's rule (`attn2_layout.spread_splits`)."""
+    if args.grid_order or args.spread_splits:
+        return "spread" if args.spread_splits else "grid"
+    return "spread" if lay.spread_splits(args.window, splits) else "grid"
 
 
 def _pages_per_step(name: str, window: int, splits: int) -> int:
@@ -267,6 +277,7 @@ def main() -> None:
                                        full_tree=args.full_tree, early_release=args.early_release,
                                        empty_ctas_stay=args.empty_ctas_stay, grid_order=args.grid_order,
                                        spread_splits=args.spread_splits,
+                                       split_order=_split_order(args, splits),
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

@@ -34,7 +34,10 @@ Since 2026-12-02 (session 10) the combine computes its 16 sigmoids before its PD
 `pdl_wait` phase holds them and its `epilogue` no longer does, so traces before and after that
 change differ in those two phases. Since session 11 a split CTA without pages ends after L's load
 (`Attn2Build.empty_ctas_exit`): its prologue, chain and write phases are zero-length, so at small L
-the medians over every split CTA differ from earlier traces; the `with_pages` ones do not.
+the medians over every split CTA differ from earlier traces; the `with_pages` ones do not. Since
+session 12 split plans without a window run partial bitrev(y) at grid index y
+(`attn2_layout.spread_splits`; grid order before): at small L the CTAs with pages sit on other SMs
+than in earlier traces, so their prologue and per-SM figures differ.
 Exit 2 on a bad option or without a GPU, before any GPU work.
 """
 

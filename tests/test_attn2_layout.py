@@ -216,9 +216,11 @@ def test_pages_per_step_rule_values():
 
 @pytest.mark.parametrize("max_model_len, window", DEPLOYMENT_PLANS)
 def test_spread_splits_rule_is_on_for_split_plans_without_a_window(max_model_len, window):
-    """`spread_splits`: True exactly for a split plan without a window, the same at every tp."""
-    values = {lay.spread_splits(window, lay.splits(max_model_len, window, heads)) for heads in (1, 2, 4, 8, 16)}
-    assert values == {lay.splits(max_model_len, window, 1) > 1 and window == 0}
+    """`spread_splits`: True exactly for a split plan (max_model_len past SHORT_MAX_LEN) without a
+    window, at every tp."""
+    expected = max_model_len > lay.SHORT_MAX_LEN and window == 0
+    assert {lay.spread_splits(window, lay.splits(max_model_len, window, heads)) for heads in (1, 2, 4, 8, 16)} == {
+        expected}
 
 
 def test_spread_splits_rule_values_and_refusals():
@@ -230,6 +232,21 @@ def test_spread_splits_rule_values_and_refusals():
             lay.spread_splits(window, 256)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         lay.spread_splits(0, 0)
+
+
+def test_spread_splits_rule_can_fail():
+    """Fault injection for the expectation above: a rule ignoring the window (spread in every split
+    plan, as 0239372 deployed it) and one for the 256-split plans alone each differ from it on some
+    deployment plan."""
+    def ignoring_the_window(window, splits):
+        return splits > 1
+
+    def full_plans_alone(window, splits):
+        return splits == lay.MAX_SPLITS and window == 0
+
+    for wrong in (ignoring_the_window, full_plans_alone):
+        assert any(wrong(window, lay.splits(n, window, 2)) != (n > lay.SHORT_MAX_LEN and window == 0)
+                   for n, window in DEPLOYMENT_PLANS)
 
 
 def test_pages_per_step_rule_can_fail():

@@ -2062,8 +2062,9 @@ def launch(q: torch.Tensor, gate: torch.Tensor, kv_cache: torch.Tensor, page_tab
     `early_release` (an experiment, `Attn2Build.early_release`): dependents released after each wait.
     `empty_ctas_exit` (`Attn2Build.empty_ctas_exit`; None: the deployment's rule): False keeps the
     split CTAs without pages running the whole prologue (the A/B baseline); the same bits.
-    `spread_splits` (`Attn2Build.spread_splits`; None: the deployment's rule): False runs partial y
-    at grid index y (the A/B baseline of bitrev(y)); the same bits."""
+    `spread_splits` (`Attn2Build.spread_splits`; None: the deployment's rule,
+    `attn2_layout.spread_splits`): False runs partial y at grid index y, True partial bitrev(y) (each
+    the A/B baseline of the rule's other order); the same bits."""
     build = Attn2Build(enable_pdl=enable_pdl, num_splits=num_splits, issue=issue, tensor_ops=tensor_ops,
                        splits_per_cta=splits_per_cta, pages_per_step=pages_per_step, ring_stages=ring_stages,
                        trace=trace, loads_only=loads_only, weight_terms=weight_terms, full_tree=full_tree,

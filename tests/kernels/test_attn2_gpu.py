@@ -188,9 +188,10 @@ def _launch(problem, num_splits=None, **experiment):
 # Attn2Build.empty_ctas_exit (the deployment's split CTAs without pages end after L's load) and
 # Attn2Build.spread_splits (the deployment's grid index y runs partial bitrev(y) without a window,
 # y with one) against their baselines (every CTA's whole prologue; the other order), alone and
-# together. Few splits with pages (L 8, 17, 128 at 128k: 1, 2, 8 of 256), every split (4099, 131072), windows (3017 / 100
-# and 2055 / 2048: every split has pages, its first live split past 0; 300 / 2048 at 4096: 19 pages
-# of the window's split plan, the rest empty), tp 8, 16, 4 (two splits a CTA), the 64-split plan at 2048
+# together. Few splits with pages (L 8, 17, 128 at 128k: 1, 2, 8 of 256), every split (4099,
+# 131072), windows (3017 / 100 and 2055 / 2048: every split has pages, its first live split past 0;
+# 300 / 2048 at 4096: 19 pages of the window's split plan, the rest empty), tp 8, 16, 4 (two splits
+# a CTA), the 64-split plan at 2048
 EMPTY_EXIT_CASES = [(8, 131072, 0, 2), (17, 131072, 0, 2), (128, 131072, 0, 2), (4099, 131072, 0, 2),
                     (131072, 131072, 0, 2), (128, 131072, 0, 1), (70001, 131072, 0, 4), (300, 131072, 0, 4),
                     (3017, 131072, 100, 2), (2055, 4096, 2048, 2), (300, 4096, 2048, 2), (129, 2048, 0, 2)]
@@ -200,7 +201,8 @@ BASELINES = ("empty_ctas_stay", "other_order", "both")
 def _baseline(name: str, max_model_len: int, window: int) -> dict:
     """The build switches of a BASELINES entry: every CTA's whole prologue, the split order the
     deployment does not take (grid order without a window, spread with one), or both."""
-    other_order = dict(spread_splits=not lay.spread_splits(window, cute_ops.attn2_splits(max_model_len, window, 1)))
+    splits = cute_ops.attn2_splits(max_model_len, window, 1)  # the plan's: not a function of the KV heads
+    other_order = dict(spread_splits=not lay.spread_splits(window, splits))
     return {"empty_ctas_stay": dict(empty_ctas_exit=False), "other_order": other_order,
             "both": dict(empty_ctas_exit=False, **other_order)}[name]
 
@@ -212,7 +214,8 @@ def test_empty_exit_and_spread_splits_keep_every_bit(baseline, family, seq_len, 
                                                      num_kv_heads):
     """The deployment (empty CTAs end early; partials spread over the grid without a window) and each
     baseline (every CTA's whole prologue, the other order, both) give the same out and the same
-    workspace bytes (zeroed first: every partial in its own slot), and the deployment leaves the slot of every partial without pages zero (no such CTA writes)."""
+    workspace bytes (zeroed first: every partial in its own slot), and the deployment leaves the
+    slot of every partial without pages zero (no such CTA writes)."""
     problem = make_problem(family, seq_len, max_model_len, window=window, num_kv_heads=num_kv_heads)
     deployed, deployed_workspace = _launch(problem)
     other, other_workspace = _launch(problem, **_baseline(baseline, max_model_len, window))
