@@ -2,7 +2,8 @@
 `Attn2Build.trace`) in a CUDA graph of back-to-back launches, as `musebench bench attn` times them.
 
     python3 scripts/trace-attn2.py [--tp 8,16] [--lengths 8,8192,131072] [--max-model-len 131072]
-        [--splits N] [--calls 20] [--json PATH] [--rows PATH] [--loads-only]
+        [--window W] [--grid-order | --spread-splits] [--splits N] [--calls 20] [--json PATH]
+        [--rows PATH] [--loads-only]
 
 Why: the bench (`musebench bench attn`, CUDA graphs) gives one number a call, and Nsight Compute
 the split kernel alone (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), without the PDL
@@ -13,7 +14,9 @@ with its group's subtree, the tree above the groups (shuffles, shared memory) an
 and when the grids start and end.
 
 Per (tp, L) (the bench's inputs: `cases.attn2_inputs`, random family, one request, rank 0's KV
-heads, max_model_len 131072 unless `--max-model-len` names another plan, without a window):
+heads, max_model_len 131072 unless `--max-model-len` names another plan, without a window unless
+`--window` names one; the deployment's split order unless `--grid-order` or `--spread-splits` forces
+one, each point's `split_order` says which ran):
 `--calls` traced launches, each with its own workspace (the partials,
 then every CTA's trace row: `attn2.traced_workspace_bytes`), captured in one graph on a side stream
 after an eager warm-up (which compiles), replayed twice; the second replay's rows are read. Launch
@@ -237,6 +240,14 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=None,
                         help="force the plan's split count (a power of two, 2 .. 256; default the deployment's, "
                              "attn2_layout.splits)")
+    parser.add_argument("--window", type=int, default=0,
+                        help="the sliding window (0: none; else in [1, max_model_len)): its plan and its keys")
+    parser.add_argument("--grid-order", action="store_true",
+                        help="grid index y runs partial y (Attn2Build.spread_splits False; the deployment's with a "
+                             "window)")
+    parser.add_argument("--spread-splits", action="store_true",
+                        help="grid index y runs partial bitrev(y) (Attn2Build.spread_splits True; the deployment's "
+                             "without a window)")
     parser.add_argument("--calls", type=int, default=20, help="traced launches in the graph (>= 3)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--rows", default=None,
@@ -253,6 +264,17 @@ def main() -> None:
         _refuse(f"--lengths: {max(lengths)} is past --max-model-len {args.max_model_len}")
     if args.splits is not None and not (2 <= args.splits <= 256 and args.splits & (args.splits - 1) == 0):
         _refuse(f"--splits: {args.splits} is not a power of two in [2, 256]")
+    if not (args.window == 0 or 1 <= args.window < args.max_model_len):
+        _refuse(f"--window: {args.window} is not 0 or in [1, --max-model-len {args.max_model_len})")
+    if args.grid_order and args.spread_splits:
+        _refuse("--grid-order and --spread-splits: one split order at a time")
+    from musebench import attn2_layout as lay
+
+    one_split = args.splits is None and lay.splits(args.max_model_len, args.window, 1) == 1
+    if (args.grid_order or args.spread_splits) and one_split:
+        _refuse(f"--grid-order / --spread-splits: max_model_len {args.max_model_len} runs one split a KV head: "
+                "no order")
+    order = False if args.grid_order else True if args.spread_splits else None
     if args.calls < 3:
         _refuse(f"--calls: {args.calls} leaves fewer than two launches after the first (needs >= 3)")
     for flag, path in (("--json", args.json), ("--rows", args.rows)):
@@ -264,7 +286,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         _refuse("trace-attn2.py needs a CUDA GPU (sm_90a / sm_100a); none is visible")
 
-    from musebench import attn2_layout as lay
     from musebench.cases.attn2_inputs import for_rank, make_problem
     from musebench.kernels import attn2
 
@@ -273,7 +294,7 @@ def main() -> None:
     report, raw = [], []
     for tp in tps:
         for length in lengths:
-            p = for_rank(make_problem("random", length, args.max_model_len), 0, tp).to(device)
+            p = for_rank(make_problem("random", length, args.max_model_len, args.window), 0, tp).to(device)
             heads = p.num_kv_heads
             splits = args.splits or lay.splits(p.max_model_len, p.window, heads)
             per_cta = lay.splits_per_cta(heads, splits)
@@ -285,7 +306,7 @@ def main() -> None:
                 for workspace in workspaces:
                     attn2.launch(p.q, p.gate, p.kv_cache, p.page_table, p.seq_lens, out, workspace,
                                  max_model_len=p.max_model_len, window=p.window, trace=True, num_splits=splits,
-                                 loads_only=args.loads_only)
+                                 loads_only=args.loads_only, spread_splits=order)
 
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
@@ -311,15 +332,19 @@ def main() -> None:
                     combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
                     if combine_rows is not None else [],
                     split_pages=pages))
+            spread = order if order is not None else lay.spread_splits(p.window, splits)
+            split_order = "spread" if spread and splits > 1 else "grid"
             if args.rows:
                 ctas = splits // per_cta
-                raw.append(dict(tp=tp, seq_len=length, max_model_len=args.max_model_len, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
+                raw.append(dict(tp=tp, seq_len=length, max_model_len=args.max_model_len, window=p.window,
+                                split_order=split_order, kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                                 loads_only=args.loads_only, launches=[dict(
                                     split=[dict(r, kv_head=i // ctas, first_split=(i % ctas) * per_cta, pages=n)
                                            for i, (r, n) in enumerate(zip(x["split"], x["split_pages"]))],
                                     combine=x["combine"]) for x in per_launch]))
             table = summarize(per_launch)
-            table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, forced_splits=args.splits is not None,
+            table.update(tp=tp, seq_len=length, max_model_len=args.max_model_len, window=p.window,
+                         split_order=split_order, forced_splits=args.splits is not None,
                          kv_heads=heads, splits=splits, splits_per_cta=per_cta,
                          launches=len(per_launch), loads_only=args.loads_only)
             report.append(table)

@@ -390,13 +390,21 @@ def trace_attn2():
     (["--splits", "3"], "--splits: 3 is not a power of two in [2, 256]"),
     (["--splits", "512"], "--splits: 512 is not a power of two in [2, 256]"),
     (["--calls", "2"], "--calls: 2 leaves fewer than two launches after the first (needs >= 3)"),
+    (["--window", "-1"], "--window: -1 is not 0 or in [1, --max-model-len 131072)"),
+    (["--window", "128", "--max-model-len", "128", "--lengths", "8"],
+     "--window: 128 is not 0 or in [1, --max-model-len 128)"),
+    (["--grid-order", "--spread-splits"], "--grid-order and --spread-splits: one split order at a time"),
+    (["--spread-splits", "--max-model-len", "64", "--lengths", "8"],
+     "max_model_len 64 runs one split a KV head: no order"),
     (["--json", "/nonexistent-folder/trace.json"], "--json: the folder of '/nonexistent-folder/trace.json' does not exist"),
     (["--rows", "/nonexistent-folder/rows.json"], "--rows: the folder of '/nonexistent-folder/rows.json' does not exist"),
 ])
 def test_trace_attn2_refuses_bad_options_before_any_gpu_work(args, reason):
     """trace-attn2.py: an option it cannot run exits 2 with the reason before the GPU is touched
     (a tp outside 16 / 8 / 4 / 2, a length outside [8, 131072] or past --max-model-len, a
-    max_model_len outside [8, 131072], a split count not a power of two in [2, 256], a value twice, fewer than three calls, a --json or --rows folder that does not exist)."""
+    max_model_len outside [8, 131072], a split count not a power of two in [2, 256], a value twice,
+    fewer than three calls, a window outside [0, max_model_len), both split orders or one with a
+    one-split plan, a --json or --rows folder that does not exist)."""
     assert_refused(run_script(TRACE_ATTN2, args), reason)
 
 
