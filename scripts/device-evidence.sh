@@ -27,6 +27,11 @@
 #               paths side by side (scripts/sweep-attn2.py: exit 1 if one changes a bit; ATTN2_ISSUES
 #               overrides the list), one or two splits a CTA at tp 4 / 8 / 16, the ring's depth at tp 16,
 #               and bench attn (about 400 s)
+#   attn2-order  the split order (attn2_layout.spread_splits) on one lease: scripts/sweep-attn2.py in
+#               the deployment's order and the other one, alternating, two rounds each, without a window
+#               (256 splits; the other order --grid-order) and with the 2048 window (64 splits; the other
+#               order --spread-splits), then traced launches of the window's plan in both orders at tp 8
+#               (about 400 s)
 #   attn2-profile  where attn2's time goes: every CTA's phases from the traced build
 #               (scripts/trace-attn2.py), and (ncu) the split and combine kernels' durations, the 128k
 #               split kernel's pipe utilizations, its page stream alone (--loads-only, tp 8 and 16), both with
@@ -46,7 +51,7 @@
 # goes on, and the exit status says whether anything failed. NVLink multicast stays off.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|attn2-profile|floor|multi-gpu|multi-gpu-shared|ab}
+part=${1:?usage: device-evidence.sh facts|tests|kernels|records|bench|parity|routing|front|attn2|attn2-order|attn2-profile|floor|multi-gpu|multi-gpu-shared|ab}
 out=${OUT:-records/device-$(date -u +%Y%m%d-%H%M)}
 mkdir -p "$out"
 day=$(date -u +%Y-%m-%d)
@@ -183,6 +188,27 @@ case $part in
     run sweep-attn2-ring 150 python3 scripts/sweep-attn2.py --splits 256 --tp 16 --lengths 8192,32768,131072 \
       --ring-stages 8,16,24,auto --json "$out/$day-$gpu-sweep-attn2-ring.json"
     run bench-attn 200 musebench bench attn --json "$out/$day-$gpu-bench-attn.json"
+    ;;
+  attn2-order)  # the deployment's split order against the other, same lease, without and with the window
+    order_runs="$out/order-runs"  # the sweeps' JSON, merged below into one record (the device returns 8 files)
+    mkdir -p "$order_runs"
+    for round in 1 2; do
+      run "sweep-order-deployed-$round" 60 python3 scripts/sweep-attn2.py --splits 256 --issue auto --tp 8,16 \
+        --lengths 8,128,512,2048,32768,131072 --json "$order_runs/deployed-$round.json"
+      run "sweep-order-grid-$round" 60 python3 scripts/sweep-attn2.py --splits 256 --issue auto --tp 8,16 \
+        --lengths 8,128,512,2048,32768,131072 --grid-order --json "$order_runs/grid-$round.json"
+      run "sweep-window-deployed-$round" 50 python3 scripts/sweep-attn2.py --splits 64 --issue auto --tp 8,16 \
+        --window 2048 --lengths 8,512,2048,8192,131072 --json "$order_runs/window-deployed-$round.json"
+      run "sweep-window-spread-$round" 50 python3 scripts/sweep-attn2.py --splits 64 --issue auto --tp 8,16 \
+        --window 2048 --lengths 8,512,2048,8192,131072 --spread-splits --json "$order_runs/window-spread-$round.json"
+    done
+    run merge-order-runs 30 python3 -c "import json, pathlib, sys; d = pathlib.Path(sys.argv[1]); \
+json.dump({p.stem: json.loads(p.read_text()) for p in sorted(d.glob('*.json'))}, open(sys.argv[2], 'w'))" \
+      "$order_runs" "$out/$day-$gpu-sweep-attn2-order.json"
+    rm -rf "$order_runs"
+    for order in --grid-order --spread-splits; do
+      run "trace-window$order" 60 python3 scripts/trace-attn2.py --tp 8 --lengths 512,8192 --window 2048 $order
+    done
     ;;
   attn2-profile)  # a call of its own: with attn2's tests and sweeps it would pass one call's 600 s
     issues=${ATTN2_ISSUES:-all@sync,all,auto}
