@@ -447,6 +447,9 @@ def test_trace_attn2_phases_gaps_and_sm_loads(trace_attn2):
     assert table["launch_period_ns"] == {"median": 5000, "max": 5000}
     assert table["overlap_with_previous_ns"]["median"] == 5800 - 5000
     assert "tp 8 L 8" in trace_attn2.render(8, 8, table)
+    windowed = dict(table, window=2048, split_order="grid")
+    assert "tp 8 L 8, window 2048, grid order:" in trace_attn2.render(8, 8, windowed)
+    assert "tp 8 L 8, spread order:" in trace_attn2.render(8, 8, dict(table, window=0, split_order="spread"))
 
 
 def _loaded_launch(at: int) -> dict:
