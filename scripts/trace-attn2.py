@@ -206,8 +206,8 @@ def render(tp: int, length: int, table: dict) -> str:
     where = "".join(f", {text}" for text in (f"window {table['window']}" if table.get("window") else "",
                                              f"{table['split_order']} order" if "split_order" in table else "") if text)
     lines = [f"tp {tp} L {length}{where}: period {median('launch_period_ns')} µs, span "
-             f"{median('launch_span_ns')} (split {median('split_span_ns')}, combine {median('combine_span_ns')}), combine entry "
-             f"+{median('combine_first_entry_after_split_first_entry_ns')}, split end -> combine waited "
+             f"{median('launch_span_ns')} (split {median('split_span_ns')}, combine {median('combine_span_ns')}), "
+             f"combine entry +{median('combine_first_entry_after_split_first_entry_ns')}, split end -> combine waited "
              f"{median('gap_split_end_to_combine_waited_ns')}, overlap with the previous "
              f"{median('overlap_with_previous_ns')} µs"]
     for kernel, phases in (("split", SPLIT_PHASES), ("combine", COMBINE_PHASES)):
