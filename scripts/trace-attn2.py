@@ -29,8 +29,10 @@ every CTA's whole life (no clock-rate guess). Printed per configuration: the lau
 to the combine's first post-wait instant (its entry's globaltimer plus its wait in cycles), the
 overlap with the previous launch (its last end minus this one's first entry: positive where PDL
 overlaps them), each phase's median and max over CTAs (the split kernel's also over the CTAs with
-pages only: at L 8 one split of 256 has any), CTAs per SM, and the last launch's SMs grouped by their
-split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond).
+pages only: at L 8 one split of 256 has any), CTAs per SM, the last launch's SMs grouped by their
+split CTAs (`sm_loads`: when an SM's last chain ends, the pages it streams a microsecond), and how
+the split CTAs sharing an SM fare against each other (`within_sm`: how far apart their prologues
+and their chains end, and whether the last prologue ends its chain last).
 `--json` writes every number; `--rows` every launch's raw rows (for analyses of their own);
 `--loads-only` traces the split kernel's page stream alone (`Attn2Build.loads_only`).
 Since 2026-12-02 (session 10) the combine computes its 16 sigmoids before its PDL wait: its
@@ -135,6 +137,44 @@ def sm_loads(split: list[dict], pages: list[int], ratio_split: float) -> dict:
             for k, v in sorted(groups.items())}
 
 
+def _median_p90(values: list[float]) -> dict:
+    """Median and 90th percentile (nearest rank), rounded ns; {} for no values."""
+    if not values:
+        return {}
+    ranked = sorted(values)
+    return dict(median_ns=round(statistics.median(ranked)), p90_ns=round(ranked[-(-9 * len(ranked) // 10) - 1]))
+
+
+def within_sm(launches: list[dict], ratio_split: float) -> dict:
+    """How the split CTAs that share an SM (those with pages, two or more on it) fare against each
+    other, over every launch and SM: how far apart their prologues and their chains end (ns), and
+    how often the CTA whose prologue ended last also ends its chain last. A spread that grows from
+    the prologues to the chains, in the same order, is one CTA favored over its neighbours
+    (records/2026-12-02-h200-43832c5-attn2-trace.json: at tp 8 128k 0.35 -> 3.1 us, 89 %)."""
+    prologue_spreads, chain_spreads, kept = [], [], 0
+    for x in launches:
+        first = min(r["globaltimer_entry"] for r in x["split"])  # integers until here: ns since it
+        per_sm: dict[int, list[tuple[float, float]]] = {}
+        for r, pages in zip(x["split"], x["split_pages"]):
+            if pages > 0:
+                entry = r["globaltimer_entry"] - first
+                per_sm.setdefault(r["smid"], []).append(
+                    (entry + (r["clock_prologue"] - r["clock_entry"]) / ratio_split,
+                     entry + (r["clock_chained"] - r["clock_entry"]) / ratio_split))
+        for ctas in per_sm.values():
+            if len(ctas) < 2:
+                continue
+            prologues, chains = [c[0] for c in ctas], [c[1] for c in ctas]
+            prologue_spreads.append(max(prologues) - min(prologues))
+            chain_spreads.append(max(chains) - min(chains))
+            kept += prologues.index(max(prologues)) == chains.index(max(chains))
+    if not chain_spreads:
+        return {}
+    return dict(sm_launches=len(chain_spreads), prologue_end_spread=_median_p90(prologue_spreads),
+                chain_end_spread=_median_p90(chain_spreads),
+                last_prologue_ends_last=round(kept / len(chain_spreads), 3))
+
+
 def summarize(launches: list[dict]) -> dict:
     """Launches (dicts: `split` and `combine` row lists of trace dicts, `split_pages` each split
     row's page count) -> phases (ns), spans, gaps, overlaps and SM loads. A launch without a
@@ -157,6 +197,8 @@ def summarize(launches: list[dict]) -> dict:
             for load in _per_sm(x[kernel]):
                 loads[load] = loads.get(load, 0) + 1
         table["ctas_by_ctas_on_the_sm"] = {str(k): v // len(launches) for k, v in sorted(loads.items())}
+        if kernel == "split":  # how an SM's CTAs fare against each other (`within_sm`)
+            table["within_sm"] = within_sm(launches, ratios["split"])
         if kernel == "split":  # the last launch's SMs by their load (`sm_loads`)
             table["sms_by_ctas_on_the_sm"] = sm_loads(launches[-1]["split"], launches[-1]["split_pages"],
                                                       ratios["split"])
@@ -229,6 +271,13 @@ def render(tp: int, length: int, table: dict) -> str:
                 f"{k} an SM: {g['sms']} SMs, last chain end {_us(g['last_chain_end_ns'].get('median_ns'))} (max "
                 f"{_us(g['last_chain_end_ns'].get('max_ns'))}) µs, {g['pages_per_us_median']} pages/µs"
                 for k, g in t["sms_by_ctas_on_the_sm"].items()))
+        if t.get("within_sm"):
+            w = t["within_sm"]
+            prologues, chains = w["prologue_end_spread"], w["chain_end_spread"]
+            lines.append(f"  within an SM ({w['sm_launches']} SM-launches, CTAs with pages): prologues end "
+                         f"{_us(prologues['median_ns'])} (p90 {_us(prologues['p90_ns'])}) µs apart, chains "
+                         f"{_us(chains['median_ns'])} (p90 {_us(chains['p90_ns'])}) µs apart; the last prologue ends "
+                         f"its chain last in {100 * w['last_prologue_ends_last']:.0f} %")
     return "\n".join(lines)
 
 

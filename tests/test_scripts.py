@@ -472,6 +472,24 @@ def test_trace_attn2_sms_by_their_load(trace_attn2):
                    "2": dict(sms=1, last_chain_end_ns=dict(median_ns=6000, max_ns=6000), pages_per_us_median=1.6)}
 
 
+def test_trace_attn2_within_an_sm(trace_attn2):
+    """`within_sm`: SM 0's two CTAs end their prologues 200 ns apart (1000, 1200) and their chains
+    1000 ns apart (5000, 6000), the later prologue last; SM 1's lone CTA is left out; a CTA without
+    pages is left out; no SM with two CTAs with pages gives {}."""
+    launches = [_loaded_launch(0), _loaded_launch(8000)]
+    got = trace_attn2.within_sm(launches, 2.0)
+    assert got == dict(sm_launches=2, prologue_end_spread=dict(median_ns=200, p90_ns=200),
+                       chain_end_spread=dict(median_ns=1000, p90_ns=1000), last_prologue_ends_last=1.0)
+    # the order reversed on one launch: the CTA whose prologue ends last ends its chain first
+    flipped = copy.deepcopy(launches)
+    flipped[1]["split"][1]["clock_chained"] = flipped[1]["split"][1]["clock_prologue"] + 2 * 3000
+    assert trace_attn2.within_sm(flipped, 2.0)["last_prologue_ends_last"] == 0.5
+    idle = copy.deepcopy(launches)
+    for x in idle:
+        x["split_pages"] = [4, 0, 2]
+    assert trace_attn2.within_sm(idle, 2.0) == {}
+
+
 def test_trace_attn2_summary_with_sm_loads_and_idle_between_launches(trace_attn2):
     """Two launches 8 µs apart, the first ending at 7 µs: a negative overlap (1 µs idle), the SM
     groups of the last launch in the table and in the printed line; `summarize` leaves its
@@ -491,6 +509,9 @@ def test_trace_attn2_summary_with_sm_loads_and_idle_between_launches(trace_attn2
     assert table["overlap_with_previous_ns"] == dict(median=-1000, max=-1000)  # 1 us idle between the launches
     text = trace_attn2.render(8, 131072, dict(table, tp=8, seq_len=131072))
     assert "2 an SM: 1 SMs, last chain end 6.00 (max 6.00) µs, 1.6 pages/µs" in text
+    assert table["split"]["within_sm"]["chain_end_spread"] == dict(median_ns=1000, p90_ns=1000)
+    assert ("within an SM (2 SM-launches, CTAs with pages): prologues end 0.20 (p90 0.20) µs apart, chains 1.00 "
+            "(p90 1.00) µs apart; the last prologue ends its chain last in 100 %") in text
 
 
 WEIGHT_TERMS = "weight-terms-attn2.py"
