@@ -106,14 +106,6 @@ def _splits_per_cta(name: str, heads: int, splits: int) -> int:
     return _axis_value(name, lambda: lay.splits_per_cta(heads, splits), lambda v: lay.check_splits_per_cta(v, splits))
 
 
-def _split_order(args: argparse.Namespace, splits: int) -> str:
-    """The split order a point ran: "spread" (grid index y runs partial bitrev(y)) or "grid", from
-    --grid-order / --spread-splits, else the deployment's rule (`attn2_layout.spread_splits`)."""
-    if args.grid_order or args.spread_splits:
-        return "spread" if args.spread_splits else "grid"
-    return "spread" if lay.spread_splits(args.window, splits) else "grid"
-
-
 def _pages_per_step(name: str, window: int, splits: int) -> int:
     """A --pages-per-step value for a plan (`attn2_layout.pages_per_step` for auto;
     `check_pages_per_step` refuses what no build runs)."""
@@ -206,6 +198,7 @@ def main() -> None:
         if asked and 1 in _csv(args.splits):
             print(f"{flag}: a one-split plan (--splits 1) has one CTA a KV head: no order", file=sys.stderr)
             sys.exit(2)
+    order = False if args.grid_order else True if args.spread_splits else None  # None: the deployment's
     if (args.early_release or args.full_tree) and 1 in _csv(args.splits):
         print("--full-tree / --early-release: a one-split plan (--splits 1) has no combine", file=sys.stderr)
         sys.exit(2)
@@ -253,8 +246,7 @@ def main() -> None:
                                              splits_per_cta=per_cta, pages_per_step=per_step, ring_stages=ring,
                                              full_tree=args.full_tree, early_release=args.early_release,
                                              empty_ctas_exit=False if args.empty_ctas_stay else None,
-                                             spread_splits=(False if args.grid_order else
-                                                            True if args.spread_splits else None))
+                                             spread_splits=order)
 
                             us = graph_median_us(call, stream, bench)
                             torch.cuda.synchronize()
@@ -273,11 +265,13 @@ def main() -> None:
                             def differing(a: torch.Tensor, b: torch.Tensor) -> int:
                                 return int((a.view(torch.int16) != b.view(torch.int16)).sum())
 
+                            split_order = "spread" if attn2.resolved_spread_splits(order, args.window, splits) \
+                                else "grid"
                             row = dict(tp=tp, L=length, splits=splits, pdl=pdl, issue=issue_name, ring_stages=ring_name,
                                        full_tree=args.full_tree, early_release=args.early_release,
                                        empty_ctas_stay=args.empty_ctas_stay, grid_order=args.grid_order,
                                        spread_splits=args.spread_splits,
-                                       split_order=_split_order(args, splits),
+                                       split_order=split_order,
                                        splits_per_cta=per_cta_name, splits_per_cta_value=per_cta,
                                        pages_per_step=per_step_name, pages_per_step_value=per_step,
                                        ctas=heads * splits // per_cta,

@@ -197,11 +197,10 @@ def summarize(launches: list[dict]) -> dict:
             for load in _per_sm(x[kernel]):
                 loads[load] = loads.get(load, 0) + 1
         table["ctas_by_ctas_on_the_sm"] = {str(k): v // len(launches) for k, v in sorted(loads.items())}
-        if kernel == "split":  # how an SM's CTAs fare against each other (`within_sm`)
-            table["within_sm"] = within_sm(launches, ratios["split"])
-        if kernel == "split":  # the last launch's SMs by their load (`sm_loads`)
+        if kernel == "split":  # the last launch's SMs by their load (`sm_loads`); how an SM's CTAs fare
             table["sms_by_ctas_on_the_sm"] = sm_loads(launches[-1]["split"], launches[-1]["split_pages"],
                                                       ratios["split"])
+            table["within_sm"] = within_sm(launches, ratios["split"])  # against each other (`within_sm`)
         table["ctas"] = len(launches[0][kernel])
         out[kernel] = table
     spans, split_spans, combine_spans, gaps, combine_after_split = [], [], [], [], []
@@ -383,8 +382,7 @@ def main() -> None:
                     combine=[dict(zip(attn2.COMBINE_TRACE_FIELDS, r)) for r in combine_rows.cpu().tolist()]
                     if combine_rows is not None else [],
                     split_pages=pages))
-            spread = order if order is not None else lay.spread_splits(p.window, splits)
-            split_order = "spread" if spread and splits > 1 else "grid"
+            split_order = "spread" if attn2.resolved_spread_splits(order, p.window, splits) else "grid"
             if args.rows:
                 ctas = splits // per_cta
                 raw.append(dict(tp=tp, seq_len=length, max_model_len=args.max_model_len, window=p.window,

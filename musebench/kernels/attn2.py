@@ -1857,6 +1857,15 @@ def resolved_pages_per_step(requested: int | None, window: int, num_splits: int)
     return requested
 
 
+def resolved_spread_splits(requested: bool | None, window: int, num_splits: int) -> bool:
+    """Whether a build's split CTAs run partial bitrev(y) at grid index y: `requested`, or with None
+    the rule of the build's split plan (`attn2_layout.spread_splits`: split plans without a window).
+    ValueError for True on a one-split plan (one CTA a KV head and request: no order)."""
+    _require(num_splits > 1 or not requested,
+             f"spread_splits: a one-split plan (num_splits {num_splits}) has one CTA a KV head and request")
+    return lay.spread_splits(window, num_splits) if requested is None else requested
+
+
 def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Attn2Build = Attn2Build()) -> CompiledAttn2:
     """The compiled attn2 kernels of a deployment (one compile per process: the one cache).
     Compiles from fake tensors, so no GPU is needed for an explicit target; RuntimeError during
@@ -1906,17 +1915,17 @@ def compile_attn2(num_kv_heads: int, max_model_len: int, window: int, build: Att
         combine_knobs["early_release"] = True
         split_knobs["early_release"] = True
     # the split kernel's split-plan switches (`Attn2Build.empty_ctas_exit`, `Attn2Build.spread_splits`):
-    # None is the deployment's rule (the early end for split plans; the spread, `attn2_layout.spread_splits`,
-    # for split plans without a window); True is refused on a one-split plan
+    # None is the deployment's rule (the early end for split plans; the spread for split plans without a
+    # window, `resolved_spread_splits`); True is refused on a one-split plan. A switch enters the keys only
+    # when on: the keys of deployments without it stay as they were
     split_plan = knobs["num_splits"] > 1
-    for name, why, rule in (("empty_ctas_exit", "its CTA always has pages", split_plan),
-                            ("spread_splits", "it has one CTA a KV head and request",
-                             lay.spread_splits(window, knobs["num_splits"]))):
-        requested = getattr(build, name)
-        _require(split_plan or not requested, f"{name}: a one-split plan (max_model_len {max_model_len} <= "
-                                              f"SHORT_MAX_LEN, or num_splits 1): {why}")
-        if rule if requested is None else requested:  # the keys of deployments without it stay as they were
-            split_knobs[name] = True
+    _require(split_plan or not build.empty_ctas_exit,
+             f"empty_ctas_exit: a one-split plan (max_model_len {max_model_len} <= SHORT_MAX_LEN, or num_splits 1): "
+             "its CTA always has pages")
+    if split_plan if build.empty_ctas_exit is None else build.empty_ctas_exit:
+        split_knobs["empty_ctas_exit"] = True
+    if resolved_spread_splits(build.spread_splits, window, knobs["num_splits"]):
+        split_knobs["spread_splits"] = True
 
     def compile_combine() -> Any:
         return compiler(arch, build.ptx_dir)(

@@ -774,6 +774,22 @@ def test_the_builds_default_pages_per_step_is_the_rule(heads, max_model_len, win
         attn2.resolved_pages_per_step(3, window, variant["num_splits"])
 
 
+@pytest.mark.parametrize("heads, max_model_len, window, want", [
+    (2, 64, 0, False), (2, 128, 0, True), (8, 2048, 0, True), (1, 131072, 0, True), (4, 131072, 0, True),
+    (2, 131072, 2048, False), (2, 4096, 2048, False)])
+def test_the_builds_default_split_order_is_the_rule(heads, max_model_len, window, want):
+    """Attn2Build.spread_splits None resolves to spread exactly for split plans without a window, at
+    every tp; forced values as given; True refused on a one-split plan."""
+    splits = attn2._variant(heads, max_model_len, window)["num_splits"]
+    assert attn2.resolved_spread_splits(None, window, splits) is want
+    assert attn2.resolved_spread_splits(False, window, splits) is False
+    if splits > 1:
+        assert attn2.resolved_spread_splits(True, window, splits) is True
+    else:
+        with pytest.raises(ValueError, match="spread_splits: a one-split plan"):
+            attn2.resolved_spread_splits(True, window, splits)
+
+
 def _split_kernel_with(heads, max_model_len, window, per_cta, **knobs):
     variant = attn2._variant(heads, max_model_len, window, None, per_cta)
     return attn2._Attn2Kernel(**variant, enable_pdl=True, **knobs)
