@@ -271,14 +271,15 @@ def spread_splits(window: int, num_splits: int) -> bool:
     order). Order only: a partial's pages, slot and bits are the same either way. Measured on the
     H200, CUDA-graph medians: without a window, two rounds against grid order in one lease
     (records/2026-12-02-h200-43832c5-attn2-spread-splits-ab.json), tp 8 L 128 / 512 / 2048 5.36-5.42 /
-    6.24-6.32 / 8.49-8.54 us against 6.65-6.68 / 7.57 / 8.86-8.90, the rest within noise; with the
-    2048 window (64 splits) `bench attn` at tp 8 was slower spread at L 512 .. 128k, 8.00 / 9.31 /
-    9.35 / 9.45 / 9.61 us against 7.31 / 8.44 / 8.53 / 8.54 / 8.85 in grid order (tp 16 within noise;
-    -9b893c6-bench-attn.summary.json against -43832c5-attn2-spread-splits-ab.json's bench, one run
-    each, two leases and two commits: weaker evidence than a same-lease A/B, which
-    `sweep-attn2.py --window 2048 --splits 64 --spread-splits` against its default would give). The
-    smaller split plans without a window (4 to 64 splits, max_model_len 128 to 2048) take the 256-split
-    plan's order unmeasured. ValueError for a bad value."""
+    6.24-6.32 / 8.49-8.54 us against 6.65-6.68 / 7.57 / 8.86-8.90, the rest within noise; again at
+    985db7b (records/2026-12-02-h200-985db7b-attn2-order-ab.json): L 128 / 512 5.52-5.73 / 6.31-6.48
+    against 6.52-6.55 / 7.37-7.65, L 8 0.2 us slower spread; at tp 16 grid order ran 0.1-0.4 us faster
+    at L 8 .. 32k in that lease and spread as much faster in 43832c5's, so tp 16 shows no order of its
+    own. With the 2048 window (64 splits), the same lease, two rounds: tp 8 in grid order 8.48-9.11 /
+    8.54-8.87 / 8.55-8.78 us at L 2048 / 8k / 128k against 9.24-9.41 / 9.34-9.58 / 9.34-9.54 spread,
+    tp 16 within noise; so window plans keep grid order. The smaller split plans without a window
+    (4 to 64 splits, max_model_len 128 to 2048) take the 256-split plan's order unmeasured.
+    ValueError for a bad value."""
     _check_positive(num_splits=num_splits)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: none), got {window!r}")
@@ -303,6 +304,16 @@ DEEP_RING_MAX_CTAS = 264
 # 11.27 against 11.24 / 12.05-12.07; 8k 9.80 against 9.26-9.42 / 9.88-9.93 (earlier lease,
 # 6073cb6: 18.27 / 10.83 / 9.86 at 128k / 32k / 8k).
 DEFERRED_DEEP_RING_STAGES = 16
+# PAIRED_DEEP_RING_STAGES: the deep plans' depth when a CTA runs two splits (`splits_per_cta` 2: an
+# experiment at these CTA counts; deployments pair only at PAIRED_LEAVES and more, 512 CTAs and up,
+# which keep PIPELINE_STAGES). The held split's PENDING_BYTES (18 KB) come on top of the ring: at
+# DEEP_RING_STAGES a CTA takes about 117 KB and an SM holds one, so 256 CTAs run in two waves (tp 8,
+# 128k: 48.95 us, records/2026-12-02-h200-9b893c6-attn2-table-ahead-and-pairs.json). At 16 stages
+# (85 KB; 93 KB with `SplitIssue.defer_values`' two more) two fit an SM. Measured on the H200, tp 8
+# at 256 splits, two rounds (records/2026-12-02-h200-985db7b-sweep-attn2-pairs-ring.json, 0 bits
+# differing): 128k 33.35-33.37 us at 16 stages, 33.33-33.38 at 20, 39.55-39.57 at 12; deferred
+# 32.01-32.05 at 16 (+2), 31.31 at 20 (+2); one split a CTA (the deployment) 28.82-29.44.
+PAIRED_DEEP_RING_STAGES = 16
 
 
 def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | None = None,
@@ -311,7 +322,9 @@ def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | 
     window 0) whose split CTAs a request (num_kv_heads x num_splits / per_cta, `splits_per_cta` by
     default) number at most DEEP_RING_MAX_CTAS, DEEP_RING_STAGES, or DEFERRED_DEEP_RING_STAGES when
     the kernel defers its P V waits (`deferred`: `SplitIssue.defer_values`, which adds its own
-    stages on top); else PIPELINE_STAGES. A performance choice only: the ring moves no
+    stages on top), or PAIRED_DEEP_RING_STAGES when a CTA runs two splits (per_cta 2: the held
+    split's shared memory with a ring of DEEP_RING_STAGES would leave one CTA an SM); else
+    PIPELINE_STAGES. A performance choice only: the ring moves no
     arithmetic, the bits are the same at any depth."""
     _check_positive(num_kv_heads=num_kv_heads, num_splits=num_splits)
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -320,6 +333,8 @@ def ring_stages(window: int, num_kv_heads: int, num_splits: int, per_cta: int | 
     check_splits_per_cta(per_cta, num_splits)
     ctas = num_kv_heads * num_splits // per_cta
     if num_splits > 1 and window == 0 and ctas <= DEEP_RING_MAX_CTAS:
+        if per_cta > 1:
+            return PAIRED_DEEP_RING_STAGES
         return DEFERRED_DEEP_RING_STAGES if deferred else DEEP_RING_STAGES
     return PIPELINE_STAGES
 

@@ -270,11 +270,13 @@ def test_pages_per_step_rule_refuses_bad_plans(args):
 def test_ring_stages_rule():
     """The deep ring where a launch has at most two split CTAs an SM (1 KV head at 256 splits: 256
     CTAs; 2 KV heads at 128 splits), PIPELINE_STAGES elsewhere: 512 CTAs and more, a window, one
-    split; the CTA count is per_cta's (two a CTA halve it)."""
+    split; the CTA count is per_cta's (two a CTA halve it, and take PAIRED_DEEP_RING_STAGES)."""
     deep, plain = lay.DEEP_RING_STAGES, lay.PIPELINE_STAGES
     assert lay.ring_stages(0, 1, 256) == deep and lay.ring_stages(0, 2, 128) == deep
     assert lay.ring_stages(0, 2, 256) == plain and lay.ring_stages(0, 4, 256) == plain  # 512 CTAs (4: paired)
-    assert lay.ring_stages(0, 2, 256, 2) == deep  # 256 CTAs
+    # 256 CTAs of two splits: the paired depth (the held split's shared memory on top of the ring)
+    assert lay.ring_stages(0, 2, 256, 2) == lay.PAIRED_DEEP_RING_STAGES != deep
+    assert lay.ring_stages(0, 2, 256, 2, deferred=True) == lay.PAIRED_DEEP_RING_STAGES
     assert lay.ring_stages(2048, 1, 64) == plain and lay.ring_stages(0, 1, 1) == plain
     # the small split plans (max_model_len 65 .. 2048: 2 .. 64 splits) have few CTAs: the deep ring
     # up to 4 KV heads at 64 splits (256 CTAs; 8 heads' 512 keep PIPELINE_STAGES); one split

@@ -260,7 +260,7 @@ def test_ptx_order_check_catches_an_early_partial_read(tmp_path_factory):
 def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
     """lean_addressing: no 64-bit select of the cp.async source at any page load, two chunks each.
     One page a step: ring - 1 before the loop (the ring's depth `attn2_layout.ring_stages`: 8, or
-    24 with two splits a CTA, 256 CTAs), one in each copy of the page loop (three with two splits
+    `attn2_layout.PAIRED_DEEP_RING_STAGES` with two splits a CTA, 256 CTAs), one in each copy of the page loop (three with two splits
     a CTA). Two pages a step (the deployment's): ring - 2 before, two in each step loop and one in
     each one-page loop (a split's: `_page_bodies`). One and two splits a CTA, both step sizes."""
     for per_cta in (None, 2):
@@ -268,7 +268,7 @@ def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
             on, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "all", per_cta, per_step)
             off, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "none", per_cta, per_step)
             splits = lay.splits(131072, 0, 2)
-            ring = lay.ring_stages(0, 2, splits, per_cta or lay.splits_per_cta(2, splits))  # 2 a CTA: 256 CTAs, deep
+            ring = lay.ring_stages(0, 2, splits, per_cta or lay.splits_per_cta(2, splits))  # 2 a CTA: 256 CTAs, paired deep
             loads = ring - per_step + _page_bodies(2, 131072, 0, per_cta, per_step)
             assert off.count("selp.b64") - on.count("selp.b64") == 2 * loads, (per_cta, per_step)
 
@@ -1372,3 +1372,35 @@ def test_early_release_releases_right_after_each_wait(tmp_path_factory, arch):
     split, combine = _ptx(tmp_path_factory, arch, 2, 131072, 0)
     assert split.index("griddepcontrol.launch_dependents") > split.index("mma")
     assert combine.index("griddepcontrol.launch_dependents") > combine.index("ld.global", combine.index("griddepcontrol.wait"))
+
+
+SM_SHARED_BYTES = 228 * 1024  # an H200's (and a GB200's) shared memory per SM
+CTA_RESERVED_SHARED_BYTES = 1024  # the driver's per-CTA reserve
+
+
+@pytest.mark.parametrize("per_cta", [1, 2])
+@pytest.mark.parametrize("heads", [1, 2, 4, 8])
+def test_deep_ring_leaves_two_split_ctas_an_sm(heads, per_cta):
+    """Where `attn2_layout.ring_stages` gives a deep ring (at most DEEP_RING_MAX_CTAS split CTAs:
+    at most two an SM), two split CTAs of that depth fit an SM's shared memory, held split and
+    deferred stages included, for one and two splits a CTA (with two the rule's PAIRED_DEEP_RING_STAGES:
+    at DEEP_RING_STAGES one CTA an SM, which ran a forced pair build in two waves); a plan
+    whose CTAs are not few keeps PIPELINE_STAGES, four CTAs an SM with the deployment's issue."""
+    checked = 0
+    for max_model_len in (128, 2048, 8192, 131072):
+        knobs = attn2._variant(heads, max_model_len, 0, None, per_cta if per_cta == 1 or
+                               lay.splits(max_model_len, 0, heads) > 1 else None)
+        per_step = attn2.resolved_pages_per_step(None, 0, knobs["num_splits"])
+        issue = attn2.deployment_issue(True, per_step, knobs["splits_per_cta"])
+        for defer in {issue.defer_values, per_step == 2}:  # the deployment's, and deferred where it can be
+            ring = lay.ring_stages(0, heads, knobs["num_splits"], knobs["splits_per_cta"], deferred=defer)
+            kernel = attn2._Attn2Kernel(**knobs, enable_pdl=True, wgmma=True, pages_per_step=per_step,
+                                        defer_values=defer, ring_stages=ring)
+            fits = SM_SHARED_BYTES // (kernel.smem_bytes() + CTA_RESERVED_SHARED_BYTES)
+            ctas = heads * knobs["num_splits"] // knobs["splits_per_cta"]
+            if ring != lay.PIPELINE_STAGES:
+                assert ctas <= lay.DEEP_RING_MAX_CTAS and fits >= 2, (max_model_len, defer, ring, kernel.smem_bytes())
+                checked += 1
+            elif defer == issue.defer_values:  # (deferring costs a paired plain ring a CTA: `deployment_issue`)
+                assert fits >= lay.SPLIT_CTAS_PER_SM, (max_model_len, defer, kernel.smem_bytes())
+    assert checked or heads * 2 > lay.DEEP_RING_MAX_CTAS
