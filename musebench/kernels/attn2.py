@@ -93,17 +93,17 @@ kernel (Nsight Compute, one launch: 22.9 against 24.8 us), pages in logical orde
 more, half the P V MMAs (`weight_terms` 1) 0.3 us. Warp stalls are spread: fixed-latency waits
 23 %, issue contention 32 %, the CTA barrier 9 %, scoreboards 11 %; 144 warp instructions a warp a
 page; 14 of 16 warps an SM resident (110 registers, 44 KB of ring a CTA). Neither the tensor
-cores nor HBM bound it. The traces of 985db7b (records/2026-12-02-h200-985db7b-attn2-bound-traces.json:
-the traced build with and without the arithmetic, `loads_only`, out of L2 and in it) place the
-bound in the SM's arithmetic, not in the page stream as read before (that reading rested on tp 8's
-loads-only run, whose stream HBM bounds as well). With the arithmetic an SM does 6.6-6.7 pages a
-microsecond whether its pages come from HBM (tp 8, 128k: 6.63) or from L2 (tp 8, 64k, 33.5 MB:
-6.56; tp 16, 128k: 6.69) and whether four or two split CTAs share it; the stream alone does 9.0
-from HBM (about 4.2 TB/s) and 10.6 (five CTAs an SM) or 17.9 (two) from L2. HBM at 4.2 TB/s
-would take 7.8 pages a microsecond an SM. Which of the SM's resources the arithmetic exhausts is
-not found: no pipe is busier than 36 % (records/2026-12-02-h200-3407b29-ncu-attn2-pipes.txt), two
-CTAs an SM reach what four do, and half the P V work (`weight_terms` 1, about a quarter of a
-step's instructions) saved 1 % at tp 8 and 7 % at tp 16.
+cores nor HBM bound it alone. Traces with and without the arithmetic (`loads_only`), out of L2
+and partly in it, with half the P V work (`weight_terms` 1) beside them
+(records/2026-12-02-h200-81d4d3c-attn2-bound.json): with the arithmetic an SM does 6.6-6.7 pages a
+microsecond with its pages from HBM (tp 8, 128k: 6.63) or partly from L2 (tp 8 at 64k, 33.5 MB:
+6.56; tp 16 at 128k: 6.69), with four CTAs or two; the stream alone does 9.0 from HBM (about 4.2
+TB/s) and 10.6-17.9 from L2; HBM at 4.2 TB/s would take 7.8. Where pages come from L2 the
+arithmetic bounds it: half the P V work (about a quarter of a step's instructions) saves 0.95 us at
+tp 8 64k and 1.21 at tp 16 128k. At tp 8 128k it saves 0.27: there the arithmetic and the page
+stream from HBM bound the kernel together, so neither less arithmetic alone nor (measured before)
+a deeper ring or L2 prefetch alone moves it. Nsight Compute (one launch): the schedulers issue in
+52-54 % of cycles; no pipe is busier than 36 %.
 
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
