@@ -260,15 +260,16 @@ def test_ptx_order_check_catches_an_early_partial_read(tmp_path_factory):
 def test_lean_addressing_drops_the_source_selects(tmp_path_factory, arch):
     """lean_addressing: no 64-bit select of the cp.async source at any page load, two chunks each.
     One page a step: ring - 1 before the loop (the ring's depth `attn2_layout.ring_stages`: 8, or
-    `attn2_layout.PAIRED_DEEP_RING_STAGES` with two splits a CTA, 256 CTAs), one in each copy of the page loop (three with two splits
-    a CTA). Two pages a step (the deployment's): ring - 2 before, two in each step loop and one in
+    `attn2_layout.PAIRED_DEEP_RING_STAGES` with two splits a CTA, 256 CTAs), one in each copy of the
+    page loop (three with two splits a CTA). Two pages a step (the deployment's): ring - 2 before, two in each step loop and one in
     each one-page loop (a split's: `_page_bodies`). One and two splits a CTA, both step sizes."""
     for per_cta in (None, 2):
         for per_step in (1, 2):
             on, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "all", per_cta, per_step)
             off, _ = _ptx(tmp_path_factory, arch, 2, 131072, 0, "none", per_cta, per_step)
             splits = lay.splits(131072, 0, 2)
-            ring = lay.ring_stages(0, 2, splits, per_cta or lay.splits_per_cta(2, splits))  # 2 a CTA: 256 CTAs, paired deep
+            # two a CTA: 256 CTAs, the paired deep ring
+            ring = lay.ring_stages(0, 2, splits, per_cta or lay.splits_per_cta(2, splits))
             loads = ring - per_step + _page_bodies(2, 131072, 0, per_cta, per_step)
             assert off.count("selp.b64") - on.count("selp.b64") == 2 * loads, (per_cta, per_step)
 
