@@ -93,17 +93,18 @@ kernel (Nsight Compute, one launch: 22.9 against 24.8 us), pages in logical orde
 more, half the P V MMAs (`weight_terms` 1) 0.3 us. Warp stalls are spread: fixed-latency waits
 23 %, issue contention 32 %, the CTA barrier 9 %, scoreboards 11 %; 144 warp instructions a warp a
 page; 14 of 16 warps an SM resident (110 registers, 44 KB of ring a CTA). Neither the tensor
-cores nor HBM bound it alone. Traces with and without the arithmetic (`loads_only`), out of L2
-and partly in it, with half the P V work (`weight_terms` 1) beside them
-(records/2026-12-02-h200-81d4d3c-attn2-bound.json): with the arithmetic an SM does 6.6-6.7 pages a
-microsecond with its pages from HBM (tp 8, 128k: 6.63) or partly from L2 (tp 8 at 64k, 33.5 MB:
-6.56; tp 16 at 128k: 6.69), with four CTAs or two; the stream alone does 9.0 from HBM (about 4.2
-TB/s) and 10.6-17.9 from L2; HBM at 4.2 TB/s would take 7.8. Where pages come from L2 the
-arithmetic bounds it: half the P V work (about a quarter of a step's instructions) saves 0.95 us at
-tp 8 64k and 1.21 at tp 16 128k. At tp 8 128k it saves 0.27: there the arithmetic and the page
-stream from HBM bound the kernel together, so neither less arithmetic alone nor (measured before)
-a deeper ring or L2 prefetch alone moves it. Nsight Compute (one launch): the schedulers issue in
-52-54 % of cycles; no pipe is busier than 36 %.
+cores nor HBM bound it alone. Traces with and without the arithmetic (`loads_only`), from HBM
+and partly from L2, with half the P V work (`weight_terms` 1) beside them
+(records/2026-12-02-h200-81d4d3c-attn2-bound.json). With the arithmetic an SM (four CTAs) does
+6.6 pages a microsecond with its pages from HBM (tp 8, 128k: 6.63, about 3.5 TB/s in all) and
+partly from L2 (tp 8 at 64k, 33.5 MB, L2 hit rate 45 %: 6.56), and with two CTAs from L2 (tp 16
+at 128k: 6.69). The stream alone, with five CTAs an SM (fewer registers), does 7.7-9.0 from HBM
+(3.5-3.7 TB/s over the SMs that hold five), its chains no shorter than the kernel's; from L2 it
+does 10.6 (tp 8 64k) and 17.9 (tp 16). So at tp 8 128k the page stream from HBM is what limits
+most: half the P V work (about a quarter of a step's instructions) saves 0.27 us there, and a
+deeper ring or L2 prefetch (measured before) did not help. Where pages come from L2 the arithmetic
+limits more: the same half saves 0.95 us at tp 8 64k and 1.21 at tp 16 128k (5-7 %). Nsight
+Compute (one launch): the schedulers issue in 52-54 % of cycles; no pipe is busier than 36 %.
 
 The combine kernel (only with splits): one CTA per (row, KV head, request), COMBINE_QUADS x
 `combine_groups` threads. Thread (group j, quad c) reads the row's 16 dims of O (`lane_dims(c)`,
@@ -286,8 +287,8 @@ class SplitIssue:
       one 4 KB request a page from one thread; the prologue for the first ones), so that a page's
       cp.async later finds it in L2: the page stream gets L2_PREFETCH_PAGES more pages in flight a
       CTA without shared memory, registers or occupancy. A hint: no value changes. Why: at tp 8,
-      128k the split CTA's own stream bounds the kernel (this module's docstring), not HBM or the
-      tensor cores. Measured on the H200, not taken (the deployment's bits: 12 GPU tests;
+      128k the page stream from HBM limits the kernel with the arithmetic (this module's
+      docstring). Measured on the H200, not taken (the deployment's bits: 12 GPU tests;
       records/2026-12-02-h200-ede3d4c-attn2-prefetch-trace-short.json): tp 8 at 128k 32.63 us
       against 28.03, tp 16 18.72 against 17.94, 32k within 0.1 us.
 
